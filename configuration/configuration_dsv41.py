@@ -1,0 +1,447 @@
+"""Configuration of DeepSeek-V4.1: a CSA2 / mHC / MoE / Engram text backbone and an optional DeepSeek-ViT.
+
+Key names follow the released Hub ``config.json`` (nested, HF style). The flat reference
+``inference/config.json`` (DeepSeek's ``ModelArgs`` keys such as ``dim`` and ``n_layers``) is accepted
+too: :meth:`DeepseekV41Config.from_reference_dict` translates it, and ``from_pretrained`` on a folder
+holding such a file gives the equivalent config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+
+_RELEASED_COMPRESS_RATIOS = [0, 0] + [2] * 18 + [1] * 20 + [0] * 3
+
+
+def _default_yarn() -> dict[str, Any]:
+    return {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 65536}
+
+
+def _require_positive_int(owner: str, **values: Any) -> None:
+    for name, value in values.items():
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
+
+
+@strict
+class DeepseekV41TextConfig(PreTrainedConfig):
+    r"""The DeepSeek-V4.1 language backbone.
+
+    Defaults are the released DeepSeek-V4.1-Flash sizes (SPEC §2). Attention layer ``i`` attends over a
+    sliding window of ``sliding_window`` raw tokens, and when ``compress_ratios[i] > 0`` also over KV
+    compressed ``compress_ratios[i]``-to-1, produced by the latest preceding layer of
+    ``kv_source_layer_ids`` and filtered by the latest indexer of ``index_source_layer_ids``.
+
+    Args:
+        compress_rope_scaling (`dict`): YaRN settings for the layers with compressed KV (window-only layers
+            use plain RoPE with ``rope_theta``). Keys: ``factor``, ``beta_fast``, ``beta_slow``,
+            ``original_max_position_embeddings``; ``rope_type`` ``"yarn"`` or ``"default"``.
+        gate_temp (`float`): temperature dividing the router logits before the score function.
+        emulate_quantization (`bool`): reproduce the reference's FP8 window-KV, FP4 compressed-KV and FP4
+            indexer q/k quantize-dequantize steps bit-for-bit (straight-through gradients in training).
+            ``False`` skips them.
+        engram_table_dtype (`str`): ``"float"`` keeps Engram tables in the model dtype; ``"fp8"`` keeps them
+            as stored in the released checkpoint (e4m3 + per-32 scales), dequantized on lookup.
+    """
+
+    model_type = "deepseek_v41_text"
+    base_config_key = "text_config"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 129280
+    hidden_size: int = 5120
+    moe_intermediate_size: int = 2304
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_lora_rank: int = 1024
+    o_groups: int = 8
+    hidden_act: str = "silu"
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-20
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    compress_rope_scaling: dict | None = None
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    scoring_func: str = "sqrtsoftplus"
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    sliding_window: int = 128
+    compress_ratios: list[int] | None = None
+    kv_source_layer_ids: list[int] | None = None
+    index_source_layer_ids: list[int] | None = None
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    candidate_source_layer_id: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    engram_layer_ids: list[int] | None = None
+    engram_num_embeddings: list[int] | None = None
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    engram_table_dtype: str = "float"
+    num_nextn_predict_layers: int = 3
+    emulate_quantization: bool = True
+    pad_token_id: int | None = 2
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        # NeMo / older Hub configs name the compressed layers' YaRN dict `rope_scaling`
+        legacy_yarn = kwargs.pop("rope_scaling", None)
+        if self.compress_rope_scaling is None:
+            self.compress_rope_scaling = dict(legacy_yarn) if legacy_yarn else _default_yarn()
+        if self.compress_ratios is None:
+            self.compress_ratios = list(_RELEASED_COMPRESS_RATIOS)
+        if self.kv_source_layer_ids is None:
+            self.kv_source_layer_ids = [2, 8, 14, 20]
+        if self.index_source_layer_ids is None:
+            self.index_source_layer_ids = [2, 8, 14, 20, 24, 28, 32, 36]
+        if self.engram_layer_ids is None:
+            self.engram_layer_ids = [1, 14]
+        if self.engram_num_embeddings is None:
+            self.engram_num_embeddings = [384006168, 384016682] if self.engram_layer_ids == [1, 14] else []
+        for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids",
+                     "engram_num_embeddings"):
+            setattr(self, name, [int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                                 for v in getattr(self, name)])
+        super().__post_init__(**kwargs)
+        self._validate_dimensions()
+        self._validate_schedule()
+        self._validate_engram()
+
+    # ---- validation -------------------------------------------------------------------------------
+    def _validate_dimensions(self) -> None:
+        _require_positive_int(
+            "text", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            moe_intermediate_size=self.moe_intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, head_dim=self.head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, q_lora_rank=self.q_lora_rank, o_lora_rank=self.o_lora_rank,
+            o_groups=self.o_groups, n_routed_experts=self.n_routed_experts,
+            num_experts_per_tok=self.num_experts_per_tok, sliding_window=self.sliding_window,
+            index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim, index_topk=self.index_topk,
+            hc_mult=self.hc_mult, hc_sinkhorn_iters=self.hc_sinkhorn_iters,
+        )
+        if self.num_key_value_heads != 1:
+            raise ValueError("DeepSeek-V4.1 shares one K=V vector per token: num_key_value_heads must be 1")
+        if self.n_shared_experts != 1:
+            raise ValueError("DeepSeek-V4.1 has exactly one shared expert: n_shared_experts must be 1")
+        if self.num_attention_heads % self.o_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by o_groups ({self.o_groups})"
+            )
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
+            raise ValueError(
+                f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and at most head_dim ({self.head_dim}) "
+                f"and index_head_dim ({self.index_head_dim})"
+            )
+        # the QDQ boundaries work on blocks: FP8 window KV per 32, FP4 compressed KV per 16, indexer per 32
+        for name, value, block in (("head_dim", self.head_dim, 32), ("index_head_dim", self.index_head_dim, 32)):
+            if value % block:
+                raise ValueError(f"{name} ({value}) must be a multiple of {block} (quantization block size)")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})"
+            )
+        if self.scoring_func not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            raise ValueError(f"scoring_func must be softmax, sigmoid or sqrtsoftplus, got {self.scoring_func!r}")
+        for name in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "routed_scaling_factor",
+                     "gate_temp"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be finite and positive, got {value!r}")
+        yarn = self.compress_rope_scaling
+        if yarn.get("rope_type", "yarn") not in ("yarn", "default"):
+            raise ValueError(f"compress_rope_scaling rope_type must be 'yarn' or 'default', got {yarn.get('rope_type')!r}")
+        if yarn.get("rope_type", "yarn") == "yarn":
+            missing = {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings"} - set(yarn)
+            if missing:
+                raise ValueError(f"compress_rope_scaling is missing YaRN keys {sorted(missing)}")
+
+    def _validate_schedule(self) -> None:
+        n = self.num_hidden_layers
+        ratios = self.compress_ratios
+        if len(ratios) < n:
+            raise ValueError(f"compress_ratios has {len(ratios)} entries but there are {n} layers (one per layer needed)")
+        if any(type(r) is not int or r < 0 for r in ratios):
+            raise ValueError(f"compress_ratios must be non-negative integers, got {ratios}")
+        for name in ("kv_source_layer_ids", "index_source_layer_ids"):
+            ids = getattr(self, name)
+            if ids != sorted(set(ids)) or any(type(i) is not int or i < 0 for i in ids):
+                raise ValueError(f"{name} must be strictly increasing non-negative layer ids, got {ids}")
+        kv_sources = [i for i in self.kv_source_layer_ids if i < n]
+        index_sources = [i for i in self.index_source_layer_ids if i < n]
+        for i in kv_sources + index_sources:
+            if ratios[i] == 0:
+                raise ValueError(f"layer {i} is a KV/index source but does not compress (compress_ratios[{i}] == 0)")
+        if not set(kv_sources) <= set(index_sources):
+            raise ValueError(
+                f"every KV source must also be an index source (it owns the index keys): {kv_sources} vs {index_sources}"
+            )
+        for i in range(n):
+            if ratios[i] == 0:
+                continue
+            kv_owner = max((s for s in kv_sources if s <= i), default=None)
+            if kv_owner is None or ratios[kv_owner] != ratios[i]:
+                raise ValueError(
+                    f"compressed layer {i} (ratio {ratios[i]}) needs a preceding KV source with the same ratio; "
+                    f"kv_source_layer_ids={self.kv_source_layer_ids}"
+                )
+            if not any(s <= i for s in index_sources):
+                raise ValueError(f"compressed layer {i} has no preceding index source")
+        cand = self.candidate_source_layer_id
+        if type(cand) is not int or cand < -1:
+            raise ValueError(f"candidate_source_layer_id must be -1 (off) or a layer id, got {cand!r}")
+        if 0 <= cand < n:
+            if cand not in kv_sources:
+                raise ValueError(f"candidate_source_layer_id {cand} must be a KV source layer ({kv_sources})")
+            _require_positive_int("text", candidate_topk_blocks=self.candidate_topk_blocks,
+                                  candidate_block_size=self.candidate_block_size)
+            if self.candidate_topk_blocks * self.candidate_block_size < self.index_topk:
+                raise ValueError(
+                    f"candidate_topk_blocks × candidate_block_size ({self.candidate_topk_blocks} × "
+                    f"{self.candidate_block_size}) cannot fill index_topk ({self.index_topk})"
+                )
+
+    def _validate_engram(self) -> None:
+        ids = self.engram_layer_ids
+        if ids != sorted(set(ids)) or any(type(i) is not int or not 0 <= i < self.num_hidden_layers for i in ids):
+            raise ValueError(f"engram_layer_ids must be increasing layer ids below {self.num_hidden_layers}, got {ids}")
+        if len(ids) != len(self.engram_num_embeddings):
+            raise ValueError(
+                f"engram_num_embeddings needs one table size per Engram layer: {self.engram_num_embeddings} vs {ids}"
+            )
+        if self.engram_table_dtype not in ("float", "fp8"):
+            raise ValueError(f"engram_table_dtype must be 'float' or 'fp8', got {self.engram_table_dtype!r}")
+        if not ids:
+            return
+        _require_positive_int(
+            "text", engram_n_heads=self.engram_n_heads, engram_head_dim=self.engram_head_dim,
+            engram_vocab_size=self.engram_vocab_size, engram_compressed_vocab_size=self.engram_compressed_vocab_size,
+        )
+        if any(type(rows) is not int or rows <= 0 for rows in self.engram_num_embeddings):
+            raise ValueError(f"engram_num_embeddings must be positive integers, got {self.engram_num_embeddings}")
+        if self.engram_max_ngram_size < 2:
+            raise ValueError(f"engram_max_ngram_size must be at least 2, got {self.engram_max_ngram_size}")
+        if not 0 <= self.engram_pad_token_id < self.vocab_size:
+            raise ValueError(f"engram_pad_token_id {self.engram_pad_token_id} is outside the vocabulary")
+
+    # ---- schedule helpers used by the model ---------------------------------------------------------
+    def kv_source_of(self, layer_id: int) -> int | None:
+        """The layer whose compressed KV layer ``layer_id`` reads (None for window-only layers)."""
+        if self.compress_ratios[layer_id] == 0:
+            return None
+        return max(s for s in self.kv_source_layer_ids if s <= layer_id)
+
+    def index_source_of(self, layer_id: int) -> int | None:
+        """The layer whose top-k selection layer ``layer_id`` reads (None for window-only layers)."""
+        if self.compress_ratios[layer_id] == 0:
+            return None
+        return max(s for s in self.index_source_layer_ids if s <= layer_id)
+
+
+@strict
+class DeepseekV41VisionConfig(PreTrainedConfig):
+    r"""DeepSeek-ViT (2D-RoPE, linear patch embedding, RMSNorm, SwiGLU) and the image sizing rules.
+
+    Args:
+        max_image_tokens (`int`): bound on the positions one image occupies in the LM sequence
+            (start + rows × (width + newline) + end), not on its visual tokens.
+        min_pixels (`int`): images are upscaled to at least this many pixels first.
+        max_wh_ratio (`float`, *optional*): aspect-ratio bound of the reference; ``None`` leaves it open.
+    """
+
+    model_type = "deepseek_v41_vision"
+    base_config_key = "vision_config"
+
+    num_hidden_layers: int = 32
+    hidden_size: int = 1024
+    num_attention_heads: int = 16
+    intermediate_size: int = 2816
+    patch_size: int = 14
+    num_channels: int = 3
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    downsample_ratio: int = 3
+    max_image_tokens: int = 1024
+    min_pixels: int = 295936
+    max_wh_ratio: float | None = None
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        super().__post_init__(**kwargs)
+        _require_positive_int(
+            "vision", num_hidden_layers=self.num_hidden_layers, hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads, intermediate_size=self.intermediate_size,
+            patch_size=self.patch_size, downsample_ratio=self.downsample_ratio,
+            max_image_tokens=self.max_image_tokens, min_pixels=self.min_pixels,
+        )
+        if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 4:
+            raise ValueError(
+                f"vision hidden_size ({self.hidden_size}) / num_attention_heads ({self.num_attention_heads}) must be "
+                "an integer divisible by 4 (2D RoPE splits each head between rows and columns)"
+            )
+        if self.max_image_tokens < 5:
+            raise ValueError(f"vision max_image_tokens ({self.max_image_tokens}) cannot hold even a 1×1 image span")
+        if self.max_wh_ratio is not None and (not math.isfinite(self.max_wh_ratio) or self.max_wh_ratio < 1):
+            raise ValueError(f"vision max_wh_ratio must be None or ≥ 1, got {self.max_wh_ratio!r}")
+
+
+# the flat reference `inference/config.json` (ModelArgs) → our nested keys
+_REFERENCE_TEXT_KEYS = {
+    "vocab_size": "vocab_size", "dim": "hidden_size", "moe_inter_dim": "moe_intermediate_size",
+    "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "head_dim": "head_dim",
+    "rope_head_dim": "qk_rope_head_dim", "q_lora_rank": "q_lora_rank", "o_lora_rank": "o_lora_rank",
+    "o_groups": "o_groups", "swiglu_limit": "swiglu_limit", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+    "compress_rope_theta": "compress_rope_theta", "n_routed_experts": "n_routed_experts",
+    "n_shared_experts": "n_shared_experts", "n_activated_experts": "num_experts_per_tok",
+    "score_func": "scoring_func", "gate_temp": "gate_temp", "norm_topk_prob": "norm_topk_prob",
+    "route_scale": "routed_scaling_factor", "window_size": "sliding_window", "compress_ratios": "compress_ratios",
+    "kv_source_layers": "kv_source_layer_ids", "index_source_layers": "index_source_layer_ids",
+    "index_n_heads": "index_n_heads", "index_head_dim": "index_head_dim", "index_topk": "index_topk",
+    "candidate_source_layer": "candidate_source_layer_id", "candidate_topk_blocks": "candidate_topk_blocks",
+    "candidate_block_size": "candidate_block_size", "hc_mult": "hc_mult", "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "hc_eps": "hc_eps", "engram_layer_ids": "engram_layer_ids", "engram_num_embeddings": "engram_num_embeddings",
+    "engram_max_ngram_size": "engram_max_ngram_size", "engram_vocab_size": "engram_vocab_size",
+    "engram_n_heads": "engram_n_heads", "engram_head_dim": "engram_head_dim", "engram_pad_id": "engram_pad_token_id",
+    "engram_compressed_vocab_size": "engram_compressed_vocab_size", "n_mtp_layers": "num_nextn_predict_layers",
+}
+_REFERENCE_VISION_KEYS = {
+    "vision_n_layers": "num_hidden_layers", "vision_dim": "hidden_size", "vision_n_heads": "num_attention_heads",
+    "vision_inter_dim": "intermediate_size", "vision_patch_size": "patch_size", "vision_rope_theta": "rope_theta",
+    "vision_downsample_ratio": "downsample_ratio", "vision_max_n_token": "max_image_tokens",
+    "vision_min_pixels": "min_pixels", "vision_max_wh_ratio": "max_wh_ratio",
+}
+# runtime knobs of the reference (cache sizes, sampling) and the DSpark draft head (out of scope)
+_REFERENCE_IGNORED_KEYS = {"max_batch_size", "max_seq_len", "temperature"}
+_REFERENCE_MARKER_KEYS = {"dim", "n_layers", "n_heads"}
+
+
+def is_reference_config(config_dict: dict[str, Any]) -> bool:
+    """True for the flat DeepSeek ``ModelArgs`` layout (``inference/config.json``)."""
+    return _REFERENCE_MARKER_KEYS <= set(config_dict) and "text_config" not in config_dict
+
+
+def reference_to_config_dict(ref: dict[str, Any]) -> dict[str, Any]:
+    """Translate the flat reference config into our nested layout (unknown keys are kept verbatim)."""
+    text: dict[str, Any] = {}
+    vision: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    yarn = _default_yarn()
+    for key, value in ref.items():
+        if key in _REFERENCE_TEXT_KEYS:
+            text[_REFERENCE_TEXT_KEYS[key]] = list(value) if isinstance(value, (list, tuple)) else value
+        elif key in _REFERENCE_VISION_KEYS:
+            vision[_REFERENCE_VISION_KEYS[key]] = value
+        elif key == "original_seq_len":
+            yarn["original_max_position_embeddings"] = value
+        elif key == "rope_factor":
+            yarn["factor"] = value
+        elif key in ("beta_fast", "beta_slow"):
+            yarn[key] = value
+        elif key in ("dtype", "expert_dtype"):
+            extra.setdefault("released_storage", {})[key] = value
+        elif key == "image_token_id":
+            extra["image_token_id"] = value
+        elif key.startswith("dspark_") or key in _REFERENCE_IGNORED_KEYS:
+            continue
+        else:
+            extra[key] = value
+    if yarn["original_max_position_embeddings"] <= 0:  # the reference's "no YaRN"
+        yarn = {"rope_type": "default"}
+    text["compress_rope_scaling"] = yarn
+    n_vision_layers = vision.get("num_hidden_layers", 0)
+    return {"text_config": text, "vision_config": vision if n_vision_layers else None, **extra}
+
+
+@strict
+class DeepseekV41Config(PreTrainedConfig):
+    r"""DeepSeek-V4.1: ``text_config`` (:class:`DeepseekV41TextConfig`) and an optional ``vision_config``
+    (:class:`DeepseekV41VisionConfig`; ``None`` builds a text-only model).
+
+    Example:
+        ```python
+        >>> from configuration import DeepseekV41Config
+        >>> config = DeepseekV41Config.from_preset("tiny")
+        >>> config.text_config.hidden_size
+        64
+        ```
+    """
+
+    model_type = "deepseek_v41"
+    sub_configs_defaults = {
+        "text_config": DeepseekV41TextConfig,
+        "vision_config": SubConfigSpec(DeepseekV41VisionConfig, optional=True),
+    }
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    text_config: dict | PreTrainedConfig | None = None
+    vision_config: dict | PreTrainedConfig | None = None
+    image_token_id: int = 129264
+    released_storage: dict | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.architectures is None:
+            self.architectures = ["DeepseekV41ForCausalLM"]
+        super().__post_init__(**kwargs)
+        if self.vision_config is not None and not 0 <= self.image_token_id < self.text_config.vocab_size:
+            raise ValueError(
+                f"image_token_id {self.image_token_id} is outside the vocabulary ({self.text_config.vocab_size})"
+            )
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision_config is not None
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
+        """Accepts our nested layout and the flat reference ``inference/config.json`` layout."""
+        if is_reference_config(config_dict):
+            config_dict = reference_to_config_dict(config_dict)
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_reference_dict(cls, reference: dict[str, Any], **kwargs: Any) -> "DeepseekV41Config":
+        """Build from DeepSeek's flat ``ModelArgs`` dict (``inference/config.json``)."""
+        return cls(**reference_to_config_dict(reference), **kwargs)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "DeepseekV41Config":
+        """A shipped preset: ``"deepseek-v4.1-flash"`` (released sizes) or ``"tiny"`` (tests, demos)."""
+        path = PRESETS_DIR / f"{name}.json"
+        if not path.is_file():
+            available = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+            raise ValueError(f"unknown preset {name!r}; available: {available}")
+        config_dict = json.loads(path.read_text())
+        config_dict.update(overrides)
+        return cls.from_dict(config_dict)
+
+
+__all__ = ["DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig", "PRESETS_DIR"]

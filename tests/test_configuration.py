@@ -1,0 +1,72 @@
+import json
+
+import pytest
+
+from configuration import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
+
+
+def test_presets_load_and_round_trip(tmp_path):
+    for name in ("tiny", "deepseek-v4.1-flash"):
+        config = DeepseekV41Config.from_preset(name)
+        config.save_pretrained(tmp_path / name)
+        again = DeepseekV41Config.from_pretrained(tmp_path / name)
+        assert again.to_dict() == config.to_dict()
+
+
+def test_flash_preset_has_released_sizes():
+    text = DeepseekV41Config.from_preset("deepseek-v4.1-flash").text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.head_dim) == (5120, 40, 64, 512)
+    assert text.compress_ratios == [0, 0] + [2] * 18 + [1] * 20 + [0] * 3
+    assert text.engram_num_embeddings == [384006168, 384016682]
+
+
+def test_flat_reference_config_folder_gives_equivalent_config(fixtures_dir, tmp_path):
+    ref = json.loads((fixtures_dir / "v41_tiny_vl/dense/config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(ref))
+    config = DeepseekV41Config.from_pretrained(tmp_path)
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, text.qk_rope_head_dim) == (ref["dim"], ref["n_layers"], ref["rope_head_dim"])
+    assert text.kv_source_layer_ids == ref["kv_source_layers"]
+    assert text.engram_pad_token_id == ref["engram_pad_id"]
+    assert text.compress_rope_scaling["factor"] == ref["rope_factor"]
+    assert text.compress_rope_scaling["original_max_position_embeddings"] == ref["original_seq_len"]
+    assert (vision.hidden_size, vision.max_image_tokens, vision.min_pixels) == (64, 64, 20000)
+    assert config.image_token_id == 510
+    nested = DeepseekV41Config.from_preset("tiny", text_config={**text.to_dict(), "index_topk": ref["index_topk"]})
+    assert nested.text_config.index_topk == text.index_topk
+
+
+def test_text_only_config_has_no_vision():
+    config = DeepseekV41Config(text_config=DeepseekV41Config.from_preset("tiny").text_config.to_dict(), vision_config=None)
+    assert not config.has_vision
+
+
+TINY = DeepseekV41Config.from_preset("tiny").text_config.to_dict()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"compress_ratios": [0, 2, 2]}, "compress_ratios has 3 entries"),
+        ({"compress_ratios": [0, 0, 2, 1, 1, 1]}, "does not compress"),
+        ({"kv_source_layer_ids": [1], "index_source_layer_ids": [1, 3, 5]}, "same ratio"),
+        ({"index_topk": 64, "candidate_topk_blocks": 3}, "cannot fill index_topk"),
+        ({"num_attention_heads": 3}, "divisible by o_groups"),
+        ({"head_dim": 48}, "multiple of 32"),
+        ({"qk_rope_head_dim": 15}, "must be even"),
+        ({"num_experts_per_tok": 5}, "exceeds n_routed_experts"),
+        ({"scoring_func": "relu"}, "scoring_func"),
+        ({"engram_num_embeddings": [660]}, "one table size per Engram layer"),
+        ({"candidate_source_layer_id": 2}, "must be a KV source"),
+    ],
+)
+def test_text_config_validation(override, message):
+    with pytest.raises(ValueError, match=message):
+        DeepseekV41TextConfig(**{**TINY, **override})
+
+
+def test_vision_config_validation():
+    with pytest.raises(ValueError, match="divisible by 4"):
+        DeepseekV41VisionConfig(hidden_size=60, num_attention_heads=6)
+    with pytest.raises(ValueError, match="positive integer"):
+        DeepseekV41VisionConfig(patch_size=0)

@@ -1,0 +1,405 @@
+"""Engram: hashed n-gram memory written into the residual stream (DeepSeek-V4.1, SPEC §4).
+
+Two pieces:
+
+- :class:`DeepseekV41NgramHasher` turns token ids into table row ids. Tokens are first mapped onto a
+  *compressed* vocabulary (tokens that normalize alike share an id), then for every position the 2-gram
+  .. ``engram_max_ngram_size``-gram ending there is hashed with per-layer multipliers into a prime-sized
+  bucket range per (n-gram size, head). The compressed map, primes and multipliers reproduce DeepSeek's
+  reference bit for bit, because the released tables are indexed by them.
+- :class:`DeepseekV41Engram` looks those rows up, projects them to one key per hyper-connection copy
+  plus a shared value, and adds the value to each copy behind a gate that measures how well the key
+  matches that copy of the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from sympy import isprime
+from torch import nn
+from transformers import initialization as init
+
+# Compressed id of a position that takes no part in any n-gram (image spans, padding). Look-back stops there.
+DEAD = -1
+# The released Engram tables store one E8M0 scale per row and per 32 columns.
+ENGRAM_SCALE_BLOCK = 32
+# Lower bound on |dot| before the signed square root of the gate, as in the training kernel.
+_GATE_CLAMP = 1e-6
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compressed vocabulary
+# ----------------------------------------------------------------------------------------------------
+def _compressed_token_normalizer():
+    """NFKC → NFD → strip accents → lowercase → collapse [ \\t\\r\\n]+ to one space → strip.
+
+    A token that is only whitespace keeps a single space instead of becoming empty: it is swapped for a
+    private-use sentinel around ``Strip``.
+    """
+    from tokenizers import Regex, normalizers
+
+    sentinel = "\ue000"
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), sentinel),
+            normalizers.Strip(),
+            normalizers.Replace(sentinel, " "),
+        ]
+    )
+
+
+def build_compressed_token_map(tokenizer) -> tuple[list[int], int]:
+    """Map every token id to a compressed id; returns ``(lookup, compressed_vocab_size)``.
+
+    Each token is decoded alone by the raw ``tokenizers`` backend (no clean-up of spaces) and keyed by
+    its normalized text, or by the raw text when normalization leaves nothing. A token whose decoding
+    holds U+FFFD (a partial UTF-8 byte token) is keyed by its raw vocabulary string instead, in the same
+    key space: such a key can equal a normalized text (byte 0xE6 is ``"æ"`` in byte-level BPE) and then
+    both tokens share an id, exactly as in the reference. Compressed ids are handed out in token-id order.
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` or a transformers fast tokenizer.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    vocab_size = len(tokenizer) if hasattr(tokenizer, "backend_tokenizer") else backend.get_vocab_size(True)
+    normalizer = _compressed_token_normalizer()
+    key_to_id: dict[str, int] = {}
+    lookup = []
+    for token_id in range(vocab_size):
+        text = backend.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = backend.id_to_token(token_id)
+        else:
+            key = normalizer.normalize_str(text) or text
+        lookup.append(key_to_id.setdefault(key, len(key_to_id)))
+    return lookup, len(key_to_id)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hash constants
+# ----------------------------------------------------------------------------------------------------
+def engram_primes(num_layers: int, max_ngram_size: int, n_heads: int, engram_vocab_size: int) -> list:
+    """Bucket moduli ``[layer][n-gram size - 2][head]``: the smallest primes ≥ ``engram_vocab_size`` not yet used.
+
+    The search restarts at ``engram_vocab_size`` for every n-gram size but never reuses a prime, across
+    layers too, so each (layer, n-gram, head) column gets a distinct modulus.
+    """
+    used: set[int] = set()
+    primes = []
+    for _ in range(num_layers):
+        per_ngram = []
+        for _ in range(max_ngram_size - 1):
+            heads, candidate = [], engram_vocab_size
+            for _ in range(n_heads):
+                while candidate in used or not isprime(candidate):
+                    candidate += 1
+                used.add(candidate)
+                heads.append(candidate)
+            per_ngram.append(heads)
+        primes.append(per_ngram)
+    return primes
+
+
+def engram_hash_multipliers(layer_ids: Sequence[int], max_ngram_size: int, compressed_vocab_size: int) -> torch.Tensor:
+    """One odd multiplier per (layer, look-back), ``[len(layer_ids), max_ngram_size]`` int64.
+
+    Drawn from ``numpy.random.default_rng(10007 * layer_id)`` and bounded so that
+    ``compressed_id * multiplier`` never overflows int64.
+    """
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab_size) // 2)
+    rows = [
+        np.random.default_rng(10007 * layer_id).integers(0, bound, size=(max_ngram_size,), dtype=np.int64) * 2 + 1
+        for layer_id in layer_ids
+    ]
+    return torch.from_numpy(np.stack(rows))
+
+
+class DeepseekV41NgramHasher(nn.Module):
+    """Row ids of every Engram table for every position.
+
+    Buffers:
+        token_map (`[vocab_size]` int64, persistent): token id → compressed id, ``-1`` where unknown. It
+            comes from the tokenizer (:meth:`load_tokenizer`) or from a saved state dict.
+        multipliers (`[n_layers, max_ngram]`), primes (`[n_layers, max_ngram-1, n_heads]`), offsets
+            (`[n_layers, n_cols]`): int64, derived from the config alone, hence not saved.
+
+    Calling the module returns ``[B, S, n_engram_layers, n_cols]`` int64 row ids, where
+    ``n_cols = (max_ngram - 1) * n_heads`` ordered n-gram size major, head minor, and the third axis
+    follows ``config.engram_layer_ids`` (an Engram layer reads index ``DeepseekV41Engram.hash_index``).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.layer_ids = tuple(config.engram_layer_ids)
+        if not self.layer_ids:
+            raise ValueError("DeepseekV41NgramHasher needs at least one entry in engram_layer_ids")
+        self.max_ngram_size = config.engram_max_ngram_size
+        self.n_heads = config.engram_n_heads
+        self.num_hash_columns = (self.max_ngram_size - 1) * self.n_heads
+        self.pad_token_id = config.engram_pad_token_id
+        self.compressed_vocab_size = config.engram_compressed_vocab_size
+        self.engram_vocab_size = config.engram_vocab_size
+        self.num_embeddings = tuple(config.engram_num_embeddings)
+
+        primes, multipliers, offsets = self._hash_constants()
+        rows_needed = (offsets[:, -1] + primes[:, -1, -1]).tolist()
+        for layer_id, rows, needed in zip(self.layer_ids, self.num_embeddings, rows_needed):
+            if rows < needed:
+                raise ValueError(
+                    f"Engram layer {layer_id}: engram_num_embeddings is {rows} but its hash buckets need {needed} rows"
+                )
+        self.register_buffer("token_map", torch.full((config.vocab_size,), DEAD, dtype=torch.long))
+        self.register_buffer("multipliers", multipliers, persistent=False)
+        self.register_buffer("primes", primes, persistent=False)
+        self.register_buffer("offsets", offsets, persistent=False)
+
+    def _hash_constants(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        primes = torch.tensor(
+            engram_primes(len(self.layer_ids), self.max_ngram_size, self.n_heads, self.engram_vocab_size),
+            dtype=torch.long,
+        )
+        multipliers = engram_hash_multipliers(self.layer_ids, self.max_ngram_size, self.compressed_vocab_size)
+        flat = primes.flatten(1)
+        offsets = flat.cumsum(-1) - flat  # each column's bucket range starts where the previous one ends
+        return primes, multipliers, offsets
+
+    def init_buffers(self) -> None:
+        """(Re)compute the derived buffers and mark ``token_map`` unfilled unless it was loaded.
+
+        For ``_init_weights``: transformers allocates non-persistent buffers empty when loading a checkpoint.
+        """
+        primes, multipliers, offsets = self._hash_constants()
+        init.copy_(self.primes, primes)
+        init.copy_(self.multipliers, multipliers)
+        init.copy_(self.offsets, offsets)
+        init.constant_(self.token_map, DEAD)
+
+    @property
+    def history_size(self) -> int:
+        """How many past compressed ids an incremental step needs (``max_ngram - 1``)."""
+        return self.max_ngram_size - 1
+
+    @property
+    def has_token_map(self) -> bool:
+        return bool((self.token_map >= 0).any())
+
+    @torch.no_grad()
+    def load_tokenizer(self, tokenizer) -> None:
+        """Fill ``token_map`` from the tokenizer the checkpoint was trained with."""
+        lookup, compressed_size = build_compressed_token_map(tokenizer)
+        if compressed_size != self.compressed_vocab_size:
+            # every multiplier derives from this size: a mismatch would silently rehash the whole table
+            raise ValueError(
+                f"this tokenizer compresses to {compressed_size} ids but engram_compressed_vocab_size is "
+                f"{self.compressed_vocab_size}: it is not the tokenizer the Engram tables were trained with"
+            )
+        if len(lookup) > self.token_map.numel():
+            raise ValueError(f"the tokenizer has {len(lookup)} tokens, more than vocab_size {self.token_map.numel()}")
+        self.token_map.fill_(DEAD)
+        self.token_map[: len(lookup)] = torch.tensor(lookup, dtype=torch.long, device=self.token_map.device)
+
+    def compress(
+        self,
+        input_ids: torch.LongTensor,
+        image_mask: torch.BoolTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.LongTensor:
+        """Compressed ids ``[B, S]``, ``DEAD`` (-1) at image-span positions and where ``attention_mask`` is 0.
+
+        Padding counts as dead, so with left padding the look-back of a row stops at its first real token.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        dead = torch.zeros_like(input_ids, dtype=torch.bool)
+        for name, mask in (("image_mask", image_mask), ("attention_mask", attention_mask)):
+            if mask is not None and mask.shape != input_ids.shape:
+                raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(mask.shape)}")
+        if image_mask is not None:
+            dead |= image_mask.bool()
+        if attention_mask is not None:
+            dead |= ~attention_mask.bool()
+        vocab = self.token_map.numel()
+        in_range = (input_ids >= 0) & (input_ids < vocab)
+        compressed = self.token_map[input_ids.where(in_range, 0)]
+        invalid = ~dead & (~in_range | (compressed < 0))
+        if not torch.compiler.is_compiling() and invalid.any():
+            if not self.has_token_map:
+                raise ValueError(
+                    "Engram needs the compressed token map: call `load_tokenizer(tokenizer)` on the hasher "
+                    "(or load a state dict that holds `token_map`) before the forward pass"
+                )
+            bad = input_ids[invalid].unique()[:8].tolist()
+            raise ValueError(f"input ids {bad} have no compressed Engram id (outside the tokenizer the map was built from)")
+        return compressed.masked_fill(dead, DEAD)
+
+    def hash_ids_from_compressed(
+        self, compressed: torch.LongTensor, past_compressed: torch.LongTensor | None = None
+    ) -> torch.LongTensor:
+        """Row ids ``[B, S, n_layers, n_cols]`` for the positions of ``compressed`` ``[B, S]``.
+
+        ``past_compressed`` ``[B, history_size]`` holds the compressed ids just before them (``DEAD`` where
+        there are none); ``None`` means the sequence starts here. A decode cache keeps
+        :meth:`next_history` of each step.
+        """
+        batch, seq_len = compressed.shape
+        lookback = self.history_size
+        if past_compressed is None:
+            past_compressed = compressed.new_full((batch, lookback), DEAD)
+        elif past_compressed.shape != (batch, lookback):
+            raise ValueError(f"past_compressed must be [{batch}, {lookback}], got {tuple(past_compressed.shape)}")
+        sequence = torch.cat([past_compressed, compressed], dim=1)  # [B, lookback + S]
+        pad_id = self.token_map[self.pad_token_id]
+
+        # tokens[..., k] is the id k positions back; once the look-back meets a dead id (or the start of
+        # the sequence) it and everything older reads as the pad id
+        tokens, blocked = [], torch.zeros_like(compressed, dtype=torch.bool)
+        for shift in range(self.max_ngram_size):
+            source = sequence[:, lookback - shift : lookback - shift + seq_len]
+            blocked = blocked | (source == DEAD)
+            tokens.append(torch.where(blocked, pad_id, source))
+        products = torch.stack(tokens, dim=-1).unsqueeze(2) * self.multipliers  # [B, S, n_layers, max_ngram]
+
+        # XOR-ing one more look-back at a time turns the (n-1)-gram hash into the n-gram hash
+        rolling, hashes = products[..., 0], []
+        for n in range(2, self.max_ngram_size + 1):
+            rolling = torch.bitwise_xor(rolling, products[..., n - 1])
+            hashes.append(rolling.unsqueeze(-1) % self.primes[:, n - 2])  # [B, S, n_layers, n_heads]
+        return torch.cat(hashes, dim=-1) + self.offsets
+
+    def next_history(
+        self, compressed: torch.LongTensor, past_compressed: torch.LongTensor | None = None
+    ) -> torch.LongTensor:
+        """The last ``history_size`` compressed ids after appending ``compressed`` to ``past_compressed``."""
+        if past_compressed is None:
+            past_compressed = compressed.new_full((compressed.size(0), self.history_size), DEAD)
+        return torch.cat([past_compressed, compressed], dim=1)[:, -self.history_size :]
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        image_mask: torch.BoolTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.LongTensor:
+        """``input_ids`` ``[B, S]`` (a whole sequence from its start) → row ids ``[B, S, n_layers, n_cols]``.
+
+        ``image_mask`` is True on image-span positions (``token_types >= 0``); ``attention_mask`` is the
+        usual 1/0 padding mask over the same positions.
+        """
+        return self.hash_ids_from_compressed(self.compress(input_ids, image_mask, attention_mask))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The Engram block
+# ----------------------------------------------------------------------------------------------------
+def dequantize_engram_table(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """FP8 e4m3 table rows ``[..., D]`` times their E8M0 scales ``[..., D/32]`` (one per 32 columns).
+
+    Works on a whole table or on gathered rows. The product is exact in bf16 for the released tables.
+    """
+    dim = weight.size(-1)
+    if dim % ENGRAM_SCALE_BLOCK or scale.shape != (*weight.shape[:-1], dim // ENGRAM_SCALE_BLOCK):
+        raise ValueError(
+            f"an Engram table of shape {tuple(weight.shape)} needs scales of shape "
+            f"{(*weight.shape[:-1], dim // ENGRAM_SCALE_BLOCK)} (columns a multiple of {ENGRAM_SCALE_BLOCK}), "
+            f"got {tuple(scale.shape)}"
+        )
+    blocks = weight.float().unflatten(-1, (-1, ENGRAM_SCALE_BLOCK)) * scale.float().unsqueeze(-1)
+    return blocks.flatten(-2).to(dtype)
+
+
+class DeepseekV41Fp8EngramTable(nn.Module):
+    """An Engram table kept as stored in the released checkpoint (FP8 e4m3 + E8M0 scales), for inference.
+
+    Rows are dequantized to bf16 on lookup. Not trainable.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim, dtype=torch.float8_e4m3fn), requires_grad=False
+        )
+        self.scale = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim // ENGRAM_SCALE_BLOCK, dtype=torch.float8_e8m0fnu),
+            requires_grad=False,
+        )
+
+    def forward(self, indices: torch.LongTensor) -> torch.Tensor:
+        return dequantize_engram_table(self.weight[indices], self.scale[indices])
+
+
+class DeepseekV41Engram(nn.Module):
+    """Adds an n-gram memory read to every hyper-connection copy of the residual stream, gated.
+
+    The ``n_cols`` rows fetched per position are concatenated and ``wkv`` maps them to one key per copy
+    plus a value shared by the copies. Copy ``c`` receives ``gate_c · value`` with
+    ``gate_c = σ(signed_sqrt(⟨rms(h_c), q_c·k_c·rms(key_c)⟩ / √D))``, computed in fp32.
+    """
+
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        if layer_id not in config.engram_layer_ids:
+            raise ValueError(f"layer {layer_id} is not an Engram layer ({list(config.engram_layer_ids)})")
+        self.layer_id = layer_id
+        self.hash_index = list(config.engram_layer_ids).index(layer_id)
+        self.hidden_size = config.hidden_size
+        self.hc_mult = config.hc_mult
+        self.eps = config.rms_norm_eps
+        num_rows = config.engram_num_embeddings[self.hash_index]
+        head_dim = config.engram_head_dim
+        num_columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads
+
+        if getattr(config, "engram_table_dtype", "float") == "fp8":
+            self.embed = DeepseekV41Fp8EngramTable(num_rows, head_dim)
+        else:
+            self.embed = nn.Embedding(num_rows, head_dim)
+        self.wkv = nn.Linear(num_columns * head_dim, self.hidden_size * (self.hc_mult + 1), bias=False)
+        # only their product is ever used; both kept because the checkpoint stores both
+        self.q_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden_size))
+        self.k_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden_size))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        hash_ids: torch.LongTensor,
+        token_mask: torch.BoolTensor | None = None,
+    ) -> torch.Tensor:
+        """hidden_states ``[B, S, hc_mult, D]``, hash_ids ``[B, S, n_cols]`` (this layer's slice of the
+        hasher output), token_mask ``[B, S]`` with False where the gate is shut (image spans; those
+        positions come back unchanged). Returns ``[B, S, hc_mult, D]`` in the dtype of ``hidden_states``.
+        """
+        rows = self.embed(hash_ids).flatten(-2)  # [B, S, n_cols * head_dim]
+        key, value = self.wkv(rows.to(self.wkv.weight.dtype)).split(
+            [self.hc_mult * self.hidden_size, self.hidden_size], dim=-1
+        )
+        key = key.float().unflatten(-1, (self.hc_mult, self.hidden_size))  # [B, S, hc, D]
+        h = hidden_states.float()
+        weight = self.q_weight.float() * self.k_weight.float()
+        # normalized per (position, copy) over D, not jointly over the copies
+        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (h * weight * key).sum(-1) * rstd * self.hidden_size**-0.5  # [B, S, hc]
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(_GATE_CLAMP).sqrt(), dot))
+        if token_mask is not None:
+            gate = gate.masked_fill(~token_mask.bool().unsqueeze(-1), 0)
+        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(hidden_states.dtype)
+
+
+__all__ = [
+    "DEAD",
+    "DeepseekV41Engram",
+    "DeepseekV41Fp8EngramTable",
+    "DeepseekV41NgramHasher",
+    "build_compressed_token_map",
+    "dequantize_engram_table",
+    "engram_hash_multipliers",
+    "engram_primes",
+]

@@ -238,7 +238,7 @@ def _span_grid(inner: torch.Tensor) -> tuple[int, int]:
     rows = int((inner == IMAGE_NEWLINE).sum())
     if rows == 0 or inner.numel() % rows or inner.numel() // rows < 2:
         raise ValueError(f"image span of {inner.numel()} inner tokens does not split into rows ending in a newline")
-    lines = inner.view(rows, -1)
+    lines = inner.reshape(rows, -1)
     if not ((lines[:, -1] == IMAGE_NEWLINE).all() and (lines[:, :-1] == IMAGE).all()):
         raise ValueError("image span rows must each be the same number of image tokens followed by one newline")
     return rows, lines.shape[1] - 1

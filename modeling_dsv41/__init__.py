@@ -1,0 +1,30 @@
+"""dsv41: DeepSeek-V4.1 for Hugging Face transformers.
+
+Importing this package registers the configuration and model classes with the Auto classes.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from configuration import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
+
+from .modeling_dsv41 import DeepseekV41ForCausalLM, DeepseekV41Model, DeepseekV41PreTrainedModel
+
+
+def _register() -> None:
+    for config_class in (DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig):
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    AutoModel.register(DeepseekV41Config, DeepseekV41Model, exist_ok=True)
+    AutoModelForCausalLM.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_ok=True)
+    AutoModelForImageTextToText.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_ok=True)
+
+
+_register()
+
+__all__ = [
+    "DeepseekV41Config",
+    "DeepseekV41TextConfig",
+    "DeepseekV41VisionConfig",
+    "DeepseekV41PreTrainedModel",
+    "DeepseekV41Model",
+    "DeepseekV41ForCausalLM",
+]

@@ -1,0 +1,264 @@
+"""CSA2 attention of DeepSeek-V4.1: a sliding window of raw K=V plus, on compressed layers, a sparse
+selection of compressed KV.
+
+Per layer ``i`` with ``compress_ratios[i] = r``:
+
+* every layer attends over the last ``sliding_window`` tokens' shared K=V vector (``wkv`` → ``kv_norm``);
+* a **KV source** (``kv_source_layer_ids``) pools each group of ``r`` tokens into one latent
+  (:class:`DeepseekV41Compressor`); later layers with the same ratio reuse the latest source's latents;
+* an **index source** (``index_source_layer_ids``) runs an :class:`DeepseekV41Indexer` that keeps the
+  ``index_topk`` best compressed positions per query; the layers in between reuse its selection. The
+  **candidate source** first keeps ``candidate_topk_blocks`` blocks, and later indexers score only inside
+  them;
+* queries come from the low-rank ``wq_a`` → ``q_norm`` → ``wq_b``; every head shares the one K=V vector;
+  a per-head ``attn_sink`` joins the softmax denominator; the output's rope slice is rotated back and
+  projected by the block-diagonal ``wo_a`` (``o_groups``) and ``wo_b``.
+
+What a source hands to its consumers within one forward lives in :class:`CompressedContext`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norms import DeepseekV41RMSNorm
+from .quantization import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
+from .rotary import apply_rotary
+
+_fp8_qdq = straight_through(fp8_qdq)
+_fp4_qdq_kv = straight_through(fp4_qdq_e4m3_scale)
+_fp4_qdq_index = straight_through(fp4_qdq_e8m0_scale)
+
+
+@dataclass
+class CompressedContext:
+    """State that compressed layers hand down the stack during one forward pass.
+
+    compress_kv [B, T, D]: latest KV source's compressed K=V (rotated, quantized as cached).
+    index_k [B, T, Di]: latest key owner's index keys. selection [B, S, T] bool: latest index source's
+    top-k. candidates [B, S, T] bool: the candidate source's blocks. compress_lens [S]: compressed rows
+    visible to each query.
+    """
+
+    compress_kv: torch.Tensor | None = None
+    index_k: torch.Tensor | None = None
+    selection: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+    index_scores: torch.Tensor | None = None  # last index source's masked scores, kept for inspection
+
+
+class DeepseekV41Compressor(nn.Module):
+    """Pools ``r`` consecutive tokens into one latent: softmax(``wgate``)-weighted ``wkv`` for r > 1 (in fp32,
+    as trained), a plain ``wkv`` projection for r = 1; then ``norm``. Returns latents before RoPE [B, S//r, D]:
+    the indexer needs them unrotated. A trailing incomplete group yields nothing."""
+
+    def __init__(self, config, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        self.norm = DeepseekV41RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wgate is None:
+            return self.norm(self.wkv(x))
+        dtype, r = x.dtype, self.ratio
+        usable = x.shape[1] - x.shape[1] % r
+        x = x[:, :usable].float()
+        kv = F.linear(x, self.wkv.weight.float()).unflatten(1, (-1, r))
+        score = F.linear(x, self.wgate.weight.float()).unflatten(1, (-1, r))
+        return self.norm((kv * score.softmax(dim=2)).sum(dim=2).to(dtype))
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int, block_size: int
+) -> torch.Tensor:
+    """Level one of the two-level top-k. scores [..., T] with unreachable positions at -inf; returns a bool
+    mask [..., T] of the positions inside each query's ``topk_blocks`` best blocks (a block scores its best
+    position). The block holding the query's newest reachable position is always kept: it is only partly
+    filled and could otherwise lose to an older full block."""
+    width = scores.shape[-1]
+    blocks = F.pad(scores, (0, -width % block_size), value=-torch.inf)
+    blocks = blocks.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    n_blocks = blocks.shape[-1]
+    newest = ((compress_lens - 1) // block_size).unsqueeze(-1)
+    blocks = blocks.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
+    top = blocks.topk(min(topk_blocks, n_blocks), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+class DeepseekV41Indexer(nn.Module):
+    """Scores compressed positions for each query with a small multi-head side attention (FP4 q and k in the
+    reference), ReLU'd and mixed by ``weights_proj``, and keeps the top ``index_topk``. Key owners (KV sources)
+    derive index keys from their compressor's latents with ``wk`` → ``k_norm``.
+
+    Selection is discrete: no gradient flows through it, so its weights are frozen by default in training.
+    """
+
+    def __init__(self, config, layer_id: int, owns_keys: bool):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.ratio = config.compress_ratios[layer_id]
+        self.is_candidate_source = layer_id == config.candidate_source_layer_id
+        self.uses_candidates = 0 <= config.candidate_source_layer_id < layer_id
+        self.candidate_topk_blocks = config.candidate_topk_blocks
+        self.candidate_block_size = config.candidate_block_size
+        self.emulate_quantization = config.emulate_quantization
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False) if owns_keys else None
+        self.k_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps) if owns_keys else None
+
+    def index_keys(self, latent: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """Index keys [B, T, Di] from unrotated latents [B, T, D]; rotation: [B, T, R] at each group's first token."""
+        k = apply_rotary(self.k_norm(self.wk(latent)), rotation)
+        return _fp4_qdq_index(k) if self.emulate_quantization else k
+
+    @torch.no_grad()
+    def forward(
+        self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, ctx: CompressedContext,
+        compress_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [B,S,D], qr [B,S,q_lora]; returns the selection mask [B, S, T] (True = attend)."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rotary(q, rotation)
+        if self.emulate_quantization:
+            q = _fp4_qdq_index(q)
+        weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        index_k = ctx.index_k
+        scores = torch.einsum("bshd,btd->bsht", q, index_k)
+        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)  # [B, S, T], in the activation dtype
+        width = scores.shape[-1]
+        reachable = torch.arange(width, device=x.device) < compress_lens.unsqueeze(-1)  # [S, T]
+        scores = scores.masked_fill(~reachable, -torch.inf)
+        if self.is_candidate_source:
+            ctx.candidates = select_candidate_blocks(
+                scores, compress_lens.unsqueeze(0).expand(scores.shape[:2]), self.candidate_topk_blocks,
+                self.candidate_block_size,
+            )
+        elif self.uses_candidates and ctx.candidates is not None:
+            scores = scores.masked_fill(~ctx.candidates, -torch.inf)
+        ctx.index_scores = scores
+        return topk_selection(scores, reachable, self.topk)
+
+
+def topk_selection(scores: torch.Tensor, reachable: torch.Tensor, topk: int) -> torch.Tensor:
+    """The ``topk`` best positions per query as a mask [B, S, T], restricted to reachable positions (as the
+    reference keeps a picked index only when it lies below the query's compressed length)."""
+    k = min(topk, scores.shape[-1])
+    picked = torch.zeros_like(scores, dtype=torch.bool)
+    picked.scatter_(-1, scores.topk(k, dim=-1, sorted=False).indices, True)
+    return picked & reachable
+
+
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention of every head over one shared K=V, with a per-head sink logit in the denominator.
+
+    q [B,S,H,D], kv [B,N,D], mask [B,S,N] bool (True = attend), sink [H]. Probabilities are rounded to the
+    activation dtype before the PV product (the reference kernel's bf16 rounding point); the denominator
+    stays fp32. A query with nothing to attend to gets zeros.
+    """
+    scores = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(2), -torch.inf)
+    peak = scores.amax(dim=-1).clamp_min(-1e30)  # finite even for fully masked rows
+    probs = torch.exp(scores - peak.unsqueeze(-1))
+    denom = probs.sum(dim=-1) + torch.exp(sink.float() - peak)
+    out = torch.einsum("bshn,bnd->bshd", probs.to(q.dtype).float(), kv.float())
+    return (out / denom.unsqueeze(-1)).to(q.dtype)
+
+
+def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[S, S] bool: query i sees keys t with i - window < t ≤ i."""
+    i = torch.arange(seq_len, device=device).unsqueeze(1)
+    t = torch.arange(seq_len, device=device)
+    return (t <= i) & (t > i - window)
+
+
+class DeepseekV41Attention(nn.Module):
+    """One CSA2 attention layer (see the module docstring). Names follow the released checkpoint."""
+
+    def __init__(self, config, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.n_groups, self.o_lora_rank = config.o_groups, config.o_lora_rank
+        self.window = config.sliding_window
+        self.ratio = config.compress_ratios[layer_id]
+        self.is_kv_source = layer_id in config.kv_source_layer_ids and self.ratio > 0
+        self.is_index_source = layer_id in config.index_source_layer_ids and self.ratio > 0
+        self.emulate_quantization = config.emulate_quantization
+        self.scale = self.head_dim**-0.5
+
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_norm = DeepseekV41RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
+        # block-diagonal: group g projects only its own heads' outputs, hence a grouped einsum and not a Linear
+        self.wo_a = nn.Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.n_groups * self.o_lora_rank, config.hidden_size, bias=False)
+        self.compressor = DeepseekV41Compressor(config, self.ratio) if self.is_kv_source else None
+        self.indexer = DeepseekV41Indexer(config, layer_id, self.is_kv_source) if self.is_index_source else None
+
+    def forward(
+        self, x: torch.Tensor, rotation: torch.Tensor, ctx: CompressedContext, key_padding: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B,S,D] (positions 0..S-1), rotation [S, R] complex for this layer's rope kind → [B,S,D].
+
+        key_padding [B, S] bool marks padded positions no query may attend to (right padding only ever
+        follows real tokens, so it needs no mask; the model aligns left-padded rows before calling).
+        """
+        bsz, seq_len, _ = x.shape
+        rot = rotation.unsqueeze(0).expand(bsz, -1, -1)
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
+
+        kv = apply_rotary(self.kv_norm(self.wkv(x)), rot)
+        if self.emulate_quantization:
+            kv = _fp8_qdq(kv)
+        mask = window_mask(seq_len, self.window, x.device).unsqueeze(0).expand(bsz, -1, -1)
+        if key_padding is not None:
+            mask = mask & ~key_padding.unsqueeze(1)
+        if self.ratio:
+            compress_kv, compress_mask = self._compressed(x, qr, rot, ctx)
+            kv = torch.cat([kv, compress_kv], dim=1)
+            mask = torch.cat([mask, compress_mask], dim=-1)
+
+        out = sink_attention(q, kv, mask, self.attn_sink, self.scale)
+        out = apply_rotary(out, rot, inverse=True)
+        out = out.view(bsz, seq_len, self.n_groups, -1)
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
+        out = torch.einsum("bsgd,grd->bsgr", out, wo_a)
+        return self.wo_b(out.flatten(2))
+
+    def _compressed(
+        self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed K=V this layer reads [B,T,D] and which of it each query attends to [B,S,T]."""
+        seq_len, r = x.shape[1], self.ratio
+        compress_lens = torch.arange(1, seq_len + 1, device=x.device) // r  # rows visible to each query
+        if self.is_kv_source:
+            latent = self.compressor(x)  # [B, T, D], unrotated
+            group_rot = rot[:, : latent.shape[1] * r : r]  # a latent sits at its group's first token
+            if self.indexer is not None:
+                ctx.index_k = self.indexer.index_keys(latent, group_rot)
+            latent = apply_rotary(latent, group_rot)
+            ctx.compress_kv = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
+        if self.is_index_source:
+            width = ctx.compress_kv.shape[1]
+            if width == 0:
+                ctx.selection = x.new_zeros(x.shape[0], seq_len, 0, dtype=torch.bool)
+            else:
+                ctx.selection = self.indexer(x, qr, rot, ctx, compress_lens)
+        return ctx.compress_kv, ctx.selection

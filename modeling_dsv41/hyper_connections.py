@@ -1,0 +1,69 @@
+"""Single-pass manifold-constrained hyper-connections (mHC) over ``hc_mult`` residual copies.
+
+Each sub-block derives (pre, post, comb) from its own input stream. ``post`` and ``comb`` expand the
+sub-block's output back into the copies; ``pre`` is handed to the *next* sub-block, which uses it to
+collapse the copies into its input (one-hot on copy 0 before the first layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def sinkhorn_split(
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split projected mixes [..., (2+hc)·hc] into pre [..., hc], post [..., hc] and a doubly-stochastic comb [..., hc, hc]."""
+    hc = hc_mult
+    scale, base = scale.float(), base.float()
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps  # softmax over rows, then Sinkhorn
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+class DeepseekV41HyperConnection(nn.Module):
+    """The ``hc_{attn,ffn}_{fn,base,scale}`` parameters of one sub-block and its collapse / expand steps.
+
+    Parameters live on the decoder layer under their released names; this module only holds the math and
+    is given them at call time, so the state-dict layout stays ``layers.{i}.hc_attn_fn``.
+    """
+
+    def __init__(self, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
+
+    def mixes(
+        self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B,S,hc,D] → (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), all fp32."""
+        flat = x.flatten(2).float()  # one RMS statistic per token over all copies
+        rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        mixes = F.linear(flat, fn.float()) * rstd
+        return sinkhorn_split(mixes, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
+
+    @staticmethod
+    def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """[B,S,hc,D] × [B,S,hc] → [B,S,D]: the sub-block input."""
+        return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
+
+    @staticmethod
+    def expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """post·out + combᵀ·residual → [B,S,hc,D]: copy j gets Σ_i comb[i, j]·residual_i."""
+        mixed = (comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(dim=2)
+        return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).to(out.dtype)
+
+
+def identity_pre_mix(x: torch.Tensor, hc_mult: int) -> torch.Tensor:
+    """The collapse weights before layer 0: all weight on copy 0. x: [B,S,hc,D] → [B,S,hc] fp32."""
+    pre = x.new_zeros(x.shape[0], x.shape[1], hc_mult, dtype=torch.float32)
+    pre[..., 0] = 1.0
+    return pre

@@ -1,0 +1,79 @@
+"""Parity with DeepSeek's reference outputs on the tiny fixture (bf16 model, end to end from ids and pixels)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from modeling_dsv41.attention import CompressedContext, select_candidate_blocks, topk_selection
+from reference_fixture import reference_inputs, reference_model
+
+
+def run(fixtures_dir, variant, mode):
+    model = reference_model(fixtures_dir, variant, emulate_quantization=(mode == "qdq"))
+    captured = {}
+    for i, layer in enumerate(model.layers):
+        layer.attn.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(f"layers.{i}.attn_out", out[0]))
+        layer.ffn.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(f"layers.{i}.ffn_out", out[0]))
+    with torch.no_grad():
+        out = model(**reference_inputs(fixtures_dir), output_hidden_states=True)
+    expected = load_file(fixtures_dir / f"v41_tiny_vl/{variant}/expected_{mode}.safetensors")
+    captures = load_file(fixtures_dir / f"v41_tiny_vl/{variant}/captures_{mode}.safetensors")
+    return out, captured, expected, captures
+
+
+# Tolerances from the issue. The reference mirrors bf16 rounding points we reproduce op for op, but CPU kernels
+# (exp, GEMM blocking) of another torch version still differ in the last fp32 ulp, which QDQ can amplify.
+@pytest.mark.parametrize("mode, max_abs, min_argmax", [("noqdq", 0.1, 56), ("qdq", 0.15, 55)])
+def test_dense_logits_match_reference(fixtures_dir, mode, max_abs, min_argmax):
+    out, _, expected, _ = run(fixtures_dir, "dense", mode)
+    logits, ref = out.logits[0], expected["logits"]
+    assert (logits - ref).abs().max().item() <= max_abs
+    assert (logits.argmax(-1) == ref.argmax(-1)).sum().item() >= min_argmax
+    # the model's own last-row logits are the same op as the full-position head
+    assert torch.allclose(logits[-1], expected["last_logits"], atol=max_abs)
+
+
+@pytest.mark.parametrize("mode", ["noqdq", "qdq"])
+def test_layer0_captures_match_within_bf16_rounding(fixtures_dir, mode):
+    out, captured, expected, captures = run(fixtures_dir, "dense", mode)
+    # one bf16 ulp at the values' magnitude: layer 0 sees exactly the reference's inputs
+    for key in ("layers.0.attn_out", "layers.0.ffn_out"):
+        ref = captures[key].float()
+        ulp = ref.abs().max().item() * 2**-7
+        assert (captured[key].float() - ref).abs().max().item() <= ulp, key
+    ref = captures["layers.0.x_out"].float()
+    assert (out.hidden_states[1][0].float() - ref).abs().max().item() <= ref.abs().max().item() * 2**-7
+    assert torch.equal(out.hidden_states[0][0, :, 0], expected["inputs_embeds"])
+
+
+@pytest.mark.parametrize("mode", ["noqdq", "qdq"])
+def test_sparse_selection_matches_given_captured_scores(fixtures_dir, mode):
+    """Given the captured index scores, our top-k and candidate masks equal the reference's exactly."""
+    captures = load_file(fixtures_dir / f"v41_tiny_vl/sparse/captures_{mode}.safetensors")
+    model = reference_model(fixtures_dir, "sparse", emulate_quantization=(mode == "qdq"))
+    text = model.config.text_config
+    seq = captures["layers.1.index_score"].shape[0]
+    for layer in (1, 3, 5):
+        scores = captures[f"layers.{layer}.index_score"].unsqueeze(0)
+        ratio = text.compress_ratios[layer]
+        compress_lens = torch.arange(1, seq + 1) // ratio
+        reachable = torch.arange(scores.shape[-1]) < compress_lens.unsqueeze(-1)
+        ours = topk_selection(scores, reachable, text.index_topk)[0]
+        ref_idxs = captures[f"layers.{layer}.topk_idxs"].long()
+        theirs = torch.zeros_like(ours)
+        for q in range(seq):
+            theirs[q, ref_idxs[q][ref_idxs[q] >= 0]] = True
+        assert torch.equal(ours, theirs), layer
+        if layer == text.candidate_source_layer_id:
+            cands = select_candidate_blocks(
+                scores, compress_lens.unsqueeze(0), text.candidate_topk_blocks, text.candidate_block_size
+            )[0]
+            assert torch.equal(cands, captures[f"layers.{layer}.candidates"])
+
+
+def test_sparse_end_to_end_close_to_reference(fixtures_dir):
+    """Without QDQ our own scores reproduce the sparse selection closely enough to track the reference."""
+    out, _, expected, _ = run(fixtures_dir, "sparse", "noqdq")
+    logits, ref = out.logits[0], expected["logits"]
+    assert (logits.argmax(-1) == ref.argmax(-1)).sum().item() >= 56
+    assert (logits - ref).abs().max().item() <= 0.1

@@ -128,6 +128,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         elif isinstance(module, DeepseekV41Engram):
             init.ones_(module.q_weight)
             init.ones_(module.k_weight)
+        elif isinstance(module, DeepseekV41NgramHasher):
+            module.init_buffers()  # hash constants derive from the config; a loaded token map is kept
         elif isinstance(module, DeepseekV41Model) and module.config.has_vision:
             for name in ("image_start", "image_newline", "image_end"):
                 init.normal_(getattr(module, name), mean=0.0, std=std)

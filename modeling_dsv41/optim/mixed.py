@@ -1,0 +1,286 @@
+"""One ``torch.optim.Optimizer`` for the whole model: Muon, head-wise Muon, Sinkhorn-balanced and AdamW groups.
+
+Being a single optimizer (rather than one per algorithm) is what lets transformers' LR schedulers,
+``clip_grad_norm_``, accelerate's wrapper and ``Trainer`` checkpointing work unchanged: they only ever see
+``param_groups`` with an ``lr`` and a ``state_dict``. Each group names its algorithm in ``kind``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam
+
+from .muon import V4_NS_COEFFICIENTS, head_blocks, update_scale, zeropower_via_newton_schulz
+from .sinkhorn import sinkhorn_balance
+
+KINDS = ("muon", "muon_headwise", "sinkhorn", "adamw")
+
+_MUON_DEFAULTS: dict[str, Any] = {
+    "weight_decay": 0.1,
+    "momentum": 0.95,
+    "nesterov": True,
+    "ns_coefficients": V4_NS_COEFFICIENTS,
+    "update_rms": 0.18,
+}
+# Per-kind defaults, applied to a group before the optimizer-wide ``lr``. ``num_heads`` has no default.
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "muon": dict(_MUON_DEFAULTS),
+    "muon_headwise": {**_MUON_DEFAULTS, "split_sizes": None},
+    "sinkhorn": {
+        "weight_decay": 0.0,
+        "momentum": 0.95,
+        "nesterov": True,
+        "sinkhorn_iters": 11,
+        "row_mask_tau": 1e-3,
+        "update_rms": 0.18,
+    },
+    "adamw": {"weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8},  # torch.optim.AdamW's defaults
+}
+_REQUIRED = {"muon_headwise": ("num_heads",)}
+_COMMON_KEYS = {"params", "param_names", "kind", "lr"}
+
+# Same-shape matrices are stacked and orthogonalized in one batched call, in chunks of at most this many
+# elements so that the temporary stack stays small next to the model (≈128 MiB in bf16).
+MAX_BATCH_NUMEL = 1 << 26
+
+
+class MixedOptimizer(torch.optim.Optimizer):
+    r"""DeepSeek-V4.1's optimizer: every param group carries a ``kind`` and that kind's hyperparameters.
+
+    - ``"muon"``: Nesterov momentum, Newton–Schulz orthogonalization (one ``(a, b, c)`` per step in
+      ``ns_coefficients``; default DeepSeek-V4's 8 + 2 hybrid), update scaled to RMS ``update_rms`` so that
+      ``lr`` and decoupled ``weight_decay`` mean the same as for AdamW. A tensor ``[..., rows, cols]`` with
+      more than two dims is a batch of matrices (e.g. stacked experts ``[E, out, in]``), each orthogonalized
+      on its own.
+    - ``"muon_headwise"``: as muon, but rows are cut into ``num_heads`` blocks (per split of ``split_sizes``
+      for fused projections) and every head block is orthogonalized and RMS-scaled on its own.
+    - ``"sinkhorn"``: Nesterov momentum, then :func:`~.sinkhorn.sinkhorn_balance`; rows with ~0 momentum are
+      left exactly unchanged; update RMS ``update_rms``; 2-D parameters only, no weight decay.
+    - ``"adamw"``: exactly ``torch.optim.AdamW`` (``betas``, ``eps``, decoupled ``weight_decay``).
+
+    State per parameter: ``momentum_buffer`` (muon kinds, sinkhorn) or ``step``, ``exp_avg``, ``exp_avg_sq``
+    (adamw), all tensors, so ``torch.load(weights_only=True)`` reads a saved ``state_dict``. Momentum follows
+    torch.optim.Muon's convention ``B ← μ·B + (1 − μ)·g``, Nesterov ``g + μ·(B − g)``.
+
+    Example::
+
+        groups = build_param_groups(model, lr=3e-4)  # the SPEC §6 policy, see .policy
+        optimizer = MixedOptimizer(groups)
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+        if lr < 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        super().__init__(params, {"lr": lr})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        kind = param_group.get("kind")
+        if kind not in KINDS:
+            raise ValueError(f"every param group needs a 'kind' in {KINDS}, got {kind!r}")
+        for key, value in KIND_DEFAULTS[kind].items():
+            param_group.setdefault(key, value)
+        for key in _REQUIRED.get(kind, ()):
+            if key not in param_group:
+                raise ValueError(f"a {kind!r} param group needs {key!r}")
+        unknown = set(param_group) - _COMMON_KEYS - set(KIND_DEFAULTS[kind]) - set(_REQUIRED.get(kind, ()))
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)} for a {kind!r} param group")
+        super().add_param_group(param_group)
+        _VALIDATORS[kind](self.param_groups[-1])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``Optimizer.load_state_dict``, refusing a checkpoint whose groups have other kinds."""
+        saved = [group.get("kind") for group in state_dict["param_groups"]]
+        current = [group["kind"] for group in self.param_groups]
+        if len(saved) == len(current) and saved != current:
+            raise ValueError(f"checkpoint param-group kinds {saved} do not match this optimizer's {current}")
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    raise ValueError(f"{group['kind']} does not support sparse gradients")
+            if params:
+                _STEPS[group["kind"]](self, group, params)
+        return loss
+
+    def _momentum_buffers(self, params: list[Tensor]) -> list[Tensor]:
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return [self.state[p]["momentum_buffer"] for p in params]
+
+
+def _nesterov_into(out: Tensor, grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Write the (Nesterov) momentum update into ``out``; ``buf`` was already advanced."""
+    if nesterov:
+        return torch.lerp(grad, buf, momentum, out=out)
+    return out.copy_(buf)
+
+
+def _muon_step(opt: MixedOptimizer, group: dict[str, Any], params: list[Tensor]) -> None:
+    momentum, lr = group["momentum"], float(group["lr"])
+    grads = [p.grad for p in params]
+    bufs = opt._momentum_buffers(params)
+    torch._foreach_lerp_(bufs, grads, 1 - momentum)
+    if group["weight_decay"] != 0:
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+
+    # Params with the same shape and dtype share one stacked update, orthogonalized in batched calls.
+    buckets: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        buckets.setdefault((p.shape, p.dtype, p.device), []).append(i)
+    for (shape, dtype, device), members in buckets.items():
+        per_chunk = max(1, MAX_BATCH_NUMEL // math.prod(shape))
+        for start in range(0, len(members), per_chunk):
+            chunk = members[start : start + per_chunk]
+            stacked = torch.empty((len(chunk), *shape), dtype=dtype, device=device)  # [P, ..., rows, cols]
+            for row, i in enumerate(chunk):
+                _nesterov_into(stacked[row], grads[i], bufs[i], momentum, group["nesterov"])
+            _apply_orthogonalized(group, [params[i] for i in chunk], stacked, lr)
+
+
+def _apply_orthogonalized(group: dict[str, Any], params: list[Tensor], stacked: Tensor, lr: float) -> None:
+    """``p -= lr · scale · NS(block)`` for every (head) block of every matrix in ``stacked [P, ..., rows, cols]``."""
+    rows, cols = stacked.shape[-2:]
+    if group["kind"] == "muon_headwise":
+        blocks = head_blocks(rows, group["num_heads"], group["split_sizes"])
+    else:
+        blocks = ((0, rows, 1),)
+    matrices = stacked.reshape(-1, rows, cols)  # [P·E, rows, cols]: every leading index is one matrix
+    for start, size, heads in blocks:
+        head_rows = size // heads
+        segment = matrices[:, start : start + size].reshape(-1, head_rows, cols)  # [P·E·heads, size/heads, cols]
+        ortho = zeropower_via_newton_schulz(segment, group["ns_coefficients"])
+        ortho = ortho.reshape(len(params), *stacked.shape[1:-2], size, cols)
+        alpha = -lr * update_scale(head_rows, cols, group["update_rms"])
+        torch._foreach_add_([p[..., start : start + size, :] for p in params], list(ortho.unbind(0)), alpha=alpha)
+
+
+def _sinkhorn_step(opt: MixedOptimizer, group: dict[str, Any], params: list[Tensor]) -> None:
+    momentum, lr = group["momentum"], float(group["lr"])
+    bufs = opt._momentum_buffers(params)
+    for p, buf in zip(params, bufs):
+        buf.lerp_(p.grad, 1 - momentum)
+        update = _nesterov_into(torch.empty_like(buf), p.grad, buf, momentum, group["nesterov"])
+        live_rows, direction = sinkhorn_balance(update, group["sinkhorn_iters"], group["row_mask_tau"])
+        p.index_add_(0, live_rows, direction.to(p.dtype), alpha=-lr * group["update_rms"])
+
+
+def _adamw_step(opt: MixedOptimizer, group: dict[str, Any], params: list[Tensor]) -> None:
+    """torch's functional AdamW on exactly the state ``torch.optim.AdamW`` would hold."""
+    for p in params:
+        state = opt.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    beta1, beta2 = group["betas"]
+    adam(
+        params,
+        [p.grad for p in params],
+        [opt.state[p]["exp_avg"] for p in params],
+        [opt.state[p]["exp_avg_sq"] for p in params],
+        [],
+        [opt.state[p]["step"] for p in params],
+        has_complex=any(torch.is_complex(p) for p in params),
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
+
+
+_STEPS: dict[str, Callable[[MixedOptimizer, dict[str, Any], list[Tensor]], None]] = {
+    "muon": _muon_step,
+    "muon_headwise": _muon_step,
+    "sinkhorn": _sinkhorn_step,
+    "adamw": _adamw_step,
+}
+
+
+def _check_common(group: dict[str, Any]) -> None:
+    if group["lr"] < 0:
+        raise ValueError(f"lr must be >= 0, got {group['lr']}")
+    if group["weight_decay"] < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
+    for p in group["params"]:
+        if torch.is_complex(p) and group["kind"] != "adamw":
+            raise ValueError(f"{group['kind']} does not support complex parameters")
+
+
+def _check_momentum(group: dict[str, Any]) -> None:
+    if not 0 <= group["momentum"] < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+    if group["update_rms"] <= 0:
+        raise ValueError(f"update_rms must be > 0, got {group['update_rms']}")
+
+
+def _check_muon(group: dict[str, Any]) -> None:
+    _check_common(group)
+    _check_momentum(group)
+    coefficients = tuple(tuple(float(c) for c in abc) for abc in group["ns_coefficients"])
+    if not coefficients or any(len(abc) != 3 for abc in coefficients):
+        raise ValueError("ns_coefficients must be a non-empty sequence of (a, b, c), one per Newton–Schulz step")
+    group["ns_coefficients"] = coefficients
+    if group["kind"] == "muon_headwise":
+        group["num_heads"] = _as_int_or_tuple(group["num_heads"])
+        if group["split_sizes"] is not None:
+            group["split_sizes"] = tuple(int(s) for s in group["split_sizes"])
+    for p in group["params"]:
+        if p.ndim < 2:
+            raise ValueError(f"{group['kind']} needs matrices (or batches of them), got shape {tuple(p.shape)}")
+        if group["kind"] == "muon_headwise":
+            head_blocks(p.shape[-2], group["num_heads"], group["split_sizes"])  # raises on a bad layout
+
+
+def _check_sinkhorn(group: dict[str, Any]) -> None:
+    _check_common(group)
+    _check_momentum(group)
+    if group["weight_decay"] != 0:
+        raise ValueError("sinkhorn groups take no weight decay (masked rows must stay exactly unchanged)")
+    if group["sinkhorn_iters"] < 1 or group["sinkhorn_iters"] % 2 == 0:
+        raise ValueError(f"sinkhorn_iters must be odd (rows first and last), got {group['sinkhorn_iters']}")
+    if group["row_mask_tau"] < 0:
+        raise ValueError(f"row_mask_tau must be >= 0, got {group['row_mask_tau']}")
+    for p in group["params"]:
+        if p.ndim != 2:
+            raise ValueError(f"sinkhorn needs 2-D parameters [rows, cols], got shape {tuple(p.shape)}")
+
+
+def _check_adamw(group: dict[str, Any]) -> None:
+    _check_common(group)
+    beta1, beta2 = group["betas"]
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        raise ValueError(f"betas must be in [0, 1), got {group['betas']}")
+    if group["eps"] < 0:
+        raise ValueError(f"eps must be >= 0, got {group['eps']}")
+    group["betas"] = (beta1, beta2)
+
+
+def _as_int_or_tuple(value: int | Sequence[int]) -> int | tuple[int, ...]:
+    return int(value) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+_VALIDATORS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "muon": _check_muon,
+    "muon_headwise": _check_muon,
+    "sinkhorn": _check_sinkhorn,
+    "adamw": _check_adamw,
+}

@@ -1,0 +1,262 @@
+"""Benchmark our DeepseekV41ForCausalLM against transformers' DeepseekV4ForCausalLM, and show where our time goes.
+
+Both models are built at the same width, depth and expert count (our ``tiny`` preset: 6 layers, width 64,
+4 heads of 64, 4 routed experts top-2 + 1 shared, mHC ×4, window 16, vocab 512) in fp32 on CPU, with
+``torch.set_num_threads`` as on CI (2 by default). From one run it reports:
+
+- forward (eval, no_grad) and forward+backward (train, loss on the inputs) time of each model and their
+  ratio. The models are timed round-robin after a warm-up and each figure is the median of the repeats,
+  so a busy machine slows both alike;
+- our forward time split by component (attention incl. compressor/indexer, MoE, mHC mixes/collapse/expand,
+  RMSNorms, Engram incl. hashing, vision incl. aligner, the rest) and transformers' split for comparison;
+- a torch.profiler table of our top ops over one forward+backward.
+
+The two are not the same architecture, so the ratio is a cost comparison, not a parity check. Differences
+that matter for time: transformers' V4 has compressed layers of ratio 4 with a compressor and an indexer in
+every one, ours has V4.1's ratios 2 and 1 with shared KV/index sources; V4 has no Engram and no vision, so
+our default run keeps Engram (pass ``--no-engram`` to drop it) and sends text only (``--image`` adds one
+image per row to the breakdown, ours only).
+
+Usage: ``python benchmarks/forward.py [--batch 2] [--seq 256] [--reps 7] [--threads 2] [--no-engram] [--image]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+import modeling_dsv41  # noqa: F401  (registers the Auto classes)
+from configuration import DeepseekV41Config
+from modeling_dsv41 import DeepseekV41ForCausalLM
+
+# one image whose ViT grid is 9×13 patches → a 3×5 LM token grid: start + 3 × (5 image + newline) + end
+IMAGE_VIT_GRID = (9, 13)
+IMAGE_SPAN_TYPES = [0] + ([1] * 5 + [2]) * 3 + [3]
+
+
+def build_ours(engram: bool) -> DeepseekV41ForCausalLM:
+    config = DeepseekV41Config.from_preset("tiny")
+    if not engram:
+        text = config.text_config.to_dict() | {"engram_layer_ids": [], "engram_num_embeddings": []}
+        config = DeepseekV41Config.from_preset("tiny", text_config=text)
+    model = DeepseekV41ForCausalLM(config)
+    if model.engram_hasher is not None:
+        # a stand-in for the tokenizer's compressed map (the fixture's stub tokenizer has id // 2)
+        model.engram_hasher.token_map.copy_(torch.arange(config.text_config.vocab_size) // 2)
+    return model
+
+
+def build_transformers_v4(ours: DeepseekV41ForCausalLM) -> DeepseekV4ForCausalLM:
+    """transformers' V4 at our width, depth, heads and experts; compressed layers become its CSA (ratio 4)."""
+    t = ours.config.text_config
+    config = DeepseekV4Config(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, moe_intermediate_size=t.moe_intermediate_size,
+        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads, num_key_value_heads=1,
+        head_dim=t.head_dim, partial_rotary_factor=t.qk_rope_head_dim / t.head_dim, q_lora_rank=t.q_lora_rank,
+        o_groups=t.o_groups, o_lora_rank=t.o_lora_rank, n_routed_experts=t.n_routed_experts, n_shared_experts=1,
+        num_experts_per_tok=t.num_experts_per_tok, scoring_func=t.scoring_func,
+        routed_scaling_factor=t.routed_scaling_factor, swiglu_limit=t.swiglu_limit, sliding_window=t.sliding_window,
+        index_n_heads=t.index_n_heads, index_head_dim=t.index_head_dim, index_topk=t.index_topk,
+        hc_mult=t.hc_mult, hc_sinkhorn_iters=t.hc_sinkhorn_iters, hc_eps=t.hc_eps,
+        layer_types=["compressed_sparse_attention" if r else "sliding_attention" for r in t.compress_ratios],
+        mlp_layer_types=["moe"] * t.num_hidden_layers,  # no hash routing: ours has none either
+        rope_theta=t.rope_theta, compress_rope_theta=t.compress_rope_theta,
+        rope_parameters=dict(t.compress_rope_scaling), num_nextn_predict_layers=0, pad_token_id=t.pad_token_id,
+        use_cache=False,
+    )
+    return DeepseekV4ForCausalLM(config)
+
+
+def make_inputs(model: DeepseekV41ForCausalLM, batch: int, seq: int, image: bool, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.text_config.vocab_size
+    input_ids = torch.randint(0, vocab - 16, (batch, seq), generator=generator)  # clear of special ids
+    inputs = {"input_ids": input_ids}
+    if image:
+        vision = model.config.vision_config
+        types = torch.full((batch, seq), -1)
+        start = 20
+        types[:, start : start + len(IMAGE_SPAN_TYPES)] = torch.tensor(IMAGE_SPAN_TYPES)
+        input_ids[types >= 0] = model.config.image_token_id
+        patches = IMAGE_VIT_GRID[0] * IMAGE_VIT_GRID[1] * batch
+        p = vision.patch_size
+        inputs |= {
+            "pixel_values": torch.randn(patches, vision.num_channels, p, p, generator=generator),
+            "image_grid_hw": torch.tensor([IMAGE_VIT_GRID] * batch),
+            "image_token_types": types,
+        }
+    return inputs
+
+
+def forward_only(model: nn.Module, inputs: dict) -> None:
+    model.eval()
+    with torch.no_grad():
+        model(**inputs)
+
+
+def forward_backward(model: nn.Module, inputs: dict) -> None:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(**inputs, labels=inputs["input_ids"]).loss.backward()
+
+
+def median_times(
+    models: dict[str, nn.Module], inputs: dict[str, dict], step: Callable, warmup: int, reps: int
+) -> dict[str, float]:
+    """Median seconds per ``step`` for each model, timed round-robin so machine noise hits all alike."""
+    for _ in range(warmup):
+        for name, model in models.items():
+            step(model, inputs[name])
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(reps):
+        for name, model in models.items():
+            start = time.perf_counter()
+            step(model, inputs[name])
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+@contextlib.contextmanager
+def timed_calls(targets: dict[str, list[tuple[object, str]]]) -> Iterator[dict[str, float]]:
+    """Wrap each ``getattr(obj, attr)`` so its wall time adds to its component's total (targets must not nest)."""
+    totals: dict[str, float] = defaultdict(float)
+    patched = []
+
+    def wrap(component: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[component] += time.perf_counter() - start
+
+        return timed
+
+    for component, calls in targets.items():
+        for obj, attr in calls:
+            patched.append((obj, attr))
+            setattr(obj, attr, wrap(component, getattr(obj, attr)))
+    try:
+        yield totals
+    finally:
+        for obj, attr in reversed(patched):
+            delattr(obj, attr)  # back to the class's method
+
+
+def our_components(model: DeepseekV41ForCausalLM) -> dict[str, list[tuple[object, str]]]:
+    targets: dict[str, list[tuple[object, str]]] = defaultdict(list)
+    for layer in model.layers:
+        targets["attention (+compressor, indexer)"].append((layer.attn, "forward"))
+        targets["MoE (gate, experts, shared)"].append((layer.ffn, "forward"))
+        targets["mHC (mixes+Sinkhorn, collapse, expand)"] += [(layer.hc, a) for a in ("mixes", "collapse", "expand")]
+        targets["RMSNorm (attn_norm, ffn_norm)"] += [(layer.attn_norm, "forward"), (layer.ffn_norm, "forward")]
+        if layer.engram is not None:
+            targets["Engram (hashing, block)"].append((layer.engram, "forward"))
+    if model.engram_hasher is not None:
+        targets["Engram (hashing, block)"].append((model.engram_hasher, "forward"))
+    if model.config.has_vision:
+        targets["vision (ViT, aligner)"] += [(model.vision, "forward"), (model.aligner, "forward")]
+    return targets
+
+
+def v4_components(model: DeepseekV4ForCausalLM) -> dict[str, list[tuple[object, str]]]:
+    targets: dict[str, list[tuple[object, str]]] = defaultdict(list)
+    for layer in model.model.layers:
+        targets["attention (+compressor, indexer)"].append((layer.self_attn, "forward"))
+        targets["MoE (gate, experts, shared)"].append((layer.mlp, "forward"))
+        targets["mHC (mixes+Sinkhorn, collapse; expand inline)"] += [(layer.attn_hc, "forward"), (layer.ffn_hc, "forward")]
+        targets["RMSNorm (attn_norm, ffn_norm)"] += [
+            (layer.input_layernorm, "forward"), (layer.post_attention_layernorm, "forward")
+        ]
+    return targets
+
+
+def component_times(model: nn.Module, inputs: dict, targets: dict, reps: int) -> tuple[dict[str, float], float]:
+    """Median forward seconds per component (and of the whole forward), eval mode, no_grad."""
+    samples: dict[str, list[float]] = defaultdict(list)
+    totals = []
+    forward_only(model, inputs)  # warm-up
+    for _ in range(reps):
+        with timed_calls(targets) as spent:
+            start = time.perf_counter()
+            forward_only(model, inputs)
+            totals.append(time.perf_counter() - start)
+        for component in targets:
+            samples[component].append(spent[component])
+    return {c: statistics.median(s) for c, s in samples.items()}, statistics.median(totals)
+
+
+def print_components(label: str, parts: dict[str, float], total: float) -> None:
+    print(f"\n## Where the forward goes: {label} (median, eval, no_grad)")
+    print(f"{'component':<48}{'ms':>9}{'share':>8}")
+    for component, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"{component:<48}{seconds * 1e3:>9.1f}{seconds / total:>8.1%}")
+    rest = total - sum(parts.values())
+    print(f"{'rest (embed, rotary, hash/pad prep, final norm, head)':<48}{rest * 1e3:>9.1f}{rest / total:>8.1%}")
+    print(f"{'total':<48}{total * 1e3:>9.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads; CI uses 2")
+    parser.add_argument("--no-engram", action="store_true", help="drop Engram from ours (V4 has none)")
+    parser.add_argument("--image", action="store_true", help="one image per row in our breakdown (ours only)")
+    parser.add_argument("--profile-rows", type=int, default=20)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")  # V4's YaRN check warns on the tiny original_max_position_embeddings
+    ours = build_ours(engram=not args.no_engram)
+    theirs = build_transformers_v4(ours)
+    text_inputs = make_inputs(ours, args.batch, args.seq, image=False)
+    models = {"ours (DeepseekV41ForCausalLM)": ours, "transformers DeepseekV4ForCausalLM": theirs}
+    inputs = {"ours (DeepseekV41ForCausalLM)": text_inputs,
+              "transformers DeepseekV4ForCausalLM": text_inputs | {"use_cache": False}}
+    n_params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+
+    print(f"# Forward benchmark: batch {args.batch} × {args.seq} tokens, fp32, CPU, torch.set_num_threads("
+          f"{torch.get_num_threads()}), torch {torch.__version__}; median of {args.reps} round-robin repeats "
+          f"after {args.warmup} warm-up; ours with Engram: {ours.engram_hasher is not None}")
+    results = {
+        "forward": median_times(models, inputs, forward_only, args.warmup, args.reps),
+        "forward+backward": median_times(models, inputs, forward_backward, args.warmup, args.reps),
+    }
+    ours_name, theirs_name = models
+    print(f"\n{'model':<38}{'params':>10}{'fwd ms':>10}{'fwd+bwd ms':>12}")
+    for name in models:
+        print(f"{name:<38}{n_params[name]:>10,}{results['forward'][name] * 1e3:>10.1f}"
+              f"{results['forward+backward'][name] * 1e3:>12.1f}")
+    for kind, times in results.items():
+        print(f"{kind}: ours / transformers = {times[ours_name] / times[theirs_name]:.2f}")
+
+    our_inputs = make_inputs(ours, args.batch, args.seq, image=args.image)
+    parts, total = component_times(ours, our_inputs, our_components(ours), args.reps)
+    print_components("ours" + (" (one image per row)" if args.image else ""), parts, total)
+    parts, total = component_times(theirs, inputs[theirs_name], v4_components(theirs), args.reps)
+    print_components("transformers V4", parts, total)
+
+    forward_backward(ours, our_inputs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        forward_backward(ours, our_inputs)
+    print("\n## Our top ops over one forward+backward (torch.profiler, self CPU time)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+
+
+if __name__ == "__main__":
+    main()

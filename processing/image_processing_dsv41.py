@@ -621,7 +621,14 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
                 raise ValueError(f"image {index}: cannot decode image: {error}") from error
             return patch_values(canvas, patch_size, table), plan.patch_grid
 
-        results = self._map(process, flatten_images(images), device)
+        images = flatten_images(images)
+        # the same object twice is processed once (and a lazily opened PIL image is never decoded by two threads)
+        first_seen = {}
+        for index, image in enumerate(images):
+            first_seen.setdefault(id(image), index)
+        unique = sorted(set(first_seen.values()))
+        done = dict(zip(unique, self._map(process, [(index, images[index]) for index in unique], device)))
+        results = [done[first_seen[id(image)]] for image in images]
         empty = torch.empty(0, 3, patch_size, patch_size, dtype=torch.bfloat16)
         pixel_values = torch.cat([values for values, _ in results]) if results else empty
         image_grid_hw = torch.tensor([grid for _, grid in results], dtype=torch.int64).reshape(-1, 2)
@@ -632,13 +639,14 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
     # backend-specific steps -------------------------------------------------------------------------------------
 
     @staticmethod
-    def _map(process: Callable[[int, Any], Any], images: list[Any], device: Any) -> list[Any]:
-        """CPU images are independent and Pillow and numpy release the GIL: one thread per torch thread."""
-        workers = min(len(images), torch.get_num_threads())
+    def _map(process: Callable[[int, Any], Any], items: list[tuple[int, Any]], device: Any) -> list[Any]:
+        """``process(index, image)`` for each item. CPU images are independent and Pillow and numpy release the
+        GIL, so they run in one thread per torch thread."""
+        workers = min(len(items), torch.get_num_threads())
         if workers <= 1 or not _on_cpu(device):
-            return [process(index, image) for index, image in enumerate(images)]
+            return [process(index, image) for index, image in items]
         with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(process, range(len(images)), images))
+            return list(pool.map(lambda item: process(*item), items))
 
     def _to_rgb(self, image: Any, data_format: Any, device: Any) -> Image.Image | torch.Tensor:
         """A PIL RGB image to resample on CPU, else a uint8 [H, W, 3] tensor on ``device``."""

@@ -32,8 +32,8 @@ class DeepseekV41ImageProcessorPil(DeepseekV41ImageProcessor):
         return output
 
     @staticmethod
-    def _map(process: Callable[[int, Any], Any], images: list[Any], device: Any) -> list[Any]:
-        return [process(index, image) for index, image in enumerate(images)]
+    def _map(process: Callable[[int, Any], Any], items: list[tuple[int, Any]], device: Any) -> list[Any]:
+        return [process(index, image) for index, image in items]
 
     def _to_rgb(self, image: Any, data_format: Any, device: Any) -> Image.Image:
         return super()._to_rgb(image, data_format, device=None)  # a PIL image: all the work happens on CPU

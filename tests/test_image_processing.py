@@ -365,3 +365,10 @@ def test_save_load_round_trip(backend, tmp_path):
     for requested, expected in choices:
         auto = AutoImageProcessor.from_pretrained(tmp_path, backend=requested)
         assert type(auto) is expected and auto.max_image_tokens == 256
+
+
+def test_repeated_lazy_image_is_decoded_once(fixtures_dir):
+    lazy = Image.open(fixtures_dir / "v41_tiny_vl" / "image.png")  # not decoded yet: threads must not share it
+    outputs = DeepseekV41ImageProcessor(**TINY)([lazy, lazy, lazy])
+    single = outputs["pixel_values"].shape[0] // 3
+    assert torch.equal(outputs["pixel_values"], outputs["pixel_values"][:single].repeat(3, 1, 1, 1))

@@ -77,3 +77,28 @@ def test_sparse_end_to_end_close_to_reference(fixtures_dir):
     logits, ref = out.logits[0], expected["logits"]
     assert (logits.argmax(-1) == ref.argmax(-1)).sum().item() >= 56
     assert (logits - ref).abs().max().item() <= 0.1
+
+
+def test_end_to_end_from_png_through_the_image_processor(fixtures_dir):
+    """Pixels from the PNG through our image processor (the reference's config), ids and span from the inputs."""
+    from PIL import Image
+
+    from processing import DeepseekV41ImageProcessor, image_span_token_types, token_grid
+
+    model = reference_model(fixtures_dir, "dense", emulate_quantization=False)
+    processor = DeepseekV41ImageProcessor.from_vision_config(model.config.vision_config)
+    pixels = processor(images=[Image.open(fixtures_dir / "v41_tiny_vl/image.png")], return_tensors="pt")
+    inputs = reference_inputs(fixtures_dir)
+    types = inputs["image_token_types"][0]
+    start = int((types == 0).nonzero()[0])
+    grid = token_grid(tuple(pixels["image_grid_hw"][0].tolist()), model.config.vision_config.downsample_ratio)
+    span = torch.tensor(image_span_token_types(grid))
+    assert torch.equal(types[start : start + len(span)], span)
+    with torch.no_grad():
+        logits = model(
+            input_ids=inputs["input_ids"], pixel_values=pixels["pixel_values"], image_grid_hw=pixels["image_grid_hw"],
+            image_token_types=inputs["image_token_types"],
+        ).logits[0]
+    expected = load_file(fixtures_dir / "v41_tiny_vl/dense/expected_noqdq.safetensors")["logits"]
+    assert (logits - expected).abs().max().item() <= 0.1
+    assert (logits.argmax(-1) == expected.argmax(-1)).sum().item() >= 56

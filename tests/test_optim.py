@@ -72,8 +72,9 @@ def _standin_from_fixture(fixtures_dir) -> nn.Module:
         out_features, in_features = shapes[f"{path}.weight"]
         linear = nn.Linear(in_features, out_features, bias=f"{path}.bias" in shapes)
         parent(path).add_module(path.rsplit(".", 1)[-1], linear)
+    covered = {f"{path}.{leaf}" for path in linears for leaf in ("weight", "bias")}
     for name, shape in shapes.items():
-        if name.rsplit(".", 1)[0] not in linears:
+        if name not in covered:
             parent(name).register_parameter(name.rsplit(".", 1)[-1], nn.Parameter(0.1 * torch.randn(shape)))
     reference = json.loads((model_dir / "sparse" / "config.json").read_text())
     root.config = SimpleNamespace(
@@ -299,6 +300,16 @@ def test_sinkhorn_columns_balanced_after_11_iterations():
     torch.testing.assert_close(direction.pow(2).mean(dim=1), torch.ones(64), rtol=1e-5, atol=0)
 
 
+def test_sinkhorn_is_scale_free_down_to_tiny_gradients():
+    update = torch.randn(32, 16, generator=torch.Generator().manual_seed(2))
+    update[:4] = 0.0
+    live, direction = sinkhorn_balance(update)
+    for scale in (1e-25, 1e20):  # squares of 1e-25 underflow float32
+        live_scaled, scaled = sinkhorn_balance(update * scale)
+        assert torch.equal(live_scaled, live)
+        torch.testing.assert_close(scaled, direction, rtol=1e-5, atol=1e-6)
+
+
 def test_sinkhorn_all_zero_gradient_is_a_no_op():
     (table,) = _params((16, 8))
     before = table.detach().clone()
@@ -509,3 +520,26 @@ def test_transformers_scheduler_clipping_and_accelerate(tiny_model):
         assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([lr * factor for lr in base_lrs])
     assert losses[-1] < losses[0]
     assert "initial_lr" in optimizer.state_dict()["param_groups"][0]
+
+
+def test_policy_and_a_training_step_on_the_real_tiny_model(fixtures_dir):
+    """The released-name policy on our model class, then one text+image training step in the reference dtypes."""
+    from reference_fixture import reference_inputs, reference_model
+
+    model = reference_model(fixtures_dir, "dense", emulate_quantization=False)
+    kinds = assign_kinds(model)
+    assert kinds == {name: _spec_kind(name) for name in kinds}
+    assert set(kinds) == {n for n, _ in _standin_from_fixture(fixtures_dir).named_parameters()}
+    opt = MixedOptimizer(build_param_groups(model, lr=1e-2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    inputs = reference_inputs(fixtures_dir)
+    model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    opt.step()
+    moved = 0
+    for group in opt.param_groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            if p.grad is not None and p.grad.abs().sum() > 0:
+                assert not torch.equal(p.detach(), before[name]), name
+                moved += 1
+    assert moved > 0.9 * sum(len(g["params"]) for g in opt.param_groups)  # gradients reach nearly everything
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -12,7 +12,11 @@ import math
 import torch
 from torch import Tensor
 
-NORM_FLOOR = 1e-30  # keeps an all-zero column (no live row touches it) at zero instead of NaN
+# Outside this range of the largest row norm, squares of the entries may underflow or overflow float32:
+# rescale first (the algorithm is invariant to a scalar factor), so that a tiny gradient still gets a
+# full-size update rather than none, and a huge one no NaN.
+_SAFE_ROW_NORMS = (2.0**-50, 2.0**50)
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 def sinkhorn_balance(update: Tensor, iters: int = 11, row_mask_tau: float = 1e-3) -> tuple[Tensor, Tensor]:
@@ -21,9 +25,12 @@ def sinkhorn_balance(update: Tensor, iters: int = 11, row_mask_tau: float = 1e-3
     Rows whose ℓ2 norm is ``≤ row_mask_tau · mean(row norms)`` are masked out: an embedding row that no
     token touched has a ~0 update, and normalizing it would blow noise up to full size. Only the ``L``
     live rows are returned (the caller leaves the others exactly unchanged; with an all-zero update no row
-    is live). The live rows are normalized ``iters`` times, rows first and rows last (so ``iters`` is odd),
-    then multiplied by ``√n``: every returned row has RMS exactly 1 and the columns are balanced.
-    Computed in float32.
+    is live). The live rows get ``iters`` alternating ℓ2 normalizations, rows first and rows last (so
+    ``iters`` is odd), then a factor ``√n``: every returned row has RMS 1 and the columns are balanced.
+
+    Written as Sinkhorn scalings ``diag(r)·X·diag(c)`` of the squared entries, so each normalization is one
+    matrix-vector product (a column-wise norm is many times slower than a row-wise one on CPU). Float32;
+    needs two ``[L, n]`` temporaries.
     """
     if update.ndim != 2:
         raise ValueError(f"the Sinkhorn-balanced update needs a matrix [rows, cols], got {tuple(update.shape)}")
@@ -31,9 +38,25 @@ def sinkhorn_balance(update: Tensor, iters: int = 11, row_mask_tau: float = 1e-3
         raise ValueError(f"sinkhorn_iters must be odd (rows first and last), got {iters}")
     update = update.float()
     row_norms = torch.linalg.vector_norm(update, dim=1)
+    if not _SAFE_ROW_NORMS[0] < row_norms.max() < _SAFE_ROW_NORMS[1]:
+        update = update / update.abs().amax().clamp_min(_FLOAT32_TINY)
+        row_norms = torch.linalg.vector_norm(update, dim=1)
     live_rows = torch.nonzero(row_norms > row_mask_tau * row_norms.mean()).squeeze(1)
-    direction = update.index_select(0, live_rows)
-    for step in range(iters):
-        dim = 1 if step % 2 == 0 else 0  # even steps: ℓ2 over each row; odd steps: over each column
-        direction.div_(torch.linalg.vector_norm(direction, dim=dim, keepdim=True).clamp_min(NORM_FLOOR))
-    return live_rows, direction.mul_(math.sqrt(update.shape[1]))
+
+    direction = update.index_select(0, live_rows).div_(row_norms[live_rows, None])  # normalization 1: rows
+    squares = direction.square()  # [L, n]
+    row_scale = torch.ones(len(live_rows), device=update.device)
+    col_scale = torch.ones(update.shape[1], device=update.device)
+    for step in range(1, iters):
+        if step % 2:  # columns: c_j = 1 / ‖(r_i x_ij)_i‖
+            col_scale = _inverse_sqrt(row_scale.square() @ squares)
+        else:  # rows: r_i = 1 / ‖(x_ij c_j)_j‖
+            row_scale = _inverse_sqrt(squares @ col_scale.square())
+    del squares
+    direction.mul_(row_scale.mul_(math.sqrt(update.shape[1]))[:, None]).mul_(col_scale)
+    return live_rows, direction
+
+
+def _inverse_sqrt(sum_of_squares: Tensor) -> Tensor:
+    """``1/√s``, and 0 where ``s = 0`` (a column no live row touches stays zero instead of NaN)."""
+    return torch.where(sum_of_squares > 0, sum_of_squares.rsqrt(), 0.0)

@@ -28,3 +28,13 @@ __all__ = [
     "DeepseekV41Model",
     "DeepseekV41ForCausalLM",
 ]
+
+
+def __getattr__(name: str):
+    """``DeepseekV41Trainer`` / ``DeepseekV41TrainingArguments`` load on first use: they import transformers'
+    Trainer and accelerate, which inference and the exported model do not need."""
+    if name in ("DeepseekV41Trainer", "DeepseekV41TrainingArguments"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -253,6 +253,10 @@ def test_bf16_load_keeps_fp32_params_and_round_trips(tmp_path, model):
             assert torch.equal(tensor, original[name]), name
     assert bf16.layers[0].attn.wq_a.weight.dtype == torch.bfloat16
     assert bf16.layers[1].ffn.gate.bias_vl.dtype == torch.float32
+    # the ratio-2 compressor pools in fp32 (reference dtypes); the ratio-1 one is a plain projection
+    assert bf16.layers[1].attn.compressor.wkv.weight.dtype == torch.float32
+    assert torch.equal(bf16.layers[1].attn.compressor.wgate.weight, model.layers[1].attn.compressor.wgate.weight)
+    assert bf16.layers[3].attn.compressor.wkv.weight.dtype == torch.bfloat16
     bf16.save_pretrained(tmp_path / "bf16")
     again = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
     assert_state_equal(again.state_dict(), bf16.state_dict())

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from configuration import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
 
 from .modeling_dsv41 import DeepseekV41ForCausalLM, DeepseekV41Model, DeepseekV41PreTrainedModel
+from .export import export_for_hub, push_to_hub  # noqa: F401  (Hub publishing with remote code)
 
 
 def _register() -> None:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .norms import DeepseekV41RMSNorm
 from .quantization import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
 from .rotary import apply_rotary
@@ -59,8 +60,9 @@ class DeepseekV41Compressor(nn.Module):
     def __init__(self, config, ratio: int):
         super().__init__()
         self.ratio = ratio
-        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
-        self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        linear = DeepseekV41Fp32Linear if ratio > 1 else nn.Linear
+        self.wkv = linear(config.hidden_size, config.head_dim, bias=False)
+        self.wgate = linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
         self.norm = DeepseekV41RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +70,9 @@ class DeepseekV41Compressor(nn.Module):
             return self.norm(self.wkv(x))
         dtype, r = x.dtype, self.ratio
         usable = x.shape[1] - x.shape[1] % r
-        x = x[:, :usable].float()
-        kv = F.linear(x, self.wkv.weight.float()).unflatten(1, (-1, r))
-        score = F.linear(x, self.wgate.weight.float()).unflatten(1, (-1, r))
+        x = x[:, :usable]
+        kv = self.wkv(x).unflatten(1, (-1, r))  # fp32
+        score = self.wgate(x).unflatten(1, (-1, r))
         return self.norm((kv * score.softmax(dim=2)).sum(dim=2).to(dtype))
 
 
@@ -205,8 +207,8 @@ class DeepseekV41Attention(nn.Module):
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wkv = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.kv_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
-        # block-diagonal: group g projects only its own heads' outputs, hence a grouped einsum and not a Linear
-        self.wo_a = nn.Linear(self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, bias=False)
+        # block-diagonal: group g projects only its own heads' outputs
+        self.wo_a = DeepseekV41GroupedLinear(self.n_heads * self.head_dim // self.n_groups, self.o_lora_rank, self.n_groups)
         self.wo_b = nn.Linear(self.n_groups * self.o_lora_rank, config.hidden_size, bias=False)
         self.compressor = DeepseekV41Compressor(config, self.ratio) if self.is_kv_source else None
         self.indexer = DeepseekV41Indexer(config, layer_id, self.is_kv_source) if self.is_index_source else None
@@ -238,9 +240,7 @@ class DeepseekV41Attention(nn.Module):
         out = sink_attention(q, kv, mask, self.attn_sink, self.scale)
         out = apply_rotary(out, rot, inverse=True)
         out = out.view(bsz, seq_len, self.n_groups, -1)
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        out = torch.einsum("bsgd,grd->bsgr", out, wo_a)
-        return self.wo_b(out.flatten(2))
+        return self.wo_b(self.wo_a(out).flatten(2))
 
     def _compressed(
         self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext

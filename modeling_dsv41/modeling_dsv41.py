@@ -24,6 +24,7 @@ from configuration.configuration_dsv41 import DeepseekV41Config
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
+from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .moe import DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .rotary import DeepseekV41RotaryEmbedding
@@ -106,7 +107,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.get_text_config().initializer_range
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding, DeepseekV41GroupedLinear)):
             if module.weight.dtype.is_floating_point and module.weight.element_size() > 1:
                 init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
@@ -277,7 +278,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     def __init__(self, config: DeepseekV41Config):
         text = config.text_config
         super().__init__(config)
-        self.head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
+        self.head = DeepseekV41Fp32Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -309,7 +310,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         )
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = F.linear(hidden[:, keep].float(), self.head.weight.float())
+        logits = self.head(hidden[:, keep])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.text_config.vocab_size, **kwargs)

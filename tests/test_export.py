@@ -1,0 +1,319 @@
+"""Hub export: a flat remote-code folder that loads with transformers alone, our classes first where the package is
+installed, a rendered model card whose usage snippets run, and push_to_hub into a local stand-in for the Hub."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from huggingface_hub import CommitInfo, HfApi, ModelCard, RepoUrl
+from peft import LoraConfig, get_peft_model
+from PIL import Image
+from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor
+
+from configuration import DeepseekV41Config
+from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41.engram import build_compressed_token_map
+from modeling_dsv41.export import export_for_hub, flatten_module_source, push_to_hub
+from processing import DeepseekV41ImageProcessor, DeepseekV41Processor, build_tiny_tokenizer  # (registers them)
+
+PROJECT_PACKAGES = {"configuration", "processing", "modeling_dsv41"}
+RESULTS = {"MMMU (val)": {"accuracy": 0.5123}, "DocVQA": {"ANLS": 0.9}}
+CARD_DATA = {"datasets": ["HuggingFaceM4/the_cauldron"], "tags": ["lora-ready"], "language": ["en", "zh"]}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny model and processor that belong together (the Engram map is built from this tokenizer)."""
+    tokenizer = build_tiny_tokenizer()
+    preset = DeepseekV41Config.from_preset("tiny")
+    _, compressed = build_compressed_token_map(tokenizer)
+    config = DeepseekV41Config.from_preset(
+        "tiny", text_config={**preset.text_config.to_dict(), "engram_compressed_vocab_size": compressed}
+    )
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(config).eval()
+    model.engram_hasher.load_tokenizer(tokenizer)
+    processor = DeepseekV41Processor(DeepseekV41ImageProcessor.from_vision_config(config.vision_config), tokenizer)
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def exported(tiny, tmp_path_factory):
+    model, processor = tiny
+    return export_for_hub(
+        model, tmp_path_factory.mktemp("hub") / "dsv41-tiny", processor, card_data=CARD_DATA, results=RESULTS
+    )
+
+
+def sample_image() -> Image.Image:
+    return Image.new("RGB", (60, 40), (200, 30, 30))
+
+
+def chat_prompt(processor) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def sample_inputs(processor) -> dict[str, torch.Tensor]:
+    return dict(processor(images=[sample_image()], text=chat_prompt(processor), return_tensors="pt"))
+
+
+def usage_snippets(readme: str) -> list[str]:
+    usage = readme.split("\n## Usage", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", usage, flags=re.DOTALL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# flattening
+# ---------------------------------------------------------------------------------------------------------------
+def test_flatten_rewrites_project_imports_into_sibling_imports():
+    source = textwrap.dedent(
+        """\
+        from __future__ import annotations
+        import torch
+        from torch import nn
+        from configuration.configuration_dsv41 import DeepseekV41Config
+        from .moe import (
+            DeepseekV41MoE,
+        )
+
+        def load():
+            from processing.image_processing_dsv41 import plan_image_grid
+            return plan_image_grid
+        """
+    )
+    flat, needed = flatten_module_source(source, "modeling_dsv41.modeling_dsv41")
+    assert flat == source.replace("from configuration.configuration_dsv41 import", "from .configuration_dsv41 import") \
+        .replace("from processing.image_processing_dsv41 import", "from .image_processing_dsv41 import")
+    assert needed == {"configuration.configuration_dsv41", "modeling_dsv41.moe", "processing.image_processing_dsv41"}
+
+
+@pytest.mark.parametrize(
+    "statement, message",
+    [
+        ("from configuration import DeepseekV41Config", "imports from the package 'configuration'"),
+        ("from . import moe", "imports from the package 'modeling_dsv41'"),
+        ("import modeling_dsv41.moe", "cannot be flattened"),
+    ],
+)
+def test_flatten_refuses_imports_it_cannot_express_flat(statement, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        flatten_module_source(statement + "\n", "modeling_dsv41.modeling_dsv41")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the exported folder
+# ---------------------------------------------------------------------------------------------------------------
+def test_export_is_a_flat_self_contained_repo(exported):
+    modules = {path.stem for path in exported.glob("*.py")}
+    for path in exported.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:  # only siblings that were written
+                assert node.level == 1 and node.module in modules, f"{path.name}: {ast.unparse(node)}"
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module.split(".")[0] not in PROJECT_PACKAGES, f"{path.name}: {ast.unparse(node)}"
+            elif isinstance(node, ast.Import):
+                assert not {a.name.split(".")[0] for a in node.names} & PROJECT_PACKAGES, path.name
+
+    def defined(reference: str) -> bool:
+        module, name = reference.split(".")
+        tree = ast.parse((exported / f"{module}.py").read_text())
+        return any(isinstance(n, ast.ClassDef) and n.name == name for n in tree.body)
+
+    config = json.loads((exported / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_dsv41.DeepseekV41Config",
+        "AutoModel": "modeling_dsv41.DeepseekV41Model",
+        "AutoModelForCausalLM": "modeling_dsv41.DeepseekV41ForCausalLM",
+        "AutoModelForImageTextToText": "modeling_dsv41.DeepseekV41ForCausalLM",
+    }
+    saved = json.loads((exported / "processor_config.json").read_text())
+    assert saved["auto_map"] == {"AutoProcessor": "processing_dsv41.DeepseekV41Processor"}
+    assert saved["image_processor"]["auto_map"] == {
+        "AutoImageProcessor": {
+            "torchvision": "image_processing_dsv41.DeepseekV41ImageProcessor",
+            "pil": "image_processing_pil_dsv41.DeepseekV41ImageProcessorPil",
+        }
+    }
+    references = [*config["auto_map"].values(), *saved["auto_map"].values(),
+                  *saved["image_processor"]["auto_map"]["AutoImageProcessor"].values()]
+    assert all(defined(reference) for reference in references)
+
+
+def test_model_card_metadata_architecture_and_results(exported, tiny):
+    card = ModelCard.load(exported / "README.md")
+    data = card.data
+    assert (data.library_name, data.pipeline_tag, data.license) == ("transformers", "image-text-to-text", "mit")
+    assert data.base_model == "deepseek-ai/DeepSeek-V4.1-Flash"
+    assert {"custom_code", "lora-ready"} <= set(data.tags)
+    assert data.datasets == CARD_DATA["datasets"] and data.language == CARD_DATA["language"]
+    text = card.text
+    assert f"| Parameters | {tiny[0].num_parameters():,} |" in text
+    assert "| MMMU (val) | accuracy | 0.5123 |" in text and "| DocVQA | ANLS | 0.9 |" in text
+    for kind in ("Muon", "Head-wise Muon", "Sinkhorn-balanced", "AdamW"):
+        assert f"| {kind}" in text
+    assert "{{" not in text and "{%" not in text
+    assert len(usage_snippets(text)) == 2  # text chat, and image chat with the processor
+
+
+def test_model_only_export_has_a_runnable_snippet_and_no_results(tiny, tmp_path):
+    model, _ = tiny
+    text = (export_for_hub(model, tmp_path / "repo") / "README.md").read_text()
+    assert "No evaluation results have been reported" in text
+    [snippet] = usage_snippets(text)  # no tokenizer or processor saved: token ids straight into the model
+    namespace = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert type(namespace["model"]) is DeepseekV41ForCausalLM
+    assert 0 <= int(namespace["next_token"]) < model.config.text_config.vocab_size
+
+
+def test_export_refuses_what_it_cannot_publish(tiny, tmp_path):
+    model, processor = tiny
+    peft_model = get_peft_model(DeepseekV41ForCausalLM(model.config), LoraConfig(r=2, target_modules=["wq_a"]))
+    with pytest.raises(ValueError, match="merge the adapters"):
+        export_for_hub(peft_model, tmp_path / "peft")
+    with pytest.raises(ValueError, match="not both"):
+        export_for_hub(model, tmp_path / "both", processor, processor.tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------------------------
+REMOTE_SCRIPT = """
+import builtins, json, sys
+def no_prompt(prompt=""):
+    raise AssertionError("transformers asked whether to trust remote code: " + prompt[:200])
+builtins.input = no_prompt
+for package in ("configuration", "processing", "modeling_dsv41"):
+    try:
+        __import__(package)
+    except ImportError:
+        continue
+    raise AssertionError(f"{package} is importable: the check would not show that remote code suffices")
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+from PIL import Image
+
+repo, expected, case = sys.argv[1], torch.load("expected.pt"), json.load(open("case.json"))
+config = AutoConfig.from_pretrained(repo, trust_remote_code=True)
+processor = AutoProcessor.from_pretrained(repo, trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True).eval()
+inputs = dict(processor(images=[Image.open("image.png")], text=case["prompt"], return_tensors="pt"))
+for key, value in expected["inputs"].items():
+    assert torch.equal(inputs[key], value), key
+with torch.no_grad():
+    logits = model(**inputs).logits
+# 1e-5: the same fp32 computation, only BLAS blocking may differ between the two processes
+assert torch.allclose(logits, expected["logits"], rtol=0, atol=1e-5), (logits - expected["logits"]).abs().max()
+image_model = AutoModelForImageTextToText.from_pretrained(repo, trust_remote_code=True)
+for snippet in case["snippets"]:
+    exec(compile(snippet, "README.md", "exec"), {})
+print(json.dumps({name: type(obj).__module__ for name, obj in [("config", config), ("processor", processor),
+      ("image_processor", processor.image_processor), ("model", model), ("image_model", image_model)]}))
+"""
+
+
+def test_remote_code_loads_with_transformers_alone(exported, tiny, tmp_path):
+    model, processor = tiny
+    sample_image().save(tmp_path / "image.png")
+    sample_image().save(tmp_path / "photo.jpg")  # what the card's image snippet opens
+    inputs = sample_inputs(processor)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    torch.save({"inputs": inputs, "logits": logits}, tmp_path / "expected.pt")
+    snippets = usage_snippets((exported / "README.md").read_text())
+    (tmp_path / "case.json").write_text(json.dumps({"prompt": chat_prompt(processor), "snippets": snippets}))
+    (tmp_path / "check.py").write_text(REMOTE_SCRIPT)
+
+    # -S: no site hooks, so neither the editable install's path finder nor any .pth puts the project on sys.path;
+    # PYTHONPATH: only the environment's site-packages (transformers, torch, …)
+    site_packages = Path(transformers.__file__).resolve().parents[1]
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(site_packages), "HOME": str(tmp_path),
+        "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    }
+    run = subprocess.run(
+        [sys.executable, "-S", "check.py", str(exported)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    modules = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(module.startswith("transformers_modules.") for module in modules.values()), modules
+
+
+@pytest.mark.parametrize("trust_remote_code", [True, None])
+def test_installed_package_takes_precedence_over_the_repo_code(exported, trust_remote_code):
+    config = AutoConfig.from_pretrained(exported, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=trust_remote_code)
+    processor = AutoProcessor.from_pretrained(exported, trust_remote_code=trust_remote_code)
+    assert type(config) is DeepseekV41Config
+    assert type(model) is DeepseekV41ForCausalLM
+    assert type(processor) is DeepseekV41Processor
+    assert type(processor.image_processor).__module__.startswith("processing.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# push_to_hub
+# ---------------------------------------------------------------------------------------------------------------
+class LocalHub:
+    """Stands in for the Hub: ``create_repo`` records the call, ``create_commit`` writes the files under ``root``."""
+
+    def __init__(self, root: Path):
+        self.root, self.repos, self.commits = root, [], []
+
+    def create_repo(self, api, repo_id, **kwargs):
+        self.repos.append((repo_id, kwargs))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_commit(self, api, repo_id, operations, **kwargs):
+        self.commits.append((repo_id, kwargs))
+        for op in operations:
+            target = self.root / repo_id / op.path_in_repo
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(op.path_or_fileobj, target)
+        url = f"https://huggingface.co/{repo_id}/commit/{'0' * 40}"
+        return CommitInfo(commit_url=url, commit_message=kwargs["commit_message"], commit_description="", oid="0" * 40)
+
+
+def test_push_to_hub_commits_the_export(tiny, exported, tmp_path, monkeypatch):
+    hub = LocalHub(tmp_path / "hub")
+    monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: hub.create_repo(api, repo_id, **kw))
+    monkeypatch.setattr(HfApi, "create_commit", lambda api, repo_id, ops, **kw: hub.create_commit(api, repo_id, ops, **kw))
+    model, processor = tiny
+
+    info = push_to_hub("someone/dsv41-tiny", model, processor, results=RESULTS, private=True, commit_message="tiny")
+
+    assert info.commit_message == "tiny"
+    assert hub.repos == [("someone/dsv41-tiny", {"private": True, "token": None, "exist_ok": True})]
+    pushed = tmp_path / "hub" / "someone" / "dsv41-tiny"
+    assert sorted(p.name for p in pushed.iterdir()) == sorted(p.name for p in exported.iterdir())
+    assert 'repo_id = "someone/dsv41-tiny"' in (pushed / "README.md").read_text()
+    reloaded = AutoModelForCausalLM.from_pretrained(pushed, trust_remote_code=True).eval()
+    inputs = sample_inputs(AutoProcessor.from_pretrained(pushed, trust_remote_code=True))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
+
+
+def test_push_to_a_branch_creates_it_first(tiny, tmp_path, monkeypatch):
+    hub, branches = LocalHub(tmp_path / "hub"), []
+    monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: hub.create_repo(api, repo_id, **kw))
+    monkeypatch.setattr(HfApi, "create_branch", lambda api, repo_id, **kw: branches.append((repo_id, kw)))
+    monkeypatch.setattr(HfApi, "create_commit", lambda api, repo_id, ops, **kw: hub.create_commit(api, repo_id, ops, **kw))
+
+    push_to_hub("someone/dsv41-tiny", tiny[0], revision="dev")
+
+    assert branches == [("someone/dsv41-tiny", {"branch": "dev", "token": None, "exist_ok": True})]
+    assert hub.commits[0][1]["revision"] == "dev"

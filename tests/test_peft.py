@@ -1,0 +1,201 @@
+"""PEFT LoRA on the released module names: adapters act where they are put (or PEFT refuses them), train, save,
+reload and merge to the same function."""
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch.utils.data import Dataset
+
+from configuration import DeepseekV41Config
+from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+# the released names: attention, routed and shared experts (w1/w2/w3), ViT (wqkv, wo, mlp w1/w2, patch proj),
+# aligner (w1/w2). Suffix matching also reaches the compressor's and Engram's `wkv` and the indexer's `wq_b`.
+RELEASED_TARGETS = ["wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3", "wqkv", "wo", "proj"]
+IMAGE_TOKEN_ID = 510  # tiny preset
+
+
+def tiny_model(seed: int = 0) -> DeepseekV41ForCausalLM:
+    torch.manual_seed(seed)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny"))
+    vocab = model.config.text_config.vocab_size
+    compressed = model.config.text_config.engram_compressed_vocab_size
+    model.engram_hasher.token_map.copy_(torch.arange(vocab) % compressed)  # any complete map will do here
+    return model
+
+
+def image_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Two rows, the first with one 6×6-patch image (a 2×2 token grid: an 8-position span); labels are the text."""
+    gen = torch.Generator().manual_seed(seed)
+    types = torch.full((2, 20), -1)
+    types[0, 3:11] = torch.tensor([0, 1, 1, 2, 1, 1, 2, 3])
+    input_ids = torch.randint(3, 500, (2, 20), generator=gen).masked_fill(types >= 0, IMAGE_TOKEN_ID)
+    return {
+        "input_ids": input_ids,
+        "pixel_values": torch.randn(36, 3, 14, 14, generator=gen),
+        "image_grid_hw": torch.tensor([[6, 6]]),
+        "image_token_types": types,
+        "labels": input_ids.masked_fill(types >= 0, -100),
+        "use_cache": False,
+    }
+
+
+class SameBatch(Dataset):
+    """Indices only: the collator hands the Trainer :func:`image_batch` at every step."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    @staticmethod
+    def collate(_: list[int]) -> dict[str, torch.Tensor]:
+        return image_batch()
+
+
+def logits(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+def adapted_modules(peft_model) -> dict[str, LoraLayer]:
+    return {name.removeprefix("base_model.model."): m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def test_lora_on_released_names_trains_saves_reloads_and_merges(tmp_path):
+    batch = image_batch()
+    base = tiny_model().eval()
+    base.save_pretrained(tmp_path / "base")
+    base_logits = logits(base, batch)
+    frozen_before = base.layers[2].attn.wq_a.weight.detach().clone()
+
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=RELEASED_TARGETS))
+    names = adapted_modules(model)
+    for expected in ("layers.0.attn.wq_a", "layers.0.attn.wq_b", "layers.0.attn.wkv", "layers.0.attn.wo_b",
+                     "layers.1.attn.compressor.wkv", "layers.0.engram.wkv", "layers.0.ffn.experts.3.w2",
+                     "layers.5.ffn.shared_experts.w3", "vision.blocks.1.attn.wqkv", "vision.blocks.1.attn.wo",
+                     "vision.blocks.0.mlp.w1", "vision.patch_embed.proj", "aligner.w1", "aligner.w2"):
+        assert expected in names
+    assert not any(name.endswith("wo_a") for name in names)
+    # LoRA starts at B = 0: the adapted model computes exactly what the base model does
+    torch.testing.assert_close(logits(model, batch), base_logits, rtol=0, atol=0)
+
+    # DeepseekV41Trainer: its mixed optimizer puts the LoRA factors (the only trainable parameters) in AdamW
+    assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
+    args = DeepseekV41TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=2, learning_rate=5e-3,
+        lr_scheduler_type="constant", bias_update_speed=0.0,  # routing biases are base weights: an adapter keeps none
+        report_to="none", save_strategy="no", logging_strategy="no", remove_unused_columns=False, use_cpu=True,
+    )
+    trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=SameBatch(), data_collator=SameBatch.collate)
+    loss_before = model(**batch).loss.item()
+    trainer.train()
+    model.eval()
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    optimized = {id(p): group["kind"] for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimized.keys() == trainable and set(optimized.values()) == {"adamw"}
+    assert model(**batch).loss.item() < loss_before
+    torch.testing.assert_close(base.layers[2].attn.wq_a.base_layer.weight, frozen_before, rtol=0, atol=0)
+    trained = logits(model, batch)
+    assert (trained - base_logits).abs().max() > 1e-3
+
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    reloaded = PeftModel.from_pretrained(
+        DeepseekV41ForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter"
+    ).eval()
+    torch.testing.assert_close(logits(reloaded, batch), trained, rtol=0, atol=0)
+
+    merged = reloaded.merge_and_unload()
+    assert not any(isinstance(m, LoraLayer) for m in merged.modules())
+    # folding B·A into the weights changes only the fp32 summation order
+    torch.testing.assert_close(logits(merged, batch), trained, rtol=1e-4, atol=1e-4)
+
+
+def test_every_adapter_is_applied_and_merges_to_the_same_function():
+    """Random (non-zero) LoRA factors on every layer "all-linear" picks: each adapted module must run in the forward
+    pass (a consumer reading ``.weight`` directly would skip its adapter silently), and the merged model must equal
+    the adapted one."""
+    batch = image_batch()
+    base = tiny_model().eval()
+    base_logits = logits(base, batch)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    calls = {name: 0 for name in adapted_modules(model)}
+    hooks = [
+        module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+        for name, module in adapted_modules(model).items()
+    ]
+    adapted = logits(model, batch)
+    for hook in hooks:
+        hook.remove()
+    assert {name.rsplit(".", 1)[-1] for name in calls} >= {"wq_a", "wq_b", "wkv", "wo_b", "wgate", "w1", "w2", "w3",
+                                                         "wqkv", "wo", "proj"}
+    # a routed expert runs only when chosen; every other adapted module must have run
+    chosen = {f"layers.{layer.layer_id}.ffn.experts.{e}" for layer in base.layers
+              for e in layer.ffn.last_expert_indices.unique().tolist()}
+    never_ran = [name for name, count in calls.items() if count == 0]
+    assert [name for name in never_ran if ".ffn.experts." not in name or name.rsplit(".", 1)[0] in chosen] == []
+    assert (adapted - base_logits).abs().max() > 1e-3
+    # merging B·A into the weights changes only the fp32 summation order (a silently skipped adapter differs by O(1))
+    torch.testing.assert_close(logits(model.merge_and_unload(), batch), adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_on_the_fp32_head_is_applied():
+    batch = image_batch()
+    base = tiny_model().eval()
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["head"], init_lora_weights=False))
+    adapted = logits(model, batch)
+    assert adapted.dtype == torch.float32
+    with model.disable_adapter():
+        plain = logits(model, batch)
+    assert (adapted - plain).abs().max() > 1e-3
+    torch.testing.assert_close(logits(model.merge_and_unload(), batch), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_on_the_grouped_wo_a_is_refused():
+    """``wo_a`` is block-diagonal (one block per output group): an adapter treating it as one dense matrix would be
+    wrong, so it must be refused with PEFT's error, not wrapped."""
+    with pytest.raises(ValueError, match=r"DeepseekV41GroupedLinear.*block-diagonal.*not supported"):
+        get_peft_model(tiny_model(), LoraConfig(r=4, target_modules=["wo_a"]))
+
+
+def lora_gradients(checkpointing: dict | None) -> dict[str, torch.Tensor | None]:
+    base = tiny_model()
+    if checkpointing is not None:
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+        base.enable_input_require_grads()  # what PEFT and the Trainer do for checkpointed adapters
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["wq_a", "wo_b", "w1"], init_lora_weights=False))
+    assert model.get_input_embeddings() is base.embed
+    model.train()
+    model(**image_batch()).loss.backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_gradients(checkpointed, plain):
+    assert all(plain[n] is not None for n in plain if ".attn." in n)  # (routed experts not chosen have none)
+    for name, grad in plain.items():
+        if grad is None:
+            assert checkpointed[name] is None, name
+        else:
+            torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_gives_the_same_lora_gradients():
+    """transformers' default (non-reentrant) checkpointing, with the embeddings' output hooked to require grad."""
+    assert_same_gradients(lora_gradients({"use_reentrant": False}), lora_gradients(None))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="reentrant checkpointing loses the gradient through the compressed-KV context a layer hands to the next "
+    "(a non-tensor input/output of the checkpointed layer): the model must refuse it or pass those tensors explicitly",
+)
+def test_reentrant_checkpointing_is_exact_or_refused():
+    try:
+        checkpointed = lora_gradients({"use_reentrant": True})
+    except ValueError:
+        return
+    assert_same_gradients(checkpointed, lora_gradients(None))

@@ -402,7 +402,11 @@ def test_policy_groups_head_layouts_and_frozen(tiny_model):
 
 
 def test_policy_overrides_and_hparams(tiny_model):
-    overrides = {r"engram\.embed": "adamw", r"^aligner\.": "frozen", r"(^|\.)head\.weight$": {"kind": "sinkhorn", "lr": 5.0}}
+    overrides = {
+        r"engram\.embed": "adamw",
+        r"^aligner\.": "frozen",
+        r"(^|\.)head\.weight$": {"kind": "sinkhorn", "lr": 5.0},
+    }
     groups = build_param_groups(tiny_model, lr=1e-3, overrides=overrides, adamw={"betas": (0.9, 0.99)})
     by_name = {name: g for g in groups for name in g["param_names"]}
     assert by_name["layers.0.engram.embed.weight"]["kind"] == "adamw"
@@ -494,7 +498,8 @@ def test_transformers_scheduler_clipping_and_accelerate(tiny_model):
     from accelerate import Accelerator
     from transformers import get_linear_schedule_with_warmup
 
-    targets = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) for n, p in tiny_model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    targets = {n: torch.randn(p.shape, generator=g) for n, p in tiny_model.named_parameters()}
     groups = build_param_groups(tiny_model, lr=1e-2, sinkhorn={"lr": 3e-2})
     accelerator = Accelerator(cpu=True)
     model, optimizer = accelerator.prepare(tiny_model, MixedOptimizer(groups))

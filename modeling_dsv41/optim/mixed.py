@@ -65,8 +65,8 @@ class MixedOptimizer(torch.optim.Optimizer):
 
     State per parameter: ``momentum_buffer`` (muon kinds, sinkhorn) or ``step``, ``exp_avg``, ``exp_avg_sq``
     (adamw), all tensors, so ``torch.load(weights_only=True)`` reads a saved ``state_dict``. Momentum follows
-    torch.optim.Muon's convention ``B ← μ·B + (1 − μ)·g``, Nesterov ``g + μ·(B − g)``. Keys a group leaves out
-    come from :data:`KIND_DEFAULTS` (torch.optim.Muon's and torch.optim.AdamW's defaults plus SPEC §6's), then
+    torch.optim.Muon's convention ``B ← μ·B + (1 − μ)·g``, Nesterov ``g + μ·(B − g)``. Keys a group leaves
+    out come from :data:`KIND_DEFAULTS` (torch.optim.Muon's and torch.optim.AdamW's defaults plus SPEC §6's), then
     from ``lr``; unknown keys raise.
 
     Example::

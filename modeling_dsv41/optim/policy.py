@@ -120,7 +120,7 @@ def build_param_groups(
 
 
 def freeze_default_parameters(model: nn.Module) -> list[str]:
-    """Set ``requires_grad=False`` on the parameters SPEC §6 freezes (indexer, balancing biases); returns their names."""
+    """Set ``requires_grad=False`` on what SPEC §6 freezes (indexer, balancing biases); returns their names."""
     frozen = []
     for name, p in model.named_parameters():
         if any(pattern.search(canonical_name(name)) for pattern in _DEFAULT_FROZEN):
@@ -204,7 +204,9 @@ def _parse_override(value: Override) -> tuple[str, dict[str, Any]]:
     kind = extra.pop("kind", None)
     if kind not in (*KINDS, FROZEN):
         raise ValueError(f"override kind must be one of {(*KINDS, FROZEN)}, got {kind!r}")
-    allowed = set() if kind == FROZEN else {"lr", *KIND_DEFAULTS[kind], *(("num_heads",) if kind == "muon_headwise" else ())}
+    allowed = set() if kind == FROZEN else {"lr", *KIND_DEFAULTS[kind]}
+    if kind == "muon_headwise":
+        allowed.add("num_heads")
     if set(extra) - allowed:
         raise ValueError(f"unknown keys {sorted(set(extra) - allowed)} in a {kind!r} override")
     return kind, extra
@@ -219,7 +221,7 @@ def _head_layout(model: nn.Module, name: str) -> dict[str, Any]:
         hidden = getattr(vision, "hidden_size", None)
         heads = getattr(vision, "num_attention_heads", None)
         if hidden is None or heads is None:
-            raise ValueError(f"{name} is head-wise but model.config.vision_config lacks hidden_size/num_attention_heads")
+            raise ValueError(f"{name} is head-wise: model.config.vision_config needs hidden_size, num_attention_heads")
         return {"num_heads": (heads, heads, 1), "split_sizes": (hidden, hidden, hidden)}  # q, k per head; v whole
     if re.search(r"(^|\.)attn\.wq_b\.weight$", canonical):
         text = getattr(config, "text_config", None)

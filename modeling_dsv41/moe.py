@@ -99,6 +99,8 @@ class DeepseekV41MoE(nn.Module):
             if count == 0:
                 continue
             token, slot = torch.where(indices == e)
-            out = out.index_add(0, token, self.experts[e](x[token], weights[token, slot, None]).float())
+            # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter
+            routed = self.experts[e](x.index_select(0, token), weights[token, slot, None])
+            out.index_add_(0, token, routed.float())
         out = out + self.shared_experts(x).float()
         return out.to(x.dtype).view(shape)

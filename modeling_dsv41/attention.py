@@ -14,7 +14,8 @@ Per layer ``i`` with ``compress_ratios[i] = r``:
   a per-head ``attn_sink`` joins the softmax denominator; the output's rope slice is rotated back and
   projected by the block-diagonal ``wo_a`` (``o_groups``) and ``wo_b``.
 
-What a source hands to its consumers within one forward lives in :class:`CompressedContext`.
+What a source hands to its consumers within one forward lives in :class:`CompressedContext`; what decoding
+carries from one forward to the next lives in :class:`~.cache.DeepseekV41Cache`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import CacheStep, DeepseekV41LayerCache, gather_rows
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .norms import DeepseekV41RMSNorm
 from .quantization import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
@@ -68,11 +70,18 @@ class DeepseekV41Compressor(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wgate is None:
             return self.norm(self.wkv(x))
-        dtype, r = x.dtype, self.ratio
+        r = self.ratio
         usable = x.shape[1] - x.shape[1] % r
-        x = x[:, :usable]
-        kv = self.wkv(x).unflatten(1, (-1, r))  # fp32
-        score = self.wgate(x).unflatten(1, (-1, r))
+        kv, score = self.project(x[:, :usable])
+        return self.pool(kv.unflatten(1, (-1, r)), score.unflatten(1, (-1, r)), x.dtype)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``wkv`` and ``wgate`` projections of every token [B, S, D] (r > 1): what a decode cache holds for
+        a group that is still filling up."""
+        return self.wkv(x), self.wgate(x)
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Complete groups kv, score [B, G, r, D] (fp32) → normalized latents [B, G, D] in ``dtype``."""
         return self.norm((kv * score.softmax(dim=2)).sum(dim=2).to(dtype))
 
 
@@ -128,7 +137,8 @@ class DeepseekV41Indexer(nn.Module):
         self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, ctx: CompressedContext,
         compress_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """x [B,S,D], qr [B,S,q_lora]; returns the selection mask [B, S, T] (True = attend)."""
+        """x [B,S,D], qr [B,S,q_lora], compress_lens [S] or [B, S] (compressed rows each query may see);
+        returns the selection mask [B, S, T] (True = attend)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rotary(q, rotation)
         if self.emulate_quantization:
@@ -142,8 +152,7 @@ class DeepseekV41Indexer(nn.Module):
         scores = scores.masked_fill(~reachable, -torch.inf)
         if self.is_candidate_source:
             ctx.candidates = select_candidate_blocks(
-                scores, compress_lens.unsqueeze(0).expand(scores.shape[:2]), self.candidate_topk_blocks,
-                self.candidate_block_size,
+                scores, compress_lens.expand(scores.shape[:2]), self.candidate_topk_blocks, self.candidate_block_size
             )
         elif self.uses_candidates and ctx.candidates is not None:
             scores = scores.masked_fill(~ctx.candidates, -torch.inf)
@@ -214,36 +223,61 @@ class DeepseekV41Attention(nn.Module):
         self.indexer = DeepseekV41Indexer(config, layer_id, self.is_kv_source) if self.is_index_source else None
 
     def forward(
-        self, x: torch.Tensor, rotation: torch.Tensor, ctx: CompressedContext, key_padding: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rotation: torch.Tensor,
+        ctx: CompressedContext,
+        key_padding: torch.Tensor | None = None,
+        layer_cache: DeepseekV41LayerCache | None = None,
+        step: CacheStep | None = None,
     ) -> torch.Tensor:
         """x [B,S,D] (positions 0..S-1), rotation [S, R] complex for this layer's rope kind → [B,S,D].
 
         key_padding [B, S] bool marks padded positions no query may attend to (right padding only ever
         follows real tokens, so it needs no mask; the model aligns left-padded rows before calling).
+
+        With a ``layer_cache``: on the prefill ``step`` this full pass also records the decode state; on later
+        steps x holds only the new tokens (at ``step.positions``, rotation [B, S, R]) and attends over the cache.
         """
+        if layer_cache is not None and not step.prefill:
+            return self._forward_incremental(x, rotation, ctx, layer_cache, step)
         bsz, seq_len, _ = x.shape
         rot = rotation.unsqueeze(0).expand(bsz, -1, -1)
         qr = self.q_norm(self.wq_a(x))
         q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
 
-        kv = apply_rotary(self.kv_norm(self.wkv(x)), rot)
-        if self.emulate_quantization:
-            kv = _fp8_qdq(kv)
+        kv = self._window_kv(x, rot)
+        if layer_cache is not None:
+            layer_cache.store_window(kv, step.lengths)
         mask = window_mask(seq_len, self.window, x.device).unsqueeze(0).expand(bsz, -1, -1)
         if key_padding is not None:
             mask = mask & ~key_padding.unsqueeze(1)
         if self.ratio:
-            compress_kv, compress_mask = self._compressed(x, qr, rot, ctx)
+            compress_kv, compress_mask = self._compressed(x, qr, rot, ctx, layer_cache, step)
             kv = torch.cat([kv, compress_kv], dim=1)
             mask = torch.cat([mask, compress_mask], dim=-1)
+        return self._attend(q, kv, mask, rot)
 
+    def _window_kv(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """Each token's shared K=V [B,S,D], rotated (and FP8 quantize-dequantized, as cached by the reference)."""
+        kv = apply_rotary(self.kv_norm(self.wkv(x)), rot)
+        return _fp8_qdq(kv) if self.emulate_quantization else kv
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len = q.shape[:2]
         out = sink_attention(q, kv, mask, self.attn_sink, self.scale)
         out = apply_rotary(out, rot, inverse=True)
         out = out.view(bsz, seq_len, self.n_groups, -1)
         return self.wo_b(self.wo_a(out).flatten(2))
 
     def _compressed(
-        self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        rot: torch.Tensor,
+        ctx: CompressedContext,
+        layer_cache: DeepseekV41LayerCache | None = None,
+        step: CacheStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed K=V this layer reads [B,T,D] and which of it each query attends to [B,S,T]."""
         seq_len, r = x.shape[1], self.ratio
@@ -255,10 +289,77 @@ class DeepseekV41Attention(nn.Module):
                 ctx.index_k = self.indexer.index_keys(latent, group_rot)
             latent = apply_rotary(latent, group_rot)
             ctx.compress_kv = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
-        if self.is_index_source:
-            width = ctx.compress_kv.shape[1]
-            if width == 0:
-                ctx.selection = x.new_zeros(x.shape[0], seq_len, 0, dtype=torch.bool)
+            if layer_cache is not None:
+                self._record_compressed(x, ctx, layer_cache, step.lengths)
+        self._select(x, qr, rot, ctx, compress_lens)
+        return ctx.compress_kv, ctx.selection
+
+    def _select(
+        self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, compress_lens: torch.Tensor
+    ) -> None:
+        """An index source publishes its top-k selection [B, S, T] for the layers up to the next one."""
+        if not self.is_index_source:
+            return
+        if ctx.compress_kv.shape[1] == 0:
+            ctx.selection = x.new_zeros(x.shape[0], x.shape[1], 0, dtype=torch.bool)
+        else:
+            ctx.selection = self.indexer(x, qr, rot, ctx, compress_lens)
+
+    # ---- decode cache -------------------------------------------------------------------------------------
+    def _record_compressed(
+        self, x: torch.Tensor, ctx: CompressedContext, layer_cache: DeepseekV41LayerCache, lengths: torch.Tensor
+    ) -> None:
+        """After a full pass: keep each row's ``lengths // r`` compressed rows and index keys, and the projections
+        of its open group."""
+        r = self.ratio
+        counts = lengths // r
+        zero = torch.zeros_like(counts)
+        layer_cache.append_compressed(ctx.compress_kv, ctx.index_k if self.indexer is not None else None, zero, counts)
+        if r > 1:
+            open_group = (counts * r).unsqueeze(1) + torch.arange(r, device=x.device)
+            layer_cache.store_pending(*self.compressor.project(gather_rows(x, open_group)))
+
+    def _forward_incremental(
+        self, x: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, layer_cache: DeepseekV41LayerCache,
+        step: CacheStep,
+    ) -> torch.Tensor:
+        """New tokens x [B,S,D] at ``step.positions`` [B,S] (rot [B,S,R]) against the cached state."""
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
+        kv = layer_cache.extend_window(self._window_kv(x, rot))  # positions past - W … past + S - 1
+        key_positions = step.past.unsqueeze(1) + torch.arange(-self.window, x.shape[1], device=x.device)
+        query_positions = step.positions.unsqueeze(-1)
+        keys = key_positions.unsqueeze(1)
+        mask = (keys <= query_positions) & (keys > query_positions - self.window) & (keys >= 0)
+        if self.ratio:
+            compress_kv, compress_mask = self._compressed_incremental(x, qr, rot, ctx, layer_cache, step)
+            kv = torch.cat([kv, compress_kv], dim=1)
+            mask = torch.cat([mask, compress_mask], dim=-1)
+        return self._attend(q, kv, mask, rot)
+
+    def _compressed_incremental(
+        self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext,
+        layer_cache: DeepseekV41LayerCache, step: CacheStep,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`_compressed`, for new tokens: a KV source pools the groups they complete (its open group
+        included) and appends them; index sources score the new queries against their owner's complete keys."""
+        r = self.ratio
+        if self.is_kv_source:
+            if r > 1:
+                kv, score, complete = layer_cache.complete_groups(*self.compressor.project(x), step.past)
+                latent = self.compressor.pool(kv, score, x.dtype)  # [B, G, D], unrotated
             else:
-                ctx.selection = self.indexer(x, qr, rot, ctx, compress_lens)
+                latent = self.compressor(x)
+                complete = torch.full_like(step.past, x.shape[1])
+            counts = step.past // r
+            group_start = (counts.unsqueeze(1) + torch.arange(latent.shape[1], device=x.device)) * r
+            group_rot = step.compress_rotary(group_start)
+            index_k = self.indexer.index_keys(latent, group_rot) if self.indexer is not None else None
+            latent = apply_rotary(latent, group_rot)
+            latent = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
+            layer_cache.append_compressed(latent, index_k, counts, complete)
+            ctx.compress_kv = layer_cache.compressed_kv
+            if index_k is not None:
+                ctx.index_k = layer_cache.index_keys
+        self._select(x, qr, rot, ctx, (step.positions + 1) // r)
         return ctx.compress_kv, ctx.selection

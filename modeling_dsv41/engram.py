@@ -164,6 +164,7 @@ class DeepseekV41NgramHasher(nn.Module):
         primes = torch.tensor(
             engram_primes(len(self.layer_ids), self.max_ngram_size, self.n_heads, self.engram_vocab_size),
             dtype=torch.long,
+            device="cpu",  # real values even under transformers' meta-device init (from_pretrained)
         )
         multipliers = engram_hash_multipliers(self.layer_ids, self.max_ngram_size, self.compressed_vocab_size)
         flat = primes.flatten(1)

@@ -16,19 +16,30 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
+from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 
 from configuration.configuration_dsv41 import DeepseekV41Config
 
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
+from .cache import CacheStep, DeepseekV41Cache
+from .checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .moe import DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .rotary import DeepseekV41RotaryEmbedding
-from .vision import DeepseekV41Aligner, DeepseekV41VisionTransformer, image_token_grid, merge_image_embeddings
+from .vision import (
+    IMAGE_START,
+    DeepseekV41Aligner,
+    DeepseekV41VisionTransformer,
+    image_token_grid,
+    merge_image_embeddings,
+)
 
 IMAGE_TOKEN_TYPE_TEXT = -1
 
@@ -67,8 +78,13 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         image_mask: torch.Tensor | None = None,
         engram_hash_ids: torch.Tensor | None = None,
         engram_mask: torch.Tensor | None = None,
+        cache: DeepseekV41Cache | None = None,
+        step: CacheStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, CompressedContext]:
-        """hidden_states [B,S,hc,D], pre_mix [B,S,hc] → (hidden_states, this FFN's pre, what this layer publishes)."""
+        """hidden_states [B,S,hc,D], pre_mix [B,S,hc] → (hidden_states, this FFN's pre, what this layer publishes).
+
+        With a ``cache``, attention reads and extends this layer's decode state (see :class:`DeepseekV41Cache`).
+        """
         x = hidden_states
         if self.engram is not None:
             x = self.engram(x, engram_hash_ids[:, :, self.engram.hash_index], engram_mask)
@@ -76,7 +92,8 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
 
         residual = x
         attn_pre, post, comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        out = self.attn(self.attn_norm(self.hc.collapse(x, pre_mix)), rotation, ctx)
+        layer_cache = None if cache is None else cache.layers[self.layer_id]
+        out = self.attn(self.attn_norm(self.hc.collapse(x, pre_mix)), rotation, ctx, layer_cache=layer_cache, step=step)
         x = self.hc.expand(out, residual, post, comb)
 
         residual = x
@@ -86,7 +103,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         return x, ffn_pre, ctx
 
 
-class DeepseekV41PreTrainedModel(PreTrainedModel):
+class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
     config_class = DeepseekV41Config
     config: DeepseekV41Config
     base_model_prefix = "model"  # neither class has a `model` attribute: released names sit at the root
@@ -94,15 +111,40 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
-    # fp32 in the reference whatever the model dtype: mHC, sinks, router biases, ratio-2 compressor, head
+    # fp32 in the reference whatever the model dtype: mHC, sinks, router biases, head, ViT norms (and, per instance,
+    # the ratio-2 compressors: see post_init)
     _keep_in_fp32_modules_strict = [
         "hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale",
-        "attn_sink", "gate.bias", "gate.bias_vl", "head",
+        "attn_sink", "gate.bias", "gate.bias_vl", "head", r"^vision\.blocks\.\d+\.norm[12]\.", r"^vision\.norm\.",
     ]
     # the released checkpoint also carries the DSpark draft head (mtp.*) and an unused image_pad vector
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^image_pad$"]
+    # ... but no Engram token map: from_pretrained builds it from the tokenizer
+    _keys_to_ignore_on_load_missing = [r"^engram_hasher\.token_map$"]
     _supports_sdpa = False
     _supports_flash_attn = False
+
+    def post_init(self) -> None:
+        # ratio-2 compressors pool in fp32 (reference dtypes); ratio-1 compressors are plain model-dtype projections
+        text = self.config.get_text_config()
+        self._keep_in_fp32_modules_strict = [*self._keep_in_fp32_modules_strict] + [
+            rf"^layers\.{i}\.attn\.compressor\.w(kv|gate)\."
+            for i in text.kv_source_layer_ids
+            if i < text.num_hidden_layers and text.compress_ratios[i] > 1
+        ]
+        super().post_init()
+
+    def _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs) -> None:
+        """Non-reentrant checkpointing only: layers hand compressed KV to later layers through a context object,
+        and reentrant checkpointing tracks tensor arguments alone, so it would silently drop those gradients."""
+        activation_checkpointing_kwargs = dict(activation_checkpointing_kwargs or {})
+        if activation_checkpointing_kwargs.get("use_reentrant", False):
+            raise ValueError(
+                "DeepSeek-V4.1 supports only non-reentrant gradient checkpointing (use_reentrant=False): compressed "
+                "KV flows between layers outside the layers' tensor arguments"
+            )
+        activation_checkpointing_kwargs["use_reentrant"] = False
+        super()._activation_checkpointing_enable(activation_checkpointing_kwargs, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -186,6 +228,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             inputs_embeds = self.embed(input_ids)
         if pixel_values is None:
             return inputs_embeds
+        if not self.config.has_vision:
+            raise ValueError("images were passed but this DeepSeek-V4.1 config has no vision_config")
         if image_grid_hw is None or image_token_types is None:
             raise ValueError("pixel_values need image_grid_hw and image_token_types (as the processor returns them)")
         vision = self.config.vision_config
@@ -201,16 +245,24 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             inputs_embeds, image_token_types, features, self.image_start, self.image_newline, self.image_end, grids
         )
 
-    def _engram_hash_ids(self, input_ids, image_mask, attention_mask):
+    def _engram_hash_ids(self, input_ids, image_mask, attention_mask, cache=None, step=None):
         if self.engram_hasher is None:
             return None
         if input_ids is None:
             raise ValueError(
                 "Engram hashes token ids: pass input_ids (alongside inputs_embeds if you supply embeddings yourself)"
             )
-        return self.engram_hasher(input_ids, image_mask, attention_mask)
+        if cache is None:
+            return self.engram_hasher(input_ids, image_mask, attention_mask)
+        hasher = self.engram_hasher
+        compressed = hasher.compress(input_ids, image_mask, attention_mask)
+        hash_ids = hasher.hash_ids_from_compressed(compressed, cache.engram_history)
+        cache.update_engram_history(compressed, step.lengths - step.past, hasher.history_size)
+        return hash_ids
 
     # ---- forward --------------------------------------------------------------------------------------
+    @can_return_tuple
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -221,9 +273,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         image_token_types: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        cache: DeepseekV41Cache | None = None,
+        use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        """Full-sequence forward from position 0.
+        """Full-sequence forward from position 0, or the next tokens of a cached sequence.
 
         Args:
             input_ids: [B, S]. Needed for Engram hashing even when ``inputs_embeds`` is given (then the two are
@@ -234,10 +288,26 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             pixel_values / image_grid_hw / image_token_types: as :class:`DeepseekV41Processor` returns them;
                 ``image_token_types`` alone (without pixels) still selects ``bias_vl`` and shuts Engram on the
                 image span, for callers who merge image embeddings into ``inputs_embeds`` themselves.
+            cache: a :class:`DeepseekV41Cache` (``past_key_values`` is accepted as its deprecated name). While
+                empty, this call is the prefill: the full forward runs and records the decode state. Afterwards
+                the inputs hold only the new tokens, all real (only the prefill may be padded); an
+                ``attention_mask`` then covers the cached columns too.
+            use_cache: return a cache (a new one unless ``cache`` is given). Defaults to ``config.use_cache`` in
+                eval mode and to False in training mode; always off under gradient checkpointing in training.
         """
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
+        cache = self._resolve_cache(cache, use_cache)
+        if cache is not None and cache.get_seq_length() > 0:
+            last, all_hidden = self._forward_cached(
+                input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
+                output_hidden_states, cache,
+            )
+            return BaseModelOutputWithPast(
+                last_hidden_state=last, cache=cache, hidden_states=tuple(all_hidden) if all_hidden else None
+            )
+
         shift = _left_padding_shift(attention_mask)
         if shift is not None:  # align left-padded rows so positions count from each row's first real token
             input_ids, inputs_embeds, image_token_types, attention_mask = (
@@ -246,27 +316,81 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         embeds = self._embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types)
         image_mask = None if image_token_types is None else image_token_types != IMAGE_TOKEN_TYPE_TEXT
         engram_mask = None if image_mask is None else ~image_mask
-        hash_ids = self._engram_hash_ids(input_ids, image_mask, attention_mask)
+        step = None
+        if cache is not None:
+            step = cache.step(_real_tokens_per_row(attention_mask, embeds), embeds.shape[1], self.compress_rotary)
+        hash_ids = self._engram_hash_ids(input_ids, image_mask, attention_mask, cache, step)
 
-        text = self.text_config
         positions = torch.arange(embeds.shape[1], device=embeds.device)
         rotations = {False: self.window_rotary(positions), True: self.compress_rotary(positions)}
+        last, all_hidden = self._run_layers(
+            embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, cache, step
+        )
+        if cache is not None:
+            cache.finish_step(step, embeds.shape[1])
+        if shift is not None:
+            last = _roll_rows(last, shift)
+            all_hidden = [_roll_rows(h, shift) for h in all_hidden] if all_hidden else None
+        return BaseModelOutputWithPast(
+            last_hidden_state=last, cache=cache, hidden_states=tuple(all_hidden) if all_hidden else None
+        )
+
+    def _resolve_cache(self, cache: DeepseekV41Cache | None, use_cache: bool | None) -> DeepseekV41Cache | None:
+        if cache is not None and not isinstance(cache, DeepseekV41Cache):
+            raise ValueError(
+                f"DeepSeek-V4.1 keeps its decode state in a DeepseekV41Cache, got {type(cache).__name__}: its window, "
+                "compressed rows and open compression groups do not fit a per-token key/value cache"
+            )
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if cache is not None:
+                raise ValueError("a cache cannot be used with gradient checkpointing in training (it would be written twice)")
+            return None
+        if use_cache is None:
+            use_cache = self.text_config.use_cache and not self.training
+        if cache is None and use_cache:
+            cache = DeepseekV41Cache(self.config)
+        return cache
+
+    def _forward_cached(
+        self, input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
+        output_hidden_states, cache: DeepseekV41Cache,
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The new tokens of every row, at each row's own next positions."""
+        embeds = self._embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types)
+        bsz, seq_len = embeds.shape[:2]
+        if attention_mask is not None and not bool(attention_mask[:, -seq_len:].bool().all()):
+            raise ValueError(
+                "with a non-empty cache the new tokens must all be real (attention_mask 1): only the first call "
+                "(the prefill) may be padded"
+            )
+        image_mask = None if image_token_types is None else image_token_types != IMAGE_TOKEN_TYPE_TEXT
+        engram_mask = None if image_mask is None else ~image_mask
+        new_tokens = torch.full((bsz,), seq_len, dtype=torch.long, device=embeds.device)
+        step = cache.step(new_tokens, seq_len, self.compress_rotary)
+        hash_ids = self._engram_hash_ids(input_ids, image_mask, None, cache, step)
+        rotations = {False: self.window_rotary(step.positions), True: self.compress_rotary(step.positions)}
+        last, all_hidden = self._run_layers(
+            embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, cache, step
+        )
+        cache.finish_step(step, seq_len)
+        return last, all_hidden
+
+    def _run_layers(
+        self, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, cache, step
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        text = self.text_config
         hidden = embeds.unsqueeze(2).repeat(1, 1, text.hc_mult, 1)  # [B, S, hc, D]
         pre_mix = identity_pre_mix(hidden, text.hc_mult)
         ctx = CompressedContext()
         all_hidden = [hidden] if output_hidden_states else None
         for layer in self.layers:
             rotation = rotations[text.compress_ratios[layer.layer_id] > 0]
-            hidden, pre_mix, ctx = layer(hidden, pre_mix, rotation, ctx, image_mask, hash_ids, engram_mask)
+            hidden, pre_mix, ctx = layer(
+                hidden, pre_mix, rotation, ctx, image_mask, hash_ids, engram_mask, cache=cache, step=step
+            )
             if output_hidden_states:
                 all_hidden.append(hidden)
-        last = self.norm(DeepseekV41HyperConnection.collapse(hidden, pre_mix))
-        if shift is not None:
-            last = _roll_rows(last, shift)
-            all_hidden = [_roll_rows(h, shift) for h in all_hidden] if all_hidden else None
-        return BaseModelOutputWithPast(
-            last_hidden_state=last, hidden_states=tuple(all_hidden) if all_hidden else None
-        )
+        return self.norm(DeepseekV41HyperConnection.collapse(hidden, pre_mix)), all_hidden
 
 
 class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
@@ -274,6 +398,13 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     config has a vision part: it is also registered for ``AutoModelForImageTextToText``."""
 
     _tied_weights_keys = None
+    # generate(): greedy, sampling and beam search (DeepseekV41Cache reorders its rows). Assisted and other
+    # speculative modes must roll the cache back over rejected tokens, which the sliding window and the pooled
+    # compression groups cannot do; `generate` rejects them with these flags.
+    _is_stateful = True
+    _supported_generation_modes = (
+        GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE,
+    )
 
     def __init__(self, config: DeepseekV41Config):
         text = config.text_config
@@ -287,6 +418,8 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.head = value
 
+    @can_return_tuple
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -299,6 +432,8 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        cache: DeepseekV41Cache | None = None,
+        use_cache: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """As :meth:`DeepseekV41Model.forward`, plus ``labels`` ([B, S], -100 ignored; shifted inside, as in every
@@ -306,7 +441,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         outputs = super().forward(
             input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             pixel_values=pixel_values, image_grid_hw=image_grid_hw, image_token_types=image_token_types,
-            output_hidden_states=output_hidden_states,
+            output_hidden_states=output_hidden_states, cache=cache, use_cache=use_cache, return_dict=True,
         )
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -314,7 +449,97 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits, labels, vocab_size=self.text_config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states)
+
+    # ---- generation -----------------------------------------------------------------------------------
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs) -> None:
+        if generation_mode not in self._supported_generation_modes:
+            raise ValueError(
+                f"{type(self).__name__} supports greedy search, sampling and beam search, not {generation_mode.value} "
+                "(assisted and contrastive decoding roll the cache back over rejected tokens, and a DeepseekV41Cache "
+                "cannot rewind its sliding window or its pooled compression groups)"
+            )
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the decode state is not per-token keys/values: see DeepseekV41Cache
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+    ) -> None:
+        """``generate`` decodes with a :class:`DeepseekV41Cache` (the caller's, or a new one)."""
+        cache = model_kwargs.get("cache")
+        if cache is not None and not isinstance(cache, DeepseekV41Cache):
+            raise ValueError(f"DeepSeek-V4.1 generates with a DeepseekV41Cache, got {type(cache).__name__}")
+        if cache is None and generation_config.cache_implementation is not None:
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported: DeepSeek-V4.1 "
+                "decodes with its own DeepseekV41Cache (leave cache_implementation unset)"
+            )
+        super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+        if cache is None and generation_config.use_cache:
+            model_kwargs["cache"] = DeepseekV41Cache(self.config)
+
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.LongTensor, image_token_types: torch.LongTensor | None = None, **kwargs
+    ) -> dict:
+        """The standard preparation, plus: generated tokens are text, so ``image_token_types`` is extended with
+        text types and sliced like ``input_ids`` (decode steps need none); and Engram still gets the ids when
+        generation starts from ``inputs_embeds``."""
+        model_inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
+        new = model_inputs["input_ids"] if model_inputs.get("input_ids") is not None else model_inputs["inputs_embeds"]
+        length = new.shape[1]
+        if model_inputs.get("input_ids") is None and input_ids.shape[1] >= length:
+            model_inputs["input_ids"] = input_ids[:, -length:]
+        if image_token_types is not None and (kwargs.get("is_first_iteration") or not kwargs.get("use_cache", True)):
+            total = max(input_ids.shape[1], image_token_types.shape[1])
+            types = F.pad(image_token_types, (0, total - image_token_types.shape[1]), value=IMAGE_TOKEN_TYPE_TEXT)
+            model_inputs["image_token_types"] = types[:, -length:]
+        return model_inputs
+
+    def _expand_inputs_for_generation(
+        self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids: torch.LongTensor | None = None,
+        **model_kwargs,
+    ) -> tuple[torch.LongTensor, dict]:
+        """Beams and extra return sequences repeat each batch row; images are listed per image, not per row, so
+        each is repeated along with the row that shows it."""
+        images = {key: model_kwargs.pop(key, None) for key in ("pixel_values", "image_grid_hw")}
+        if expand_size > 1 and images["pixel_values"] is not None:
+            images = _repeat_images(**images, image_token_types=model_kwargs.get("image_token_types"), repeats=expand_size)
+        input_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size, is_encoder_decoder, input_ids, **model_kwargs
+        )
+        model_kwargs.update({key: value for key, value in images.items() if value is not None})
+        return input_ids, model_kwargs
+
+
+def _real_tokens_per_row(attention_mask: torch.Tensor | None, embeds: torch.Tensor) -> torch.Tensor:
+    """Real tokens of each (aligned) row [B]; a cache needs them in one run from position 0."""
+    bsz, seq_len = embeds.shape[:2]
+    if attention_mask is None:
+        return torch.full((bsz,), seq_len, dtype=torch.long, device=embeds.device)
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    if not bool((mask == (torch.arange(seq_len, device=mask.device) < lengths.unsqueeze(1))).all()):
+        raise ValueError("with a cache, attention_mask must mark one run of real tokens per row (left or right padding only)")
+    return lengths
+
+
+def _repeat_images(
+    pixel_values: torch.Tensor, image_grid_hw: torch.Tensor | None, image_token_types: torch.Tensor | None, repeats: int
+) -> dict[str, torch.Tensor]:
+    """pixel_values / image_grid_hw with every row's images repeated ``repeats`` times, rows kept in order."""
+    if image_grid_hw is None or image_token_types is None:
+        raise ValueError("pixel_values need image_grid_hw and image_token_types (as the processor returns them)")
+    patches = pixel_values.split(image_grid_hw.prod(dim=-1).tolist())
+    order, first = [], 0
+    for count in (image_token_types == IMAGE_START).sum(dim=1).tolist():
+        order += list(range(first, first + count)) * repeats
+        first += count
+    return {"pixel_values": torch.cat([patches[i] for i in order]), "image_grid_hw": image_grid_hw[order]}
 
 
 def _left_padding_shift(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -340,6 +565,7 @@ __all__ = [
     "DeepseekV41PreTrainedModel",
     "DeepseekV41Model",
     "DeepseekV41ForCausalLM",
+    "DeepseekV41Cache",
     "DeepseekV41DecoderLayer",
     "DeepseekV41Indexer",
 ]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer, models
 
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
@@ -45,3 +47,23 @@ def reference_inputs(fixtures: Path) -> dict[str, torch.Tensor]:
         "image_grid_hw": torch.tensor([[9, 13]]),
         "image_token_types": inputs["token_types"],
     }
+
+
+def stub_tokenizer() -> Tokenizer:
+    """A 512-token tokenizer whose Engram compressed map is the fixture's stub map, ``id // 2``: token ``2i`` is
+    ``t{i}`` and ``2i+1`` is ``T{i}``, which lowercase to the same key."""
+    vocab = {}
+    for i in range(256):
+        vocab[f"t{i}"], vocab[f"T{i}"] = 2 * i, 2 * i + 1
+    return Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+
+
+def fixture_checkpoint(fixtures: Path, variant: str, folder: Path, with_tokenizer: bool = True) -> Path:
+    """The fixture as a checkpoint folder for ``from_pretrained``: its reference ``config.json`` (flat layout), its
+    ``model.safetensors`` (reference names and dtypes, FP8 Engram tables) and, optionally, the stub ``tokenizer.json``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(fixtures / f"v41_tiny_vl/{variant}/config.json", folder / "config.json")
+    (folder / "model.safetensors").symlink_to(fixtures / "v41_tiny_vl/model.safetensors")
+    if with_tokenizer:
+        stub_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder

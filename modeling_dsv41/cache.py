@@ -1,0 +1,277 @@
+"""Decode cache of DeepSeek-V4.1: everything incremental decoding needs, per layer and per batch row.
+
+A CSA2 layer needs far less than every past K=V vector:
+
+* every layer: the window K=V of the last ``sliding_window`` tokens (a fixed size);
+* each KV source (``kv_source_layer_ids``): its compressed K=V, one row per ``r`` tokens, plus for ``r > 1`` the
+  fp32 ``wkv``/``wgate`` projections of the group still filling up, so the group pools exactly as in a full
+  pass once its last token arrives;
+* each key owner (KV sources with an indexer): its index keys, one row per compressed row. Every index source
+  scores against the complete keys of its owner, whichever layer emitted a latent in this step;
+* Engram: the last ``max_ngram - 1`` compressed token ids of each row.
+
+Top-k selections and candidate blocks depend on the new queries only, so they are recomputed in each step and
+handed to consumer layers through that step's :class:`~.attention.CompressedContext`; nothing of them is kept.
+
+Rows count positions from their own first real token (a left-padded prompt is aligned to start at 0), so rows
+of one batch sit at different positions and complete their compression groups at different steps:
+``lengths`` holds each row's count of real tokens, and compressed rows are stored left-aligned per batch row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from .engram import DEAD
+
+
+@dataclass
+class CacheStep:
+    """Where the tokens of one forward call sit in each row of a :class:`DeepseekV41Cache`.
+
+    past [B]: real tokens each row had cached before this call. lengths [B]: real tokens after it.
+    positions [B, S]: position of each token of the call in its row (rows aligned to start at 0).
+    prefill: the cache was empty, so the layers run the full-sequence path and record its state.
+    compress_rotary: rotations of compressed layers at given positions (a latent sits at its group's first
+    token, which may belong to an earlier call).
+    """
+
+    past: torch.Tensor
+    lengths: torch.Tensor
+    positions: torch.Tensor
+    prefill: bool
+    compress_rotary: Callable[[torch.Tensor], torch.Tensor]
+
+
+def gather_rows(t: torch.Tensor, index: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+    """``t[b, index[b, i]]`` for t [B, S, ...] and index [B, N], with ``fill`` where the index is out of range."""
+    valid = (index >= 0) & (index < t.shape[1])
+    index = index.clamp(0, max(t.shape[1] - 1, 0))
+    out = t.gather(1, index.view(*index.shape, *([1] * (t.ndim - 2))).expand(-1, -1, *t.shape[2:]))
+    return out.masked_fill(~valid.view(*valid.shape, *([1] * (t.ndim - 2))), fill)
+
+
+def append_rows(
+    buffer: torch.Tensor | None, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor
+) -> torch.Tensor:
+    """Write ``new[b, :new_counts[b]]`` after the ``counts[b]`` rows row b already holds in ``buffer`` [B, T, ...].
+
+    Returns a new tensor as wide as the longest row (out of place, so gradients and earlier outputs stay valid).
+    """
+    bsz, n_new = new.shape[:2]
+    width = int((counts + new_counts).max()) if bsz else 0
+    if buffer is None:
+        buffer = new.new_zeros(bsz, 0, *new.shape[2:])
+    if width > buffer.shape[1]:
+        buffer = torch.cat([buffer, buffer.new_zeros(bsz, width - buffer.shape[1], *buffer.shape[2:])], dim=1)
+    row, col = (torch.arange(n_new, device=new.device) < new_counts.unsqueeze(1)).nonzero(as_tuple=True)
+    return buffer.index_put((row, counts[row] + col), new[row, col].to(buffer.dtype))
+
+
+class DeepseekV41LayerCache:
+    """Decode state of one attention layer, every tensor batch-first.
+
+    window_kv [B, W, D]: K=V of each row's last W tokens, newest last (zeros before a row's first token).
+    compressed_kv [B, T, D] (KV sources): rotated compressed K=V, row b valid in ``[: lengths[b] // r]``.
+    index_keys [B, T, Di] (key owners): the indexer keys of those rows.
+    pending_kv / pending_score [B, r, D] fp32 (KV sources with r > 1): projections of the open group's tokens,
+    slot ``i`` holding the token at ``position % r == i``.
+    """
+
+    is_compileable = False
+    is_croppable = False  # the window and the pooled groups cannot be rewound
+    is_sliding = True
+    supports_early_init = False
+    _STATE = ("window_kv", "compressed_kv", "index_keys", "pending_kv", "pending_score")
+
+    def __init__(self, window: int, ratio: int):
+        self.window, self.ratio = window, ratio
+        self.window_kv: torch.Tensor | None = None
+        self.compressed_kv: torch.Tensor | None = None
+        self.index_keys: torch.Tensor | None = None
+        self.pending_kv: torch.Tensor | None = None
+        self.pending_score: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        held = {name: tuple(getattr(self, name).shape) for name in self._STATE if getattr(self, name) is not None}
+        return f"{type(self).__name__}(ratio={self.ratio}, {held})"
+
+    # ---- writes ---------------------------------------------------------------------------------------
+    def store_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
+        """After a full pass over kv [B, S, D] holding ``lengths[b]`` real tokens per row: keep each row's last W."""
+        index = lengths.unsqueeze(1) - self.window + torch.arange(self.window, device=kv.device)
+        self.window_kv = gather_rows(kv, index)
+
+    def extend_window(self, kv: torch.Tensor) -> torch.Tensor:
+        """Append the call's K=V [B, S, D] (all real tokens); returns the keys they may attend to [B, W + S, D]
+        (positions ``past - W`` … ``past + S - 1`` of each row) and keeps the last W."""
+        keys = torch.cat([self.window_kv, kv], dim=1)
+        self.window_kv = keys[:, -self.window :]
+        return keys
+
+    def append_compressed(
+        self, compressed_kv: torch.Tensor, index_keys: torch.Tensor | None, counts: torch.Tensor, new_counts: torch.Tensor
+    ) -> None:
+        """Add ``new_counts[b]`` compressed rows (and their index keys) after the ``counts[b]`` row b holds."""
+        self.compressed_kv = append_rows(self.compressed_kv, counts, compressed_kv, new_counts)
+        if index_keys is not None:
+            self.index_keys = append_rows(self.index_keys, counts, index_keys, new_counts)
+
+    def store_pending(self, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """The open group's fp32 projections [B, r, D] after a full pass."""
+        self.pending_kv, self.pending_score = kv, score
+
+    def complete_groups(
+        self, kv: torch.Tensor, score: torch.Tensor, past: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prepend each row's open group to the call's projections kv, score [B, S, D] (fp32).
+
+        Returns the groups now complete, kv and score [B, G, r, D] (row b's first ``complete[b]`` are real), and
+        ``complete`` [B]; the new open group becomes the pending state.
+        """
+        r, seq_len = self.ratio, kv.shape[1]
+        held = (past % r).unsqueeze(1)  # [B, 1] tokens of the open group seen in earlier calls
+        n_groups = (r - 1 + seq_len) // r
+        # offset i of the group-aligned sequence (open group first) reads slot i of the pending state while
+        # i < held, and new token i - held after it
+        offsets = torch.arange((n_groups + 1) * r, device=kv.device)
+        source = torch.where(offsets < held, offsets, r + offsets - held).clamp_max(r + seq_len - 1)
+        aligned_kv = torch.cat([self.pending_kv, kv], dim=1).gather(1, source.unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
+        aligned_score = torch.cat([self.pending_score, score], dim=1).gather(
+            1, source.unsqueeze(-1).expand(-1, -1, score.shape[-1])
+        )
+        complete = (held.squeeze(1) + seq_len) // r
+        tail = complete.unsqueeze(1) * r + torch.arange(r, device=kv.device)  # the open group after this call
+        self.pending_kv, self.pending_score = gather_rows(aligned_kv, tail), gather_rows(aligned_score, tail)
+        groups = n_groups * r
+        return (
+            aligned_kv[:, :groups].unflatten(1, (n_groups, r)),
+            aligned_score[:, :groups].unflatten(1, (n_groups, r)),
+            complete,
+        )
+
+    # ---- batch bookkeeping (beam search, num_return_sequences) ----------------------------------------------
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in self._STATE:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, fn(value))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def reset(self) -> None:
+        for name in self._STATE:
+            setattr(self, name, None)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError("a DeepSeek-V4.1 cache cannot be cropped: window slots and pooled groups are not reversible")
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held per kind of state."""
+        return {
+            name: getattr(self, name).numel() * getattr(self, name).element_size()
+            for name in self._STATE
+            if getattr(self, name) is not None
+        }
+
+
+class DeepseekV41Cache(Cache):
+    """The decode cache of :class:`~.modeling_dsv41.DeepseekV41ForCausalLM`: one :class:`DeepseekV41LayerCache` per
+    layer, each row's real-token count, and Engram's n-gram history.
+
+    Memory: the window part is fixed (``num_layers × W × head_dim`` per row); compressed K=V and index keys grow by
+    one row every ``r`` tokens for each KV source; the pending groups and the Engram history are constant.
+
+    ``get_seq_length()`` counts the input columns consumed so far, prompt padding included (what ``generate``
+    slices the next inputs by); ``lengths`` counts each row's real tokens. Cropping (assisted generation) is not
+    supported; ``reorder_cache`` (beam search) and batch repeat/select are.
+    """
+
+    def __init__(self, config):
+        text = config.get_text_config()
+        super().__init__(
+            layers=[DeepseekV41LayerCache(text.sliding_window, text.compress_ratios[i]) for i in range(text.num_hidden_layers)]
+        )
+        self.seen_tokens = 0
+        self.lengths: torch.Tensor | None = None  # [B] real tokens per row
+        self.engram_history: torch.Tensor | None = None  # [B, max_ngram - 1] compressed ids, DEAD where none
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.lengths is None else self.lengths.shape[0]
+
+    def step(self, new_tokens: torch.Tensor, seq_len: int, compress_rotary: Callable) -> CacheStep:
+        """Describe a forward call adding ``new_tokens[b]`` real tokens to row b (``seq_len`` columns)."""
+        device = new_tokens.device
+        if self.seen_tokens == 0:
+            past = torch.zeros_like(new_tokens)
+        else:
+            past = self.lengths
+            if past.shape[0] != new_tokens.shape[0]:
+                raise ValueError(f"the cache holds {past.shape[0]} rows but the inputs have {new_tokens.shape[0]}")
+        positions = past.unsqueeze(1) + torch.arange(seq_len, device=device)
+        return CacheStep(past, past + new_tokens, positions, self.seen_tokens == 0, compress_rotary)
+
+    def finish_step(self, step: CacheStep, seq_len: int) -> None:
+        self.lengths = step.lengths
+        self.seen_tokens += seq_len
+
+    def update_engram_history(self, compressed: torch.Tensor, new_tokens: torch.Tensor, size: int) -> None:
+        """Keep each row's last ``size`` compressed ids; its ``new_tokens[b]`` real ones lead ``compressed`` [B, S]."""
+        past = self.engram_history
+        if past is None:
+            past = compressed.new_full((compressed.shape[0], size), DEAD)
+        sequence = torch.cat([past, compressed], dim=1)
+        self.engram_history = sequence.gather(1, new_tokens.unsqueeze(1) + torch.arange(size, device=compressed.device))
+
+    def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.lengths = None if self.lengths is None else fn(self.lengths)
+        self.engram_history = None if self.engram_history is None else fn(self.engram_history)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_rows(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen_tokens, self.lengths, self.engram_history = 0, None, None
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, summed over layers per kind of state (``window_kv``, ``compressed_kv``, …, ``engram``)."""
+        total: dict[str, int] = {}
+        for layer in self.layers:
+            for name, size in layer.nbytes().items():
+                total[name] = total.get(name, 0) + size
+        for name, value in (("lengths", self.lengths), ("engram_history", self.engram_history)):
+            if value is not None:
+                total[name] = value.numel() * value.element_size()
+        return total
+
+
+__all__ = ["CacheStep", "DeepseekV41Cache", "DeepseekV41LayerCache"]

@@ -1,0 +1,490 @@
+"""Loading DeepSeek-V4.1 checkpoints with ``from_pretrained``: the released storage format, the Engram token map,
+bitsandbytes.
+
+**Released storage** (fixtures README §7). Dense Linears are FP8 e4m3 with one E8M0 scale per 32x32 block, routed
+experts packed FP4 (two E2M1 codes per byte, even column in the low nibble) with one E8M0 scale per row and 32
+columns, Engram tables FP8 with per-row, per-32-column E8M0 scales; each quantized ``X.weight`` has a sibling
+``X.scale``. The :class:`~transformers.core_model_loading.WeightConverter` registered here for ``deepseek_v41`` pairs
+them and :class:`DequantizeReleasedWeight` turns them into ``X.weight`` in the parameter's dtype (FP8 Engram tables
+stay as stored when the config says ``engram_table_dtype="fp8"``). Such checkpoints are read one target parameter at
+a time (:func:`sequential_loading`) and each tensor is dequantized in row chunks, so the peak is the final model plus
+the tensor being converted. Unquantized tensors pass through the same converter, and ``save_pretrained`` writes plain
+weights.
+
+**Engram token map.** Our checkpoints hold the hasher's ``token_map`` (token id → compressed id); the released one does
+not, so ``from_pretrained`` builds it from ``tokenizer.json`` next to the weights or from ``engram_tokenizer``.
+
+**bitsandbytes.** Linears the model reads as raw tensors (the fp32 head and ratio-2 compressors, Engram ``wkv``, the
+ViT patch embedding) and, for 4-bit, those whose shape bnb's CPU kernels cannot pack (in-features a multiple of 64,
+out-features of 32) join ``llm_int8_skip_modules``. Norms, gates, mHC and the Engram gate parameters are not Linears,
+and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone.
+
+:func:`save_released_checkpoint` writes a model in the released format (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import BitsAndBytesConfig, PreTrainedConfig
+from transformers import initialization as init
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import ConversionOps, WeightConverter
+from transformers.utils import cached_file, logging
+
+from .quantization import (
+    FP4_E2M1_MAX,
+    FP8_E4M3_MAX,
+    RELEASED_BLOCK_SIZE,
+    dequantize_fp8_block,
+    dequantize_fp8_rows,
+    unpack_fp4,
+)
+
+logger = logging.get_logger(__name__)
+
+# Checkpoint key patterns (regexes). A weight or scale name ends the key; a lookahead rather than `$` because
+# transformers strips lookarounds when it turns these into literal replacement strings (and back, for saving).
+RELEASED_WEIGHT = r"\.weight(?![\w.])"
+RELEASED_SCALE = r"\.scale(?![\w.])"
+_WEIGHT, _SCALE = ".weight", ".scale"
+
+_FP4_BYTE_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+# dequantize at most this many elements at once: bounds the fp32 temporaries of a huge tensor (LM head, Engram table)
+_CHUNK_ELEMENTS = 1 << 22
+# bnb's 4-bit CPU kernels quantize in blocks of 64 inputs and pack weights in blocks of 32 outputs
+BNB_4BIT_IN_BLOCK, BNB_4BIT_OUT_BLOCK = 64, 32
+# Linears whose forward reads `.weight` itself (fp32 upcasts, a grouped einsum, dtype queries): never quantized
+_READS_RAW_WEIGHT = re.compile(r"(^|\.)(head|compressor\.wkv|compressor\.wgate|engram\.wkv|patch_embed\.proj)$")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dequantization on load
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _only(tensors: list[torch.Tensor] | torch.Tensor | None) -> torch.Tensor | None:
+    if isinstance(tensors, list):
+        if len(tensors) > 1:
+            raise ValueError(f"expected one checkpoint tensor per key, got {len(tensors)}")
+        return tensors[0] if tensors else None
+    return tensors
+
+
+def _stored_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The E8M0 scales as stored. The loader casts every source tensor to the target parameter's dtype first: powers
+    of two survive bf16 and fp32 exactly, but float16 flushes those outside [2^-24, 2^15] to 0 or inf."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(
+            f"E8M0 scales cannot be represented in {scale.dtype}: load the released checkpoint with "
+            "dtype=torch.bfloat16 or torch.float32 (and cast the model afterwards if needed)"
+        )
+    return scale.to(torch.float8_e8m0fnu)
+
+
+def _stored_weight(weight: torch.Tensor, packed: bool) -> torch.Tensor:
+    """FP8 values and FP4 bytes as stored (their cast to bf16/fp16/fp32 by the loader is exact, hence reversible)."""
+    if packed:
+        return weight if weight.dtype in _FP4_BYTE_DTYPES else weight.to(torch.int8)
+    return weight if weight.dtype == torch.float8_e4m3fn else weight.to(torch.float8_e4m3fn)
+
+
+# the two E2M1 values of every byte value, [256, 2]: one table lookup per byte instead of two per nibble
+_FP4_BYTE_VALUES = unpack_fp4(torch.arange(256, dtype=torch.uint8).unsqueeze(0)).view(256, 2)
+
+
+def _dequantize_fp4_rows(packed: torch.Tensor, scale: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``quantization.dequantize_fp4_rows`` (same values), a few times faster: experts are most of the checkpoint."""
+    rows = packed.shape[0]
+    values = torch.nn.functional.embedding(packed.view(torch.uint8).int(), _FP4_BYTE_VALUES.to(packed.device))
+    return (values.view(rows, -1, block_size) * scale.float().unsqueeze(-1)).view(rows, -1)
+
+
+def dequantize_released_weight(
+    weight: torch.Tensor, scale: torch.Tensor, columns: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """One quantized tensor of the released checkpoint → ``[rows, columns]`` in ``dtype``, exactly as the reference
+    kernels read it (then rounded to ``dtype``).
+
+    ``weight`` holds FP8 values ``[rows, columns]`` or packed FP4 bytes ``[rows, columns / 2]``, as stored or cast to
+    a float dtype by the loader; ``columns`` (the parameter's width) tells the two apart. The scale layout follows
+    from its shape: ``[rows, columns / 32]`` per row (FP4 experts, Engram tables) or ``[ceil(rows / 32),
+    ceil(columns / 32)]`` per 32x32 block (dense FP8). Works through the rows in chunks.
+    """
+    if weight.dim() != 2 or scale.dim() != 2:
+        raise ValueError(f"expected 2-D weight and scale, got {tuple(weight.shape)} and {tuple(scale.shape)}")
+    rows, stored_columns = weight.shape
+    if columns == 2 * stored_columns:
+        packed = True
+    elif columns == stored_columns:
+        packed = False
+    else:
+        raise ValueError(f"a stored weight of width {stored_columns} fits neither FP8 nor packed FP4 for {columns} columns")
+    b = RELEASED_BLOCK_SIZE
+    if columns % b == 0 and tuple(scale.shape) == (rows, columns // b):
+        dequantize, rows_per_scale = (_dequantize_fp4_rows if packed else dequantize_fp8_rows), 1
+    elif not packed and tuple(scale.shape) == (math.ceil(rows / b), math.ceil(columns / b)):
+        dequantize, rows_per_scale = dequantize_fp8_block, b
+    else:
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match a released layout for a "
+                         f"{'packed FP4' if packed else 'FP8'} weight of {rows}x{columns}")
+    scale = _stored_scale(scale)
+    out = torch.empty(rows, columns, dtype=dtype, device=weight.device)
+    step = max(b, _CHUNK_ELEMENTS // columns // b * b)  # whole 32-row blocks
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        chunk_scale = scale[start // rows_per_scale : math.ceil(stop / rows_per_scale)]
+        out[start:stop] = dequantize(_stored_weight(weight[start:stop], packed), chunk_scale, b)
+    return out
+
+
+class DequantizeReleasedWeight(ConversionOps):
+    """``X.weight`` and its ``X.scale`` (released storage) → ``X.weight`` in the parameter's dtype.
+
+    A weight without a scale passes through. An FP8 Engram table loaded into a model that keeps it as stored
+    (``engram_table_dtype="fp8"``) passes through with its scale.
+    """
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, model=None, full_layer_name=None, **kwargs):
+        weight = _only(input_dict.get(source_patterns[0]))
+        scale = _only(input_dict.get(source_patterns[1]))
+        if weight is None:
+            raise ValueError(f"{full_layer_name}: the checkpoint has a scale but no weight")
+        param = model.get_parameter(full_layer_name)
+        if param.dtype == torch.float8_e4m3fn:  # kept as stored: the loader left both tensors raw (dtype plan)
+            if scale is None:
+                raise ValueError(f"{full_layer_name} is kept in FP8 but the checkpoint stores it without scales")
+            return {_WEIGHT: weight, _SCALE: scale}
+        if scale is None:
+            return {_WEIGHT: weight}
+        # the loader already cast the sources to the dtype this parameter loads in
+        dtype = weight.dtype if weight.is_floating_point() and weight.element_size() > 1 else param.dtype
+        return {_WEIGHT: dequantize_released_weight(weight, scale, param.shape[-1], dtype)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _SavePlainWeight()
+
+
+class _SavePlainWeight(ConversionOps):
+    """Reverse of :class:`DequantizeReleasedWeight` for ``save_pretrained``: our checkpoints store plain weights."""
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        return {_WEIGHT: _only(input_dict[source_patterns[0]])}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return DequantizeReleasedWeight()
+
+
+def released_storage_conversions() -> list[WeightConverter]:
+    """The conversions ``from_pretrained`` applies to DeepSeek-V4.1 checkpoints."""
+    return [
+        WeightConverter(
+            source_patterns=[RELEASED_WEIGHT, RELEASED_SCALE],
+            target_patterns=RELEASED_WEIGHT,
+            operations=[DequantizeReleasedWeight()],
+        )
+    ]
+
+
+register_checkpoint_conversion_mapping("deepseek_v41", released_storage_conversions(), overwrite=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading a released checkpoint
+# ---------------------------------------------------------------------------------------------------------------------
+
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+
+
+def _checkpoint_file(source: str | os.PathLike | None, filename: str, hub_kwargs: dict) -> str | None:
+    if source is None:  # from_pretrained(None, state_dict=...)
+        return None
+    return cached_file(
+        str(source), filename, _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False, **hub_kwargs,
+    )
+
+
+def stores_scales(source: str | os.PathLike, **hub_kwargs) -> bool:
+    """Whether the safetensors checkpoint at ``source`` holds ``.scale`` tensors (the released storage format)."""
+    index = _checkpoint_file(source, "model.safetensors.index.json", hub_kwargs)
+    if index is not None:
+        keys = json.loads(Path(index).read_text())["weight_map"]
+    else:
+        single = _checkpoint_file(source, "model.safetensors", hub_kwargs)
+        if single is None:
+            return False
+        with safe_open(single, framework="pt") as f:
+            keys = list(f.keys())
+    return any(key.endswith(_SCALE) for key in keys)
+
+
+@contextmanager
+def sequential_loading():
+    """Have transformers read each checkpoint tensor only when its parameter is converted.
+
+    By default a thread pool materializes every tensor ahead of conversion, cast to the load dtype. Converted
+    tensors then wait their turn in that inflated form (an FP4 byte becomes four bf16 bytes), which can add most of
+    the model's size to the peak. ``HF_DEACTIVATE_ASYNC_LOAD`` is transformers' switch for sequential loading.
+    """
+    previous = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["HF_DEACTIVATE_ASYNC_LOAD"]
+        else:
+            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = previous
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Engram token map
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def ensure_engram_token_map(model: nn.Module, source: str | os.PathLike, tokenizer=None, **hub_kwargs) -> None:
+    """Give ``model``'s Engram hasher its compressed token map unless the checkpoint held one.
+
+    ``tokenizer`` (a ``tokenizers.Tokenizer``, a transformers fast tokenizer or a path to ``tokenizer.json``) wins
+    when given; otherwise the ``tokenizer.json`` next to the weights at ``source`` is used.
+    """
+    hasher = getattr(model, "engram_hasher", None)
+    if hasher is None or (tokenizer is None and hasher.has_token_map):
+        return
+    if tokenizer is None:
+        tokenizer = _checkpoint_file(source, "tokenizer.json", hub_kwargs)
+        if tokenizer is None:
+            raise ValueError(
+                f"{source} has Engram layers but stores no compressed token map (engram_hasher.token_map) and has no "
+                "tokenizer.json to build it from: pass engram_tokenizer=<the model's tokenizer or its tokenizer.json> "
+                "to from_pretrained, or put tokenizer.json next to the weights"
+            )
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tokenizer))
+    hasher.load_tokenizer(tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bitsandbytes
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def high_precision_modules(model: nn.Module, load_in_4bit: bool) -> list[str]:
+    """Names of the Linears bitsandbytes must leave alone in ``model`` (any device, even meta)."""
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        unfit_for_4bit = module.in_features % BNB_4BIT_IN_BLOCK or module.out_features % BNB_4BIT_OUT_BLOCK
+        if _READS_RAW_WEIGHT.search(name) or (load_in_4bit and unfit_for_4bit):
+            names.append(name)
+    return names
+
+
+def _with_high_precision_modules(
+    cls, source, quantization_config: BitsAndBytesConfig, config: PreTrainedConfig | str | None, hub_kwargs: dict
+) -> BitsAndBytesConfig:
+    """A copy of ``quantization_config`` whose ``llm_int8_skip_modules`` also names the modules bnb must skip, found
+    on a meta-device instance of the model."""
+    if not isinstance(config, PreTrainedConfig):
+        config = cls.config_class.from_pretrained(config or source, **hub_kwargs)
+    with torch.device("meta"), init.no_init_weights():
+        probe = cls(config)
+    quantization_config = copy.deepcopy(quantization_config)
+    skipped = set(quantization_config.llm_int8_skip_modules or [])
+    skipped |= set(high_precision_modules(probe, quantization_config.load_in_4bit))
+    quantization_config.llm_int8_skip_modules = sorted(skipped)
+    return quantization_config
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model-side hooks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class DeepseekV41CheckpointLoadingMixin:
+    """``from_pretrained`` for DeepSeek-V4.1: released storage, the Engram token map, bitsandbytes skips."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, engram_tokenizer=None, **kwargs):
+        """:meth:`PreTrainedModel.from_pretrained`, which also reads the released storage format (FP8/FP4 weights
+        with E8M0 scales, dequantized to ``dtype`` on load; FP8 Engram tables stay FP8 when the config says
+        ``engram_table_dtype="fp8"``), plus:
+
+        Args:
+            engram_tokenizer: the tokenizer (or path to its ``tokenizer.json``) to build the Engram compressed token
+                map from. Needed only when the checkpoint has no ``engram_hasher.token_map`` (the released one) and
+                no ``tokenizer.json`` sits next to the weights.
+
+        A checkpoint with scales is read one parameter at a time (:func:`sequential_loading`). With a
+        :class:`~transformers.BitsAndBytesConfig`, the modules that must stay in high precision are added to its
+        ``llm_int8_skip_modules``.
+        """
+        hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        quantization_config = kwargs.get("quantization_config")
+        if isinstance(quantization_config, BitsAndBytesConfig):
+            kwargs["quantization_config"] = _with_high_precision_modules(
+                cls, pretrained_model_name_or_path, quantization_config, kwargs.get("config"), hub_kwargs
+            )
+        released = stores_scales(pretrained_model_name_or_path, **hub_kwargs)
+        with sequential_loading() if released else nullcontext():
+            loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        ensure_engram_token_map(model, pretrained_model_name_or_path, engram_tokenizer, **hub_kwargs)
+        return loaded
+
+    def _get_dtype_plan(self, dtype: torch.dtype) -> dict:
+        plan = super()._get_dtype_plan(dtype)
+        if self.config.get_text_config().engram_table_dtype == "fp8":
+            # tables kept as stored: no cast, or the E8M0 scales would be rounded to the table's e4m3 dtype
+            plan[r"engram\.embed\.weight"] = None
+        return plan
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        ignored = re.compile("|".join(f"(?:{p})" for p in self._keys_to_ignore_on_load_unexpected or ()) or "(?!)")
+        skipped = sorted(key for key in loading_info.unexpected_keys if ignored.search(key))
+        if skipped:
+            logger.warning(
+                f"Ignoring {len(skipped)} checkpoint weights of parts this model does not implement (the DSpark draft "
+                f"head `mtp.*`, `image_pad`), e.g. {skipped[0]}"
+            )
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Writing the released storage format
+# ---------------------------------------------------------------------------------------------------------------------
+
+# which of our tensors the release stores quantized (the reference's `Linear` default dtype, fixtures README §7)
+_RELEASED_FP8_BLOCK = re.compile(
+    r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$"
+)
+_RELEASED_FP4_ROWS = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+_RELEASED_FP8_ROWS = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
+_E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _e8m0_scales(amax: torch.Tensor, max_value: float) -> torch.Tensor:
+    """Smallest power of two ``s`` with ``amax / s <= max_value``, as float8_e8m0fnu (2^-127 for all-zero blocks)."""
+    exponent = torch.ceil(torch.log2(amax.float() / max_value)).clamp(-127, 127)
+    return torch.exp2(exponent).to(torch.float8_e8m0fnu)
+
+
+def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] → FP8 e4m3 [R, C] and E8M0 scales [ceil(R/32), ceil(C/32)] (dense Linears)."""
+    b = RELEASED_BLOCK_SIZE
+    rows, cols = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, -cols % b, 0, -rows % b))
+    blocks = padded.unflatten(0, (-1, b)).unflatten(2, (-1, b))  # [R/b, b, C/b, b]
+    scale = _e8m0_scales(blocks.abs().amax(dim=(1, 3)), FP8_E4M3_MAX)
+    expanded = scale.float().repeat_interleave(b, 0).repeat_interleave(b, 1)[:rows, :cols]
+    return (weight.float() / expanded).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] → FP8 e4m3 [R, C] and E8M0 scales [R, C/32] (Engram tables)."""
+    groups = weight.float().unflatten(1, (-1, RELEASED_BLOCK_SIZE))
+    scale = _e8m0_scales(groups.abs().amax(dim=-1), FP8_E4M3_MAX)
+    values = (groups / scale.float().unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return values.flatten(1).to(torch.float8_e4m3fn), scale
+
+
+def quantize_fp4_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] → packed FP4 int8 [R, C/2] (even column in the low nibble) and E8M0 scales [R, C/32] (routed experts)."""
+    groups = weight.float().unflatten(1, (-1, RELEASED_BLOCK_SIZE))
+    scale = _e8m0_scales(groups.abs().amax(dim=-1), FP4_E2M1_MAX)
+    values = (groups / scale.float().unsqueeze(-1)).flatten(1)
+    codes = (values.abs().unsqueeze(-1) - _E2M1_MAGNITUDES).abs().argmin(dim=-1)  # nearest magnitude
+    codes = (codes | (values < 0).long() << 3).to(torch.uint8)
+    return (codes[:, 0::2] | codes[:, 1::2] << 4).view(torch.int8), scale
+
+
+_RELEASED_QUANTIZERS = (
+    (_RELEASED_FP8_BLOCK, quantize_fp8_block),
+    (_RELEASED_FP4_ROWS, quantize_fp4_rows),
+    (_RELEASED_FP8_ROWS, quantize_fp8_rows),
+)
+
+
+def released_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s tensors as the release stores them: quantized weights with their ``.scale``, no token map."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    state.pop("engram_hasher.token_map", None)
+    out = {}
+    for name, tensor in state.items():
+        if name in out:  # the scale of an FP8 Engram table, written with its weight
+            continue
+        quantize = next((q for pattern, q in _RELEASED_QUANTIZERS if pattern.match(name)), None)
+        if quantize is None or tensor.dtype == torch.float8_e4m3fn:  # kept as is (an FP8 table is already stored)
+            out[name] = tensor
+            continue
+        out[name], out[name[: -len(_WEIGHT)] + _SCALE] = quantize(tensor)
+    return out
+
+
+def save_released_checkpoint(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    max_shard_bytes: int = 5 * 2**30,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write ``model`` in the released storage format: ``config.json``, safetensors shards of at most
+    ``max_shard_bytes`` and ``model.safetensors.index.json``. No Engram token map is written.
+
+    ``state_dict`` replaces :func:`released_state_dict` of ``model`` as the tensors to write.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    state = released_state_dict(model) if state_dict is None else state_dict
+    state = {name: tensor.contiguous() for name, tensor in state.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, filename))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+__all__ = [
+    "DeepseekV41CheckpointLoadingMixin",
+    "DequantizeReleasedWeight",
+    "dequantize_released_weight",
+    "ensure_engram_token_map",
+    "high_precision_modules",
+    "quantize_fp4_rows",
+    "quantize_fp8_block",
+    "quantize_fp8_rows",
+    "released_state_dict",
+    "released_storage_conversions",
+    "save_released_checkpoint",
+]

@@ -1,0 +1,237 @@
+"""from_pretrained on DeepSeek-V4.1 checkpoints: the golden fixture folder as is, the released storage format (FP8 /
+packed FP4 / E8M0 scales, checked against the reference's own dequantized values), the Engram token map, our own
+save → load round trip."""
+
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import modeling_dsv41  # noqa: F401  (registers the Auto classes)
+from configuration import DeepseekV41Config
+from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41 import checkpoint_loading
+from modeling_dsv41.checkpoint_loading import (
+    dequantize_released_weight,
+    quantize_fp4_rows,
+    quantize_fp8_block,
+    quantize_fp8_rows,
+    released_state_dict,
+    save_released_checkpoint,
+    stores_scales,
+)
+from modeling_dsv41.quantization import dequantize_released_tensor
+from reference_fixture import fixture_checkpoint, reference_inputs, reference_model, stub_tokenizer
+
+# Shapes of fixtures/quant_format (the reference's FP8/FP4 small model): hidden 256, q_lora 64, 4 heads of 64 in
+# 2 output groups of rank 32, an indexer of 4 x 64, experts of width 128, the fixture's Engram tables.
+QUANT_FORMAT_TEXT = dict(
+    vocab_size=512, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2, n_routed_experts=4,
+    num_experts_per_tok=2, sliding_window=16, compress_ratios=[0, 2], kv_source_layer_ids=[1],
+    index_source_layer_ids=[1], index_n_heads=4, index_head_dim=64, index_topk=8, candidate_source_layer_id=-1,
+    engram_layer_ids=[0, 1], engram_num_embeddings=[660, 864], engram_vocab_size=100, engram_n_heads=2,
+    engram_head_dim=32, engram_compressed_vocab_size=256, num_nextn_predict_layers=0,
+)
+
+
+def _load(folder, **kwargs):
+    return DeepseekV41ForCausalLM.from_pretrained(folder, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def fixture_folder(fixtures_dir, tmp_path_factory):
+    return fixture_checkpoint(fixtures_dir, "dense", tmp_path_factory.mktemp("fixture") / "dense")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The fixture folder (reference names and dtypes, FP8 Engram tables, flat reference config)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_fixture_folder_loads_like_the_reference_model(fixtures_dir, fixture_folder):
+    model = _load(fixture_folder, dtype=torch.bfloat16)
+    reference = reference_model(fixtures_dir, "dense", emulate_quantization=True)
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():  # the reference's dtypes: fp32 mHC, sinks, biases, ratio-2 compressor, head
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    # the token map built from tokenizer.json is the fixture's stub map
+    token_map = load_file(fixtures_dir / "v41_tiny_vl/engram.safetensors")["token_map"]
+    assert torch.equal(model.engram_hasher.token_map, token_map)
+
+    # same tensors, same dtypes: the same model as test_parity's, so its logits match the reference as well
+    with torch.no_grad():
+        logits = model(**reference_inputs(fixtures_dir)).logits[0]
+    expected = load_file(fixtures_dir / "v41_tiny_vl/dense/expected_qdq.safetensors")["logits"]
+    assert (logits - expected).abs().max().item() <= 0.15  # test_parity's tolerance for the qdq mode
+    assert (logits.argmax(-1) == expected.argmax(-1)).sum().item() >= 55
+
+
+def test_reference_dtypes_survive_a_bf16_load(fixture_folder):
+    model = _load(fixture_folder, dtype=torch.bfloat16)
+    assert model.layers[1].attn.compressor.wkv.weight.dtype == torch.float32  # ratio 2: pooled in fp32
+    assert model.layers[3].attn.compressor.wkv.weight.dtype == torch.bfloat16  # ratio 1: a plain projection
+    assert model.vision.norm.weight.dtype == model.vision.blocks[0].norm1.weight.dtype == torch.float32
+    assert model.head.weight.dtype == model.layers[0].hc_attn_fn.dtype == torch.float32
+
+
+def test_fp8_engram_tables_load_as_stored(fixtures_dir, fixture_folder):
+    config = DeepseekV41Config.from_pretrained(fixture_folder)
+    config.text_config.engram_table_dtype = "fp8"
+    model = _load(fixture_folder, config=config, dtype=torch.bfloat16)
+    stored = load_file(fixtures_dir / "v41_tiny_vl/model.safetensors")
+    for layer in (0, 1):
+        table = model.layers[layer].engram.embed
+        assert table.weight.dtype == torch.float8_e4m3fn and table.scale.dtype == torch.float8_e8m0fnu
+        assert torch.equal(table.weight.view(torch.uint8), stored[f"layers.{layer}.engram.embed.weight"].view(torch.uint8))
+        assert torch.equal(table.scale.view(torch.uint8), stored[f"layers.{layer}.engram.embed.scale"].view(torch.uint8))
+    # looked up, every row reads what the float-table model (the reference's bf16 dequantization) holds
+    dequantized = _load(fixture_folder, dtype=torch.bfloat16)
+    for layer, rows in ((0, 660), (1, 864)):
+        rows = torch.arange(rows)
+        assert torch.equal(model.layers[layer].engram.embed(rows), dequantized.layers[layer].engram.embed(rows))
+
+
+def test_missing_token_map_is_a_clear_error_unless_a_tokenizer_is_given(fixtures_dir, tmp_path):
+    folder = fixture_checkpoint(fixtures_dir, "dense", tmp_path / "no_tokenizer", with_tokenizer=False)
+    with pytest.raises(ValueError, match="no compressed token map.*engram_tokenizer"):
+        _load(folder, dtype=torch.bfloat16)
+    model = _load(folder, dtype=torch.bfloat16, engram_tokenizer=stub_tokenizer())
+    assert torch.equal(model.engram_hasher.token_map, torch.arange(512) // 2)
+
+
+@pytest.mark.parametrize("table_dtype", ["float", "fp8"])
+def test_save_then_load_is_bit_exact(fixture_folder, tmp_path, table_dtype):
+    config = DeepseekV41Config.from_pretrained(fixture_folder)
+    config.text_config.engram_table_dtype = table_dtype
+    model = _load(fixture_folder, config=config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)  # our format: plain weights, token map included, no tokenizer.json needed
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "engram_hasher.token_map" in saved
+    assert not any(name.endswith(".scale") and "engram.embed" not in name for name in saved)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert isinstance(reloaded, DeepseekV41ForCausalLM)
+    before, after = model.state_dict(), reloaded.state_dict()
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype, name
+        assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The released storage format, against the reference's dequantized values (fixtures/quant_format)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quant_format(fixtures_dir):
+    stored = load_file(fixtures_dir / "quant_format/checkpoint_format.safetensors")
+    expected = load_file(fixtures_dir / "quant_format/dequantized_fp32.safetensors")
+    return stored, expected
+
+
+@pytest.fixture(scope="module")
+def released_folder(quant_format, tmp_path_factory):
+    """A random model in the released format, sharded, with the fixture's stored tensors at their own names (an FP8
+    ``wo_a`` among them), plus the DSpark head and image_pad tensors the release also carries."""
+    stored, _ = quant_format
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=QUANT_FORMAT_TEXT))
+    state = released_state_dict(model)
+    for name, tensor in stored.items():
+        if not name.startswith("synthetic."):
+            assert name in state and state[name].shape == tensor.shape, name
+            state[name] = tensor
+    state["mtp.0.attn.wq_a.weight"], state["mtp.0.attn.wq_a.scale"] = quantize_fp8_block(torch.randn(64, 256))
+    state["image_pad"] = torch.randn(256, dtype=torch.bfloat16)
+    folder = tmp_path_factory.mktemp("released")
+    save_released_checkpoint(model, folder, max_shard_bytes=1 << 20, state_dict=state)
+    stub_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_released_checkpoint_dequantizes_like_the_reference(quant_format, released_folder, dtype, caplog):
+    _, expected = quant_format
+    folder, state = released_folder
+    assert len(list(folder.glob("model-*.safetensors"))) > 1  # really sharded, with an index
+    with caplog.at_level(logging.WARNING):
+        model, info = _load(folder, dtype=dtype, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ignored = [r for r in caplog.records if "mtp.*" in r.getMessage()]
+    assert len(ignored) == 1 and "Ignoring 2 checkpoint weights" in ignored[0].getMessage()  # mtp (+ scale), image_pad
+
+    params = dict(model.named_parameters())
+    for name, values in expected.items():
+        if not name.startswith("synthetic."):
+            assert params[name].dtype == dtype and torch.equal(params[name], values.to(dtype)), name
+    # every other quantized tensor reads as the reference kernels read it
+    for name, tensor in state.items():
+        if name.endswith(".scale") and not name.startswith("mtp."):
+            weight_name = name[: -len("scale")] + "weight"
+            reference = dequantize_released_tensor(state[weight_name], tensor)
+            assert torch.equal(params[weight_name], reference.to(dtype)), weight_name
+    # what is not quantized keeps its values and its reference dtype
+    assert model.layers[1].attn.compressor.wgate.weight.dtype == torch.float32
+    assert torch.equal(model.layers[0].attn_norm.weight, state["layers.0.attn_norm.weight"].to(dtype))
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.randint(0, 500, (1, 9))).logits).all()
+
+
+def test_released_checkpoints_are_read_one_tensor_at_a_time(released_folder, fixture_folder, monkeypatch):
+    """transformers' prefetching thread pool would hold every quantized tensor, cast up, until its turn."""
+    folder, _ = released_folder
+    seen = []
+    dequantize = checkpoint_loading.dequantize_released_weight
+
+    def recording(*args):
+        seen.append(os.environ.get("HF_DEACTIVATE_ASYNC_LOAD"))
+        return dequantize(*args)
+
+    monkeypatch.delenv("HF_DEACTIVATE_ASYNC_LOAD", raising=False)
+    monkeypatch.setattr(checkpoint_loading, "dequantize_released_weight", recording)
+    _load(folder, dtype=torch.bfloat16)
+    assert seen and set(seen) == {"1"}
+    assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ  # restored
+    assert stores_scales(folder) and stores_scales(fixture_folder)  # the fixture's Engram tables have scales
+
+
+def test_dequantizing_after_the_loader_cast_equals_the_reference(quant_format, monkeypatch):
+    """The loader hands the op its sources cast to the parameter dtype; bf16 keeps FP8 values, FP4 bytes and E8M0
+    scales exactly. Chunking over rows (with a partial last 32-row block: the 40-row case) changes nothing."""
+    stored, expected = quant_format
+    monkeypatch.setattr(checkpoint_loading, "_CHUNK_ELEMENTS", 1)  # one 32-row block per chunk
+    for name, values in expected.items():
+        weight, scale = stored[name], stored[name[: -len("weight")] + "scale"]
+        columns = values.shape[1]
+        for cast in (None, torch.bfloat16, torch.float32):
+            w, s = (weight, scale) if cast is None else (weight.to(cast), scale.to(cast))
+            out = dequantize_released_weight(w, s, columns, torch.float32)
+            assert torch.equal(out, values), (name, cast)
+
+
+def test_float16_cannot_hold_every_e8m0_scale(quant_format):
+    stored, _ = quant_format
+    weight, scale = stored["layers.1.attn.wq_a.weight"], stored["layers.1.attn.wq_a.scale"]
+    tiny = torch.full_like(scale.float(), 2.0**-30).to(torch.float8_e8m0fnu)  # flushes to 0 in float16
+    with pytest.raises(ValueError, match="bfloat16"):
+        dequantize_released_weight(weight.half(), tiny.half(), 256, torch.float16)
+
+
+@pytest.mark.parametrize(
+    "quantize, shape", [(quantize_fp8_block, (70, 96)), (quantize_fp8_rows, (40, 64)), (quantize_fp4_rows, (40, 64))]
+)
+def test_released_writers_round_trip_within_format_precision(quantize, shape):
+    torch.manual_seed(0)
+    weight = torch.randn(shape)
+    stored, scale = quantize(weight)
+    values = dequantize_released_tensor(stored, scale)
+    # e4m3 rounds to within 1/16 of a value; e2m1 values x/s lie in (3, 6] where the grid step is at most 2 = 2s/s, so
+    # the error is at most s <= amax/3
+    bound = 1 / 3 if quantize is quantize_fp4_rows else 1 / 16
+    blocks = weight.abs().unflatten(1, (-1, 32)).amax(-1, keepdim=True).expand(-1, -1, 32).flatten(1)
+    assert ((values - weight).abs() <= bound * blocks).all()

@@ -1,0 +1,221 @@
+"""The ``dsv41`` command.
+
+- ``dsv41 demo``: build, measure, fine-tune, publish, reload and caption a tiny DeepSeek-V4.1 (see :mod:`.demo`).
+- ``dsv41 inspect [PRESET|PATH]``: parameters, optimizer state and image token budgets, on the meta device.
+- ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see :mod:`.conversion`).
+
+Errors are one line on stderr (``dsv41 <command>: error: …``) with exit status 2; Ctrl-C exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PRESETS = ("deepseek-v4.1-flash", "tiny")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dsv41", description="DeepSeek-V4.1 for Hugging Face transformers.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    demo = commands.add_parser(
+        "demo", help="fine-tune, publish and reload a tiny DeepSeek-V4.1 on generated captions (CPU, minutes)",
+        description="Build a tiny DeepSeek-V4.1 with vision and Engram, measure caption exact match, fine-tune it "
+        "with DeepseekV41Trainer, measure again, export a Hub-ready folder, reload it in a fresh process and caption "
+        "images. Ctrl-C saves a checkpoint; rerun with the same --output to resume.",
+    )
+    demo.add_argument("--output", type=Path, default=Path("dsv41-demo"), help="output folder (default: %(default)s)")
+    demo.add_argument("--steps", type=_positive_int, default=None, help="training steps (default: 120)")
+    demo.add_argument("--lora", action="store_true",
+                      help="then teach the fine-tuned model a new caption wording through a LoRA adapter (PEFT)")
+    demo.add_argument("--seed", type=_non_negative_int, default=0, help="seed for data, model and training")
+    demo.set_defaults(handler=_run_demo)
+
+    inspect = commands.add_parser(
+        "inspect", help="parameter counts, optimizer state and image token budgets (meta device, any size)",
+        description="Count parameters per component and per optimizer kind, optimizer-state bytes (ours vs AdamW) "
+        "and image token budgets, without allocating the weights.",
+    )
+    inspect.add_argument("target", nargs="?", default="deepseek-v4.1-flash",
+                         help=f"a preset ({', '.join(PRESETS)}) or a folder / config.json (default: %(default)s)")
+    inspect.set_defaults(handler=_run_inspect)
+
+    convert = commands.add_parser(
+        "convert", help="convert a released-format checkpoint (FP8/FP4) into our format (dequantized)",
+        description="Read a checkpoint in DeepSeek's released storage (FP8 / packed FP4 weights with E8M0 scales) "
+        "and write plain safetensors that DeepseekV41ForCausalLM.from_pretrained loads, one tensor at a time.",
+    )
+    convert.add_argument("source", type=Path, help="folder with config.json and *.safetensors in the released format")
+    convert.add_argument("destination", type=Path, help="new (or empty) folder to write")
+    convert.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                         help="dtype of the dequantized weights (default: %(default)s)")
+    convert.set_defaults(handler=_run_convert)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# demo
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoInterrupted, DemoSettings, run_demo
+
+    settings = DemoSettings(output=args.output, lora=args.lora, seed=args.seed)
+    if args.steps is not None:
+        settings.steps = args.steps
+    start = time.perf_counter()
+    try:
+        report = run_demo(settings)
+    except DemoInterrupted as interrupted:
+        print(f"\nInterrupted. Checkpoint: {interrupted.checkpoint}\n"
+              f"Resume with: dsv41 demo --output {args.output}" + (" --lora" if args.lora else "")
+              + (f" --steps {args.steps}" if args.steps else "") + (f" --seed {args.seed}" if args.seed else ""),
+              file=sys.stderr)
+        return 130
+    print(format_demo_summary(report, time.perf_counter() - start))
+    return 0
+
+
+def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
+    settings = report["settings"]
+    eval_losses = [loss for _, loss in report["loss_curves"]["eval"]]
+    rows = [
+        ("caption exact match", report["before"]["exact_match"], report["after"]["exact_match"]),
+        ("eval loss (caption tokens)", eval_losses[0] if eval_losses else None, eval_losses[-1] if eval_losses else None),
+    ]
+    cell = lambda value: "-" if value is None else f"{value:.3f}"  # noqa: E731
+    lines = [
+        "",
+        f"DeepSeek-V4.1 demo — {report['num_parameters']:,} parameters, {settings['steps']} training steps, "
+        f"{settings['num_eval']} held-out images",
+        f"{'':<28}{'untrained':>11}{'fine-tuned':>12}",
+        *(f"{name:<28}{cell(a):>11}{cell(b):>12}" for name, a, b in rows),
+        f"(a caption guesser scores {report['chance_exact_match']:.3f})",
+    ]
+    if report["lora"]:
+        lora = report["lora"]
+        lines += [
+            "",
+            f"LoRA ({lora['trainable_parameters']:,} trainable parameters), new wording {report['samples'][0]['truth']!r}:",
+            f"{'':<28}{'fine-tuned':>11}{'+ LoRA':>12}",
+            f"{'caption exact match':<28}{cell(lora['before']['exact_match']):>11}{cell(lora['after']['exact_match']):>12}",
+        ]
+    lines += ["", f"{'image':<16}{'truth':<34}{'generated':<34}reloaded"]
+    for sample in report["samples"]:
+        lines.append(f"{Path(sample['image']).name:<16}{sample['truth']:<34}{sample['in_process']:<34}"
+                     f"{'same' if sample['reloaded'] == sample['in_process'] else sample['reloaded']}")
+    same = report["reloaded_generations_equal"]
+    lines += [
+        "",
+        f"Reloaded with AutoModelForCausalLM.from_pretrained(trust_remote_code=True) in a fresh process: "
+        f"generations {'equal' if same else 'DIFFER'}",
+        f"Hub-ready folder: {report['export_dir']}",
+        f"Also written: {Path(settings['output']) / 'loss.png'}, {Path(settings['output']) / 'report.json'}",
+        f"Time {seconds / 60:.1f} min, peak memory {report['peak_memory_bytes'] / 2**20:.0f} MiB, "
+        f"{report['threads']} threads",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inspect
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_config(target: str):
+    """A preset name, a folder holding ``config.json`` or a ``config.json`` (ours or the reference's flat one)."""
+    from configuration import DeepseekV41Config
+
+    path = Path(target)
+    if path.is_dir() or path.is_file():
+        config_file = path / "config.json" if path.is_dir() else path
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        try:
+            config_dict = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+        return DeepseekV41Config.from_dict(config_dict)
+    if target in PRESETS:
+        return DeepseekV41Config.from_preset(target)
+    raise FileNotFoundError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path")
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from .inspection import format_inspection, inspect_config
+
+    config = load_config(args.target)
+    print(f"DeepSeek-V4.1 configuration: {args.target}")
+    print(format_inspection(inspect_config(config)))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# convert
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from .conversion import convert_released_checkpoint
+
+    written = convert_released_checkpoint(args.source, args.destination, dtype=getattr(torch, args.dtype))
+    print(f"Wrote {written['tensors']:,} tensors ({written['bytes'] / 2**30:.2f} GiB) to {args.destination}; "
+          f"load with DeepseekV41ForCausalLM.from_pretrained({str(args.destination)!r})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prefix = f"dsv41 {args.command}"
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print(f"\n{prefix}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as error:  # FileNotFoundError, PermissionError and disk-space errors are OSErrors
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"{prefix}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

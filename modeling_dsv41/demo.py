@@ -1,0 +1,529 @@
+"""``dsv41 demo``: every promised use of the package, end to end, on a model small enough for a laptop CPU.
+
+1. Build a tiny DeepSeek-V4.1 (CSA2 attention, mHC, MoE, Engram, DeepSeek-ViT) and a tokenizer trained here.
+2. Measure caption exact match on held-out images of :mod:`.demo_data` (greedy ``generate``).
+3. Fine-tune with :class:`~.trainer.DeepseekV41Trainer` — the mixed Muon / head-wise Muon / Sinkhorn / AdamW
+   optimizer — and measure again.
+   With ``lora``, then teach the fine-tuned model a new caption wording (``"a red circle in the top left"``)
+   through a PEFT LoRA adapter on the language model, measure that, and merge the adapter.
+4. Export a Hub-ready folder (:func:`~.export.export_for_hub`: weights, config, processor,
+   tokenizer, remote code and a model card holding the measured results).
+5. Reload that folder in a fresh interpreter with ``AutoModelForCausalLM`` / ``AutoProcessor``
+   (``trust_remote_code=True``), caption sample images there and check they match the in-process captions.
+6. Write ``loss.png`` (training and eval loss) and ``report.json``.
+
+Ctrl-C during training saves a checkpoint; running again with the same output folder resumes from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from PIL import Image, ImageDraw
+from transformers import GenerationConfig, TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from configuration import DeepseekV41Config
+from processing import IMAGE_TOKEN, DeepseekV41ImageProcessor, DeepseekV41Processor
+
+from . import demo_reload
+from .demo_data import CAPTIONS, IMAGE_SIZE, PROMPT, ShapesDataset, build_demo_tokenizer
+from .engram import build_compressed_token_map
+from .export import export_for_hub
+from .modeling_dsv41 import DeepseekV41ForCausalLM
+from .trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+# LoRA on the language model's attention and expert matrices, by released name (the block-diagonal `wo_a` cannot
+# take one); the LM head trains in full, as new words need their output rows
+LORA_TARGET_MODULES = r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])"
+LORA_FULLY_TRAINED = ["head"]
+NUM_SAMPLE_IMAGES = 8
+MIN_FREE_BYTES = 200 * 2**20  # checkpoints, the export and the samples take ≈ 30 MB; keep a margin
+
+
+class DemoInterrupted(Exception):
+    """Training stopped on Ctrl-C after saving a checkpoint; ``checkpoint`` is where to resume from."""
+
+    def __init__(self, checkpoint: str | None):
+        super().__init__(f"interrupted; checkpoint saved at {checkpoint}" if checkpoint else "interrupted")
+        self.checkpoint = checkpoint
+
+
+@dataclass
+class DemoSettings:
+    """What a demo run does. Everything but ``output`` must match when resuming."""
+
+    output: Path = Path("dsv41-demo")
+    steps: int = 120
+    lora: bool = False
+    seed: int = 0
+    batch_size: int = 32
+    learning_rate: float = 1e-2
+    num_train: int = 4096
+    num_eval: int = 72
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "num_train", "num_eval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning-rate must be positive, got {self.learning_rate!r}")
+
+    @property
+    def lora_steps(self) -> int:
+        return max(1, self.steps // 2)
+
+    def run_key(self) -> dict[str, Any]:
+        """The settings that define the run (a resumed run must have the same)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "output"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model, processor, data collation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def demo_config(tokenizer: Any) -> DeepseekV41Config:
+    """The ``tiny`` preset sized for 84×84 images (an 8-position image span) and this tokenizer's Engram map."""
+    base = DeepseekV41Config.from_preset("tiny")
+    _, compressed_vocab_size = build_compressed_token_map(tokenizer)
+    config = DeepseekV41Config.from_preset(
+        "tiny",
+        text_config={**base.text_config.to_dict(), "engram_compressed_vocab_size": compressed_vocab_size},
+        vision_config={**base.vision_config.to_dict(), "min_pixels": IMAGE_SIZE * IMAGE_SIZE},
+    )
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    if len(tokenizer) != config.text_config.vocab_size or image_token_id != config.image_token_id:
+        raise ValueError("the demo tokenizer does not match the tiny preset's vocabulary and image token")
+    return config
+
+
+def build_demo_model(config: DeepseekV41Config, tokenizer: Any, seed: int) -> DeepseekV41ForCausalLM:
+    """A freshly initialized model (deterministic in ``seed``) whose Engram hashes this tokenizer's ids."""
+    torch.manual_seed(seed)
+    model = DeepseekV41ForCausalLM(config)
+    model.engram_hasher.load_tokenizer(tokenizer)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=False,
+    )
+    return model
+
+
+def build_demo_processor(config: DeepseekV41Config, tokenizer: Any) -> DeepseekV41Processor:
+    return DeepseekV41Processor(DeepseekV41ImageProcessor.from_vision_config(config.vision_config), tokenizer)
+
+
+class CaptionCollator:
+    """Samples → a training batch: the chat prompt with the image, then the caption and EOS. Only the caption and
+    EOS are learned (``labels`` is -100 on the prompt and padding)."""
+
+    def __init__(self, processor: DeepseekV41Processor):
+        self.processor = processor
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+        self.prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+        self.answer_start_id = processor.tokenizer.convert_tokens_to_ids("</think>")
+
+    def __call__(self, samples: list) -> dict[str, torch.Tensor]:
+        eos = self.processor.tokenizer.eos_token
+        batch = self.processor(
+            images=[s.image for s in samples], text=[self.prompt + s.caption + eos for s in samples],
+            padding=True, add_special_tokens=False, return_tensors="pt",
+        )
+        ids = batch["input_ids"]
+        # the answer starts after the last `</think>` of each row
+        is_marker = (ids == self.answer_start_id).long()
+        after_prompt = (is_marker.flip(1).cumsum(1).flip(1) == 0) & (is_marker.cumsum(1) > 0)
+        labels = ids.masked_fill(~after_prompt | (batch["attention_mask"] == 0), -100)
+        return {**batch, "labels": labels}
+
+
+def caption_exact_match(model: Any, processor: Any, dataset: ShapesDataset, batch_size: int = 72) -> tuple[float, list[str]]:
+    """Share of ``dataset`` images whose greedy caption equals the true one, and the captions."""
+    model.eval()
+    predictions = []
+    for start in range(0, len(dataset), batch_size):
+        samples = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+        predictions += demo_reload.caption_images(model, processor, [s.image for s in samples], PROMPT)
+    truth = [dataset[i].caption for i in range(len(dataset))]
+    return sum(p == t for p, t in zip(predictions, truth)) / len(truth), predictions
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _LossOnProgressBar(ProgressCallback):
+    """transformers' progress bar, with the latest losses on the bar instead of one printed line per log and
+    without a second bar for each (one-batch) evaluation."""
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        pass
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None:
+            shown = {k: f"{logs[k]:.3f}" for k in ("loss", "eval_loss") if k in logs}
+            if shown:
+                self.training_bar.set_postfix(shown, refresh=False)
+
+
+class _CheckpointOnInterrupt(TrainerCallback):
+    """First Ctrl-C: finish the current step, save a checkpoint, stop. A second Ctrl-C aborts at once. Also
+    saves at the last step, so a finished run is never trained again."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self._previous_handler = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.interrupted = True
+        signal.signal(signal.SIGINT, self._previous_handler)
+        print("\nCtrl-C: saving a checkpoint after this step (press again to abort now)", file=sys.stderr)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.interrupted or state.global_step >= state.max_steps:
+            control.should_save = True
+        if self.interrupted:
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+
+
+def attach_lora(model: DeepseekV41ForCausalLM) -> Any:
+    """A PEFT LoRA adapter (rank 8) on the language model's matrices, plus a trainable copy of the LM head."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGET_MODULES, modules_to_save=LORA_FULLY_TRAINED)
+    )
+
+
+def training_arguments(settings: DemoSettings, output_dir: Path, steps: int) -> DeepseekV41TrainingArguments:
+    return DeepseekV41TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=settings.batch_size,
+        per_device_eval_batch_size=settings.num_eval,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=min(10, steps // 10),
+        weight_decay=0.1,  # Muon kinds only (the AdamW group takes none)
+        max_grad_norm=1.0,
+        logging_steps=max(1, min(5, steps // 10)),
+        eval_strategy="steps",
+        eval_steps=max(10, steps // 6),
+        eval_on_start=True,
+        save_strategy="steps",
+        save_steps=max(1, steps // 4),
+        save_total_limit=1,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        use_cpu=True,
+        report_to="none",
+        log_level="warning",
+    )
+
+
+def fine_tune(
+    model: Any, processor: DeepseekV41Processor, settings: DemoSettings, *, stage: str, style: str, steps: int,
+    print_fn=print,
+) -> DeepseekV41Trainer:
+    """Train on ``style`` captions with DeepseekV41Trainer, in ``<output>/checkpoints/<stage>`` (resuming from the
+    latest checkpoint there, if any)."""
+    output_dir = settings.output / "checkpoints" / stage
+    trainer = DeepseekV41Trainer(
+        model=model,
+        args=training_arguments(settings, output_dir, steps),
+        train_dataset=ShapesDataset("train", settings.num_train, settings.seed, style),
+        eval_dataset=ShapesDataset("eval", settings.num_eval, settings.seed, style),
+        data_collator=CaptionCollator(processor),
+    )
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(_LossOnProgressBar())
+    interrupt = _CheckpointOnInterrupt()
+    trainer.add_callback(interrupt)
+    trainer.create_optimizer()
+    print_fn(f"Optimizer assignment ({stage} stage; MixedOptimizer, one group per kind):")
+    print_fn(str(trainer.assignment_table))
+    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    if checkpoint:
+        print_fn(f"Resuming from {checkpoint}")
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if interrupt.interrupted:
+        raise DemoInterrupted(get_last_checkpoint(str(output_dir)))
+    return trainer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def loss_curves(log_history: list[dict[str, Any]], prefix: str = "", offset: int = 0) -> dict[str, list[tuple[int, float]]]:
+    """``{"<prefix>train": [(step, loss)], "<prefix>eval": [(step, eval_loss)]}`` from ``trainer.state.log_history``,
+    steps shifted by ``offset``."""
+    curves = {f"{prefix}train": [], f"{prefix}eval": []}
+    for entry in log_history:
+        if "loss" in entry:
+            curves[f"{prefix}train"].append((entry["step"] + offset, entry["loss"]))
+        if "eval_loss" in entry:
+            curves[f"{prefix}eval"].append((entry["step"] + offset, entry["eval_loss"]))
+    return curves
+
+
+def plot_losses(curves: dict[str, list[tuple[int, float]]], path: Path, size: tuple[int, int] = (640, 400)) -> None:
+    """A line chart of the loss curves, drawn with PIL (no plotting dependency)."""
+    width, height = size
+    left, right, top, bottom = 60, 20, 30, 40
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    points = [p for curve in curves.values() for p in curve]
+    if not points:
+        raise ValueError("no loss values to plot")
+    max_step = max(1, max(s for s, _ in points))
+    max_loss = max(l for _, l in points) * 1.05 or 1.0
+
+    def xy(step: float, loss: float) -> tuple[float, float]:
+        return (left + step / max_step * (width - left - right), top + (1 - loss / max_loss) * (height - top - bottom))
+
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
+    for k in range(5):
+        loss = max_loss * k / 4
+        y = xy(0, loss)[1]
+        draw.line([left - 4, y, left, y], fill="black")
+        draw.text((4, y - 6), f"{loss:.2f}", fill="black")
+        step = max_step * k / 4
+        x = xy(step, 0)[0]
+        draw.line([x, height - bottom, x, height - bottom + 4], fill="black")
+        draw.text((x - 10, height - bottom + 8), f"{step:.0f}", fill="black")
+    draw.text((width // 2 - 15, height - 16), "step", fill="black")
+    for (name, curve), color in zip(curves.items(), ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e")):
+        if len(curve) > 1:
+            draw.line([xy(*p) for p in curve], fill=color, width=2)
+        for p in curve:
+            x, y = xy(*p)
+            draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=color)
+        legend_y = top + 8 + 16 * list(curves).index(name)
+        draw.line([width - right - 140, legend_y + 6, width - right - 120, legend_y + 6], fill=color, width=2)
+        draw.text((width - right - 115, legend_y), f"{name} loss", fill="black")
+    draw.text((left, 8), "DeepSeek-V4.1 demo: caption loss", fill="black")
+    image.save(path)
+
+
+def reload_and_caption(folder: Path, image_paths: list[Path]) -> dict[str, Any]:
+    """Run :mod:`.demo_reload` in a fresh, isolated interpreter (no project code importable but what the folder
+    ships); returns its JSON output."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-I", demo_reload.__file__, str(folder), PROMPT, *map(str, image_paths)]
+    with tempfile.TemporaryDirectory() as cwd:
+        result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"reloading {folder} in a fresh process failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _check_output_folder(output: Path) -> None:
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise OSError(f"cannot write to output folder {output}: {error.strerror or error}") from None
+    free = shutil.disk_usage(output).free
+    if free < MIN_FREE_BYTES:
+        raise OSError(f"only {free / 2**20:.0f} MiB free at {output}; the demo needs {MIN_FREE_BYTES / 2**20:.0f} MiB")
+
+
+def _load_or_start_run(settings: DemoSettings) -> dict[str, Any]:
+    """``run.json`` of a run in ``settings.output`` (checked against ``settings``), or a new one."""
+    path = settings.output / "run.json"
+    if path.is_file():
+        run = json.loads(path.read_text())
+        if run.get("settings") != settings.run_key():
+            differing = sorted(k for k, v in settings.run_key().items() if run.get("settings", {}).get(k) != v)
+            raise ValueError(
+                f"{settings.output} holds a run with other settings ({', '.join(differing)}): rerun with the same "
+                "options to resume it, or choose another --output"
+            )
+        return run
+    return {"settings": settings.run_key()}
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the reload check): on a busy machine, the honest cost."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _peak_memory_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if platform.system() == "Darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def _measure_once(run: dict[str, Any], key: str, measure, output: Path) -> dict[str, Any]:
+    """``run[key]``, measuring (and recording in ``run.json``) the first time only: a resumed run keeps the numbers
+    of the weights it started from."""
+    if key not in run:
+        accuracy, predictions = measure()
+        run[key] = {"exact_match": accuracy, "examples": predictions[:4]}
+        (output / "run.json").write_text(json.dumps(run, indent=2))
+    return run[key]
+
+
+def _results_for_card(report: dict[str, Any], num_eval: int) -> dict[str, dict[str, str]]:
+    def score(entry: dict[str, Any]) -> str:
+        return f"{entry['exact_match']:.3f} ({round(entry['exact_match'] * num_eval)}/{num_eval})"
+
+    results = {f"shape captions ({num_eval} held-out images)": {
+        "caption exact match, untrained": score(report["before"]),
+        "caption exact match, fine-tuned": score(report["after"]),
+    }}
+    if report["lora"]:
+        results[f"sentence captions ({num_eval} held-out images)"] = {
+            "caption exact match, fine-tuned": score(report["lora"]["before"]),
+            "caption exact match, + LoRA": score(report["lora"]["after"]),
+        }
+    return results
+
+
+def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
+    """The whole demo; returns (and writes to ``report.json``) what it measured. See the module docstring."""
+    settings.validate()
+    output = settings.output
+    _check_output_folder(output)
+    run = _load_or_start_run(settings)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    tokenizer = build_demo_tokenizer()
+    config = demo_config(tokenizer)
+    model = build_demo_model(config, tokenizer, settings.seed)
+    processor = build_demo_processor(config, tokenizer)
+    eval_short = ShapesDataset("eval", settings.num_eval, settings.seed)
+    print_fn(f"Built DeepSeek-V4.1 (tiny, vision + Engram): {model.num_parameters():,} parameters, "
+             f"{config.text_config.num_hidden_layers} layers, {config.text_config.n_routed_experts} experts")
+    before = _measure_once(run, "before", lambda: caption_exact_match(model, processor, eval_short), output)
+    print_fn(f"Untrained caption exact match: {before['exact_match']:.3f} "
+             f"(a caption guesser scores {1 / len(CAPTIONS):.3f})")
+    timings["build_and_baseline_s"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    trainer = fine_tune(model, processor, settings, stage="full", style="short", steps=settings.steps,
+                        print_fn=print_fn)
+    curves = loss_curves(trainer.state.log_history)
+    accuracy, predictions = caption_exact_match(model, processor, eval_short)
+    after = {"exact_match": accuracy, "examples": predictions[:4]}
+    print_fn(f"Fine-tuned caption exact match: {accuracy:.3f}")
+    timings["train_s"] = time.perf_counter() - clock
+
+    lora = None
+    if settings.lora:
+        clock = time.perf_counter()
+        eval_sentence = ShapesDataset("eval", settings.num_eval, settings.seed, "sentence")
+        lora_before = _measure_once(
+            run, "lora_before", lambda: caption_exact_match(model, processor, eval_sentence), output
+        )
+        adapted = attach_lora(model)
+        trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+        print_fn(f"LoRA: {trainable:,} trainable parameters teach the wording {eval_sentence[0].caption!r}")
+        lora_trainer = fine_tune(adapted, processor, settings, stage="lora", style="sentence",
+                                 steps=settings.lora_steps, print_fn=print_fn)
+        curves.update(loss_curves(lora_trainer.state.log_history, prefix="LoRA ", offset=settings.steps))
+        adapted.save_pretrained(output / "lora-adapter")
+        model = adapted.merge_and_unload()
+        accuracy, predictions = caption_exact_match(model, processor, eval_sentence)
+        lora = {"before": lora_before, "after": {"exact_match": accuracy, "examples": predictions[:4]},
+                "trainable_parameters": trainable, "adapter_dir": str(output / "lora-adapter")}
+        print_fn(f"After LoRA, sentence caption exact match: {accuracy:.3f}")
+        timings["lora_s"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    report = {"before": before, "after": after, "lora": lora}
+    export_dir = export_for_hub(
+        model, output / "model", processor, repo_id="dsv41-demo",
+        card_data={"model_name": "dsv41-demo", "tags": ["demo"]}, results=_results_for_card(report, settings.num_eval),
+    )
+    timings["export_s"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    final_eval = ShapesDataset("eval", settings.num_eval, settings.seed, "sentence" if settings.lora else "short")
+    sample_dir = output / "samples"
+    sample_dir.mkdir(exist_ok=True)
+    sample_paths = []
+    for i in range(min(NUM_SAMPLE_IMAGES, len(final_eval))):
+        path = sample_dir / f"eval-{i}.png"
+        final_eval[i].image.save(path)
+        sample_paths.append(path)
+    in_process = demo_reload.caption_images(model, processor, [Image.open(p) for p in sample_paths], PROMPT)
+    reloaded = reload_and_caption(export_dir, sample_paths)
+    timings["reload_s"] = time.perf_counter() - clock
+
+    plot_losses(curves, output / "loss.png")
+    report.update({
+        "settings": {**settings.run_key(), "output": str(output)},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "threads": torch.get_num_threads(),
+        "num_parameters": model.num_parameters(),
+        "chance_exact_match": 1 / len(CAPTIONS),
+        "final_train_loss": curves["train"][-1][1] if curves["train"] else None,
+        "final_eval_loss": curves["eval"][-1][1] if curves["eval"] else None,
+        "loss_curves": curves,
+        "samples": [
+            {"image": str(p), "truth": final_eval[i].caption, "in_process": a, "reloaded": b}
+            for i, (p, a, b) in enumerate(zip(sample_paths, in_process, reloaded["captions"]))
+        ],
+        "reloaded_model_class": reloaded["model_class"],
+        "reloaded_generations_equal": in_process == reloaded["captions"],
+        "export_dir": str(export_dir),
+        "timings_s": timings,
+        "cpu_time_s": _cpu_seconds(),
+        "peak_memory_bytes": _peak_memory_bytes(),
+    })
+    (output / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+__all__ = [
+    "CaptionCollator",
+    "DemoInterrupted",
+    "DemoSettings",
+    "LORA_FULLY_TRAINED",
+    "LORA_TARGET_MODULES",
+    "attach_lora",
+    "build_demo_model",
+    "build_demo_processor",
+    "caption_exact_match",
+    "demo_config",
+    "fine_tune",
+    "loss_curves",
+    "plot_losses",
+    "reload_and_caption",
+    "run_demo",
+]

@@ -1,0 +1,169 @@
+"""What a DeepSeek-V4.1 configuration costs, computed on the meta device (no memory, works for the released size):
+parameters per component and per optimizer kind, optimizer-state bytes (MixedOptimizer vs AdamW) and the LM
+positions images of a few sizes take. Backs ``dsv41 inspect``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+import torch
+from transformers import initialization as init
+
+from configuration import DeepseekV41Config
+from processing.image_processing_dsv41 import ImageGridPlan, plan_image_grid
+
+from .modeling_dsv41 import DeepseekV41ForCausalLM
+from .optim import KINDS, AssignmentTable, KindSummary, assign_kinds, state_bytes
+from .optim.policy import FROZEN
+
+# component name → pattern searched in the parameter name; the first match wins
+COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("token embedding", r"^embed\."),
+    ("LM head", r"^head\."),
+    ("norms", r"(^|\.)(attn_norm|ffn_norm|norm)\.weight$"),
+    ("attention: indexer", r"\.attn\.indexer\."),
+    ("attention: compressor", r"\.attn\.compressor\."),
+    ("attention", r"\.attn\."),
+    ("MoE: routed experts", r"\.ffn\.experts\."),
+    ("MoE: shared expert", r"\.ffn\.shared_experts\."),
+    ("MoE: router", r"\.ffn\.gate\."),
+    ("mHC", r"\.hc_(attn|ffn)_"),
+    ("Engram: tables", r"\.engram\.embed\."),
+    ("Engram: projection and gate", r"\.engram\."),
+    ("vision: ViT", r"^vision\."),
+    ("vision: aligner and delimiters", r"^(aligner\.|image_(start|newline|end)$)"),
+)
+# (height, width) of the images whose token budgets `inspect` lists
+IMAGE_SIZES: tuple[tuple[int, int], ...] = ((224, 224), (544, 544), (1024, 768), (1080, 1920), (1302, 1302), (3024, 4032))
+
+
+@dataclass
+class ModelInspection:
+    config: DeepseekV41Config
+    dtype: torch.dtype
+    components: dict[str, int] = field(default_factory=dict)
+    assignment: AssignmentTable = field(default_factory=AssignmentTable)
+    adamw_state_bytes: int = 0
+    image_plans: dict[tuple[int, int], ImageGridPlan] = field(default_factory=dict)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(self.components.values())
+
+    @property
+    def mixed_state_bytes(self) -> int:
+        return sum(row.state_bytes for row in self.assignment.kinds.values())
+
+
+def component_of(name: str) -> str:
+    """The :data:`COMPONENTS` entry a parameter name belongs to."""
+    for component, pattern in COMPONENTS:
+        if re.search(pattern, name):
+            return component
+    raise ValueError(f"parameter {name!r} matches no component")
+
+
+def build_meta_model(config: DeepseekV41Config, dtype: torch.dtype = torch.bfloat16) -> DeepseekV41ForCausalLM:
+    """The model with every tensor on the meta device (shapes and dtypes only); modules the model keeps in fp32
+    stay fp32, the rest take ``dtype``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"), init.no_init_weights():
+            return DeepseekV41ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+_ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.")
+_ROUTER_ROWS = re.compile(r"\.ffn\.gate\.(weight|bias|bias_vl)$")  # one row (or entry) per routed expert
+
+
+def _with_fewer_experts(config: DeepseekV41Config) -> tuple[DeepseekV41Config, int]:
+    """``config`` with ``num_experts_per_tok`` routed experts per layer, and how many experts each stands for.
+
+    The released model has 15,360 expert modules; building them all, even on the meta device, takes seconds,
+    and every expert of a layer has the same shapes, so a few stand in for all of them.
+    """
+    text = config.text_config
+    experts, active = text.n_routed_experts, text.num_experts_per_tok
+    if experts % active:
+        return config, 1
+    reduced = copy.deepcopy(config)
+    reduced.text_config.n_routed_experts = active
+    return reduced, experts // active
+
+
+def inspect_config(config: DeepseekV41Config, dtype: torch.dtype = torch.bfloat16) -> ModelInspection:
+    """Counts for ``config`` with parameters in ``dtype``; optimizer state is kept in the parameter dtype."""
+    reduced, scale = _with_fewer_experts(config)
+    model = build_meta_model(reduced, dtype)
+    params = list(model.named_parameters())
+    kinds = assign_kinds(model)
+    result = ModelInspection(config=config, dtype=dtype)
+    result.components = dict.fromkeys((c for c, _ in COMPONENTS), 0)
+    result.assignment.kinds = {kind: KindSummary() for kind in (*KINDS, FROZEN)}
+    for name, param in params:
+        # a routed expert's tensor stands for `scale` tensors; a router tensor has `scale` times the rows
+        tensors, numel = (scale, param.numel()) if _ROUTED_EXPERT.search(name) else (1, param.numel())
+        if _ROUTER_ROWS.search(name):
+            numel *= scale
+        row, kind = result.assignment.kinds[kinds[name]], kinds[name]
+        row.tensors += tensors
+        row.parameters += tensors * numel
+        row.state_bytes += tensors * state_bytes(kind, numel, param.element_size())
+        result.components[component_of(name)] += tensors * numel
+        if kind != FROZEN:
+            result.adamw_state_bytes += tensors * state_bytes("adamw", numel, param.element_size())
+    result.components = {k: v for k, v in result.components.items() if v}
+    if config.vision_config is not None:
+        vision = config.vision_config
+        settings = {k: getattr(vision, k) for k in ("patch_size", "downsample_ratio", "max_image_tokens",
+                                                    "min_pixels", "max_wh_ratio")}
+        result.image_plans = {size: plan_image_grid(*size, **settings) for size in IMAGE_SIZES}
+    return result
+
+
+def _human(n: float, unit: str = "") -> str:
+    for suffix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or suffix == "T":
+            return f"{n:.3g}{suffix}{unit}" if suffix else f"{n:,.0f}{unit}"
+        n /= 1000
+
+
+def _bytes(n: int) -> str:
+    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or suffix == "TiB":
+            return f"{n:.1f} {suffix}" if suffix != "B" else f"{n} B"
+        n /= 1024
+
+
+def format_inspection(result: ModelInspection) -> str:
+    """The report ``dsv41 inspect`` prints."""
+    total = result.num_parameters
+    lines = [f"Parameters: {total:,} ({_human(total)}), {str(result.dtype).removeprefix('torch.')} unless kept in fp32", ""]
+    lines.append(f"{'component':<34}{'parameters':>20}{'share':>9}")
+    for component, count in result.components.items():
+        lines.append(f"{component:<34}{count:>20,}{count / total:>9.1%}")
+    lines += ["", "Optimizer assignment (SPEC §6) and optimizer state:", str(result.assignment), ""]
+    mixed, adamw = result.mixed_state_bytes, result.adamw_state_bytes
+    lines.append(f"optimizer state: MixedOptimizer {_bytes(mixed)} vs AdamW on the same parameters {_bytes(adamw)} "
+                 f"({mixed / adamw:.0%} of AdamW)" if adamw else "optimizer state: nothing to train")
+    if result.image_plans:
+        lines += ["", "Image token budget (positions in the LM sequence = start + rows × (tokens + newline) + end):",
+                  f"{'image (h×w)':<14}{'ViT canvas':>12}{'patches':>10}{'token grid':>12}{'positions':>11}"]
+        for (height, width), plan in result.image_plans.items():
+            canvas = f"{plan.canvas_size[0]}×{plan.canvas_size[1]}"
+            grid = f"{plan.token_grid[0]}×{plan.token_grid[1]}"
+            lines.append(f"{f'{height}×{width}':<14}{canvas:>12}{plan.num_patches:>10,}{grid:>12}{plan.num_positions:>11,}")
+        lines.append(f"(max_image_tokens = {result.config.vision_config.max_image_tokens})")
+    else:
+        lines += ["", "Text-only configuration: no vision encoder."]
+    return "\n".join(lines)
+
+
+__all__ = ["COMPONENTS", "IMAGE_SIZES", "ModelInspection", "build_meta_model", "component_of", "format_inspection",
+           "inspect_config"]

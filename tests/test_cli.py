@@ -1,0 +1,289 @@
+"""The ``dsv41`` command: demo (reduced steps, Ctrl-C and resume), inspect, convert, and one-line errors."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from configuration import DeepseekV41Config
+from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41 import demo as demo_module
+from modeling_dsv41.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.cli import main
+from modeling_dsv41.demo_data import CAPTIONS, ShapesDataset, build_demo_tokenizer
+from modeling_dsv41.inspection import format_inspection, inspect_config
+from modeling_dsv41.optim import assignment_table
+
+DiskUsage = namedtuple("DiskUsage", "total used free")
+
+
+def _one_line_error(stderr: str, command: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith(f"dsv41 {command}: error: "), lines[0]
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# demo
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, capsys):
+    """``dsv41 demo --steps 4`` with Ctrl-C at step 2, then the same command again: it resumes and finishes.
+    Batches and the eval split are made small so that the whole flow takes seconds."""
+    monkeypatch.setattr(demo_module, "DemoSettings", functools.partial(demo_module.DemoSettings, batch_size=4,
+                                                                       num_eval=8, num_train=64))
+    out = tmp_path / "demo"
+    original_step_end = demo_module._LossOnProgressBar.on_step_end
+
+    def ctrl_c_at_step_2(self, args, state, control, **kwargs):
+        original_step_end(self, args, state, control, **kwargs)
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+
+    monkeypatch.setattr(demo_module._LossOnProgressBar, "on_step_end", ctrl_c_at_step_2)
+    assert main(["demo", "--output", str(out), "--steps", "4"]) == 130
+    captured = capsys.readouterr()
+    assert f"Resume with: dsv41 demo --output {out} --steps 4" in captured.err
+    assert [p.name for p in (out / "checkpoints" / "full").iterdir()] == ["checkpoint-2"]
+    assert "Optimizer assignment" in captured.out and "muon_headwise" in captured.out
+    baseline = json.loads((out / "run.json").read_text())["before"]
+
+    monkeypatch.setattr(demo_module._LossOnProgressBar, "on_step_end", original_step_end)
+    assert main(["demo", "--output", str(out), "--steps", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "Resuming from" in captured.out and "checkpoint-2" in captured.out
+    assert "caption exact match" in captured.out and "generations equal" in captured.out
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["before"] == baseline  # measured once, before any training
+    assert report["settings"] == {"steps": 4, "lora": False, "seed": 0, "batch_size": 4, "learning_rate": 1e-2,
+                                  "num_train": 64, "num_eval": 8, "output": str(out)}
+    assert [step for step, _ in report["loss_curves"]["train"]][-1] == 4
+    assert report["loss_curves"]["eval"][0][0] == 0  # evaluated before the first step too
+    assert report["chance_exact_match"] == pytest.approx(1 / len(CAPTIONS))
+    assert 0 <= report["after"]["exact_match"] <= 1
+    assert report["reloaded_generations_equal"] is True
+    assert report["reloaded_model_class"].startswith("transformers_modules.")  # the folder's own code, not ours
+    assert len(report["samples"]) == 8 and all(Path(s["image"]).is_file() for s in report["samples"])
+    assert (out / "checkpoints" / "full" / "checkpoint-4").is_dir()  # the last step is saved: a rerun trains no more
+    assert report["lora"] is None
+
+    with Image.open(out / "loss.png") as image:
+        assert image.format == "PNG" and image.size == (640, 400)
+    exported = out / "model"
+    config = json.loads((exported / "config.json").read_text())
+    assert "AutoModelForCausalLM" in config["auto_map"]
+    assert (exported / "model.safetensors").is_file() and (exported / "tokenizer.json").is_file()
+    card = (exported / "README.md").read_text()
+    assert "caption exact match, fine-tuned" in card
+
+    assert main(["demo", "--output", str(out), "--steps", "4", "--seed", "1"]) == 2
+    assert "other settings (seed)" in _one_line_error(capsys.readouterr().err, "demo")
+
+
+def test_caption_collator_learns_only_the_caption():
+    tokenizer = build_demo_tokenizer()
+    config = demo_module.demo_config(tokenizer)
+    processor = demo_module.build_demo_processor(config, tokenizer)
+    samples = [ShapesDataset("train", 2)[i] for i in range(2)]
+    batch = demo_module.CaptionCollator(processor)(samples)
+    for row, sample in enumerate(samples):
+        learned = batch["labels"][row][batch["labels"][row] != -100].tolist()
+        assert tokenizer.decode(learned) == sample.caption + tokenizer.eos_token
+    assert batch["pixel_values"].shape[0] == 2 * 36 and batch["image_token_types"].shape == batch["input_ids"].shape
+
+
+def test_demo_lora_stage_teaches_a_new_wording_and_publishes_the_merged_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(demo_module, "DemoSettings", functools.partial(demo_module.DemoSettings, batch_size=4,
+                                                                       num_eval=8, num_train=64))
+    out = tmp_path / "demo"
+    assert main(["demo", "--output", str(out), "--steps", "2", "--lora"]) == 0
+    assert "+ LoRA" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    lora = report["lora"]
+    assert 0 < lora["trainable_parameters"] < report["num_parameters"]
+    assert set(lora) == {"before", "after", "trainable_parameters", "adapter_dir"}
+    assert json.loads((out / "lora-adapter" / "adapter_config.json").read_text())["r"] == 8
+    assert (out / "checkpoints" / "lora" / "checkpoint-1").is_dir()  # lora_steps = steps // 2
+    assert all(s["truth"].startswith("a ") and " in the " in s["truth"] for s in report["samples"])
+    assert report["reloaded_generations_equal"] is True
+    assert {name for name, _ in report["loss_curves"].items()} == {"train", "eval", "LoRA train", "LoRA eval"}
+    assert min(step for step, _ in report["loss_curves"]["LoRA train"]) > 2  # drawn after the full stage
+    card = (out / "model" / "README.md").read_text()
+    assert "caption exact match, + LoRA" in card
+    state = json.loads((out / "model" / "config.json").read_text())
+    assert "peft" not in json.dumps(state).lower()  # merged: a plain DeepSeek-V4.1 checkpoint
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--steps", "0"], "--steps: expected a positive integer, got '0'"),
+    (["demo", "--seed", "x"], "--seed: expected an integer ≥ 0, got 'x'"),
+    (["demo", "--unknown"], "unrecognized arguments: --unknown"),
+    (["convert", "only-one"], "the following arguments are required: destination"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+
+
+def test_demo_refuses_unwritable_output_and_full_disk(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["demo", "--output", str(blocker / "demo")]) == 2
+    assert "cannot write to output folder" in _one_line_error(capsys.readouterr().err, "demo")
+
+    monkeypatch.setattr(demo_module.shutil, "disk_usage", lambda path: DiskUsage(2**40, 2**40, 5 * 2**20))
+    assert main(["demo", "--output", str(tmp_path / "demo")]) == 2
+    assert "only 5 MiB free" in _one_line_error(capsys.readouterr().err, "demo")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inspect
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_inspect_counts_match_a_real_model():
+    """The meta-device counts (built with fewer experts, each standing for several) equal a real model's."""
+    config = DeepseekV41Config.from_preset("tiny")
+    result = inspect_config(config, dtype=torch.float32)
+    model = DeepseekV41ForCausalLM(config)
+    assert result.num_parameters == model.num_parameters()
+    real = assignment_table(model)
+    summary = lambda table: {k: (v.tensors, v.parameters, v.state_bytes) for k, v in table.kinds.items()}  # noqa: E731
+    assert summary(result.assignment) == summary(real)
+    trainable = [p for n, p in model.named_parameters() if real.names[n] != "frozen"]
+    assert result.adamw_state_bytes == sum(2 * 4 * p.numel() + 4 for p in trainable)  # two fp32 moments + step
+    assert 0 < result.mixed_state_bytes < result.adamw_state_bytes
+    assert result.components["MoE: routed experts"] == sum(
+        p.numel() for n, p in model.named_parameters() if ".ffn.experts." in n
+    )
+    plan = result.image_plans[(1302, 1302)]
+    assert plan.num_positions <= config.vision_config.max_image_tokens
+
+
+def test_inspect_released_size_on_the_meta_device(capsys):
+    assert main(["inspect"]) == 0
+    out = capsys.readouterr().out
+    # independent of the model code: SPEC §2's sizes
+    experts = 40 * 384 * 3 * 5120 * 2304
+    engram_tables = (384006168 + 384016682) * 256
+    assert re.search(rf"MoE: routed experts\s+{experts:,}\s", out)
+    assert re.search(rf"Engram: tables\s+{engram_tables:,}\s", out)
+    assert re.search(r"1302×1302\s+1302×1302\s+8,649\s+31×31\s+994", out)  # the design note's example
+    assert "MixedOptimizer" in out and "of AdamW" in out
+
+
+def test_inspect_reads_the_reference_config(fixtures_dir, capsys):
+    weights = fixtures_dir / "v41_tiny_vl" / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if not k.endswith(".scale"))
+    assert main(["inspect", str(fixtures_dir / "v41_tiny_vl" / "sparse" / "config.json")]) == 0
+    assert f"Parameters: {stored:,} " in capsys.readouterr().out
+
+
+def test_inspect_errors_are_one_line(tmp_path, capsys):
+    assert main(["inspect", "no-such-preset"]) == 2
+    assert "neither a preset" in _one_line_error(capsys.readouterr().err, "inspect")
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "not valid JSON" in _one_line_error(capsys.readouterr().err, "inspect")
+    assert main(["inspect", str(tmp_path / "config.json" / "x")]) == 2
+    _one_line_error(capsys.readouterr().err, "inspect")
+
+
+def test_format_inspection_of_a_text_only_config():
+    text_only = DeepseekV41Config.from_preset("tiny", vision_config=None)
+    report = format_inspection(inspect_config(text_only))
+    assert "Text-only configuration" in report and "vision: ViT" not in report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# convert
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def released_checkpoint(tmp_path_factory):
+    """A tiny model written in the released storage (FP8 / packed FP4 + E8M0 scales), in several shards, with its
+    tokenizer next to the weights (as the release ships it)."""
+    tokenizer = build_demo_tokenizer()
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(demo_module.demo_config(tokenizer)).to(torch.bfloat16)
+    folder = tmp_path_factory.mktemp("released")
+    save_released_checkpoint(model, folder, max_shard_bytes=300_000)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_convert_dequantizes_to_what_from_pretrained_loads(released_checkpoint, tmp_path, capsys):
+    destination = tmp_path / "converted"
+    assert main(["convert", str(released_checkpoint), str(destination)]) == 0
+    assert "Wrote" in capsys.readouterr().out
+    with safe_open(next(destination.glob("model-*.safetensors")), "pt") as f:
+        assert not any(k.endswith(".scale") and "hc_" not in k for k in f.keys())
+    assert (destination / "tokenizer.json").is_file()
+    assert json.loads((destination / "config.json").read_text()).get("released_storage") is None
+
+    direct = DeepseekV41ForCausalLM.from_pretrained(released_checkpoint, dtype=torch.bfloat16).state_dict()
+    converted = DeepseekV41ForCausalLM.from_pretrained(destination, dtype=torch.bfloat16).state_dict()
+    assert direct.keys() == converted.keys()
+    for name, tensor in direct.items():
+        assert torch.equal(tensor, converted[name]), name
+
+
+def test_convert_errors_are_one_line(released_checkpoint, tmp_path, monkeypatch, capsys):
+    assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "does not exist" in _one_line_error(capsys.readouterr().err, "convert")
+
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("")
+    assert main(["convert", str(released_checkpoint), str(occupied)]) == 2
+    assert "not an empty folder" in _one_line_error(capsys.readouterr().err, "convert")
+
+    from modeling_dsv41 import conversion
+
+    monkeypatch.setattr(conversion.shutil, "disk_usage", lambda path: DiskUsage(2**40, 2**40, 1000))
+    assert main(["convert", str(released_checkpoint), str(tmp_path / "full")]) == 2
+    assert "not enough disk space" in _one_line_error(capsys.readouterr().err, "convert")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the installed command
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_console_script_is_declared_and_runs():
+    scripts = importlib.metadata.entry_points(group="console_scripts")
+    assert [ep.value for ep in scripts if ep.name == "dsv41"] == ["modeling_dsv41.cli:main"]
+    result = subprocess.run([sys.executable, "-m", "modeling_dsv41.cli", "inspect", "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and "without allocating the weights" in result.stdout
+
+
+@pytest.mark.slow
+def test_full_demo_meets_the_acceptance_criteria(tmp_path):
+    """The README's first command, in process: ≥ 0.5 exact match, ≥ 3× the untrained model, same reloaded captions."""
+    report = demo_module.run_demo(demo_module.DemoSettings(output=tmp_path / "demo"))
+    before, after = report["before"]["exact_match"], report["after"]["exact_match"]
+    assert after >= 0.5 and after >= 3 * before
+    assert report["reloaded_generations_equal"] is True

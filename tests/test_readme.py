@@ -1,0 +1,106 @@
+"""Every snippet of README.md runs, on tiny models: the Python blocks in order in one namespace (as a reader would
+paste them), the ``dsv41`` command lines through the CLI, and the benchmark scripts up to their argument parsing.
+The two set-up commands are what CI itself runs; here we only check they are still there, unchanged."""
+
+from __future__ import annotations
+
+import re
+import runpy
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from modeling_dsv41 import export_for_hub
+from modeling_dsv41.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.cli import main
+from modeling_dsv41.demo import build_demo_model, build_demo_processor, demo_config
+from modeling_dsv41.demo_data import ShapesDataset, build_demo_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+README = REPO_ROOT / "README.md"
+SETUP_COMMANDS = [
+    'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e . && .venv/bin/dsv41 demo',
+    'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test]" && .venv/bin/python -m pytest -q',
+]
+RELEASED_REPO = "deepseek-ai/DeepSeek-V4.1-Flash"
+
+
+def readme_blocks(language: str) -> list[str]:
+    return [code for lang, code in re.findall(r"```(\w*)\n(.*?)```", README.read_text(), re.DOTALL) if lang == language]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A folder laid out as after ``dsv41 demo`` (an untrained demo model is enough for the snippets to run), and
+    a tiny checkpoint in the released storage format standing in for DeepSeek-V4.1-Flash."""
+    root = tmp_path_factory.mktemp("readme")
+    tokenizer = build_demo_tokenizer()
+    config = demo_config(tokenizer)
+    model = build_demo_model(config, tokenizer, seed=0)
+    export_for_hub(model, root / "dsv41-demo" / "model", build_demo_processor(config, tokenizer))
+    (root / "dsv41-demo" / "samples").mkdir()
+    ShapesDataset("eval", 1)[0].image.save(root / "dsv41-demo" / "samples" / "eval-0.png")
+
+    released = root / "released-tiny"
+    save_released_checkpoint(model.to(torch.bfloat16), released, max_shard_bytes=500_000)
+    tokenizer.save_pretrained(released)
+    return root
+
+
+def test_setup_commands_are_unchanged():
+    assert readme_blocks("bash")[:2] == [command + "\n" for command in SETUP_COMMANDS]
+
+
+def test_python_snippets_run_in_order(workspace, monkeypatch, capsys):
+    monkeypatch.chdir(workspace)
+    snippets = readme_blocks("python")
+    assert len(snippets) >= 5
+    namespace: dict = {"__name__": "__readme__"}
+    for index, code in enumerate(snippets):
+        code = code.replace(f'"{RELEASED_REPO}"', repr(str(workspace / "released-tiny")))
+        try:
+            exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+        except Exception as error:  # name the failing block
+            raise AssertionError(f"README python block {index} failed: {error!r}\n{code}") from error
+    out = capsys.readouterr().out
+    assert "muon_headwise" in out  # the Trainer's assignment table was printed
+    assert "trainable params" in out  # PEFT's summary
+    assert "model.safetensors" in out and "README.md" in out  # the published folder
+    assert (workspace / "dsv41-lora" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_command_lines_run(workspace, monkeypatch, capsys):
+    monkeypatch.chdir(workspace)
+    commands = [
+        line.split("#")[0].strip()
+        for block in readme_blocks("bash")[2:]
+        for line in block.splitlines()
+        if line.startswith("dsv41 ")
+    ]
+    assert {shlex.split(c)[1] for c in commands} == {"inspect", "convert"}  # the demo is run by test_cli
+    for command in commands:
+        argv = shlex.split(command)[1:]
+        argv = [str(workspace / "released-tiny") if a == "released/" else a for a in argv]
+        assert main(argv) == 0, command
+    assert "Parameters:" in capsys.readouterr().out
+
+
+def test_benchmark_commands_exist_and_parse_their_arguments(monkeypatch, capsys):
+    """The benchmark scripts are run up to their argument parsing (``--help``), in this process: a full run takes
+    minutes and prints timings, which no test can check."""
+    commands = [line.split("#")[0].split() for block in readme_blocks("bash") for line in block.splitlines()
+                if line.startswith("python benchmarks/")]
+    assert len(commands) >= 3
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    for command in commands:
+        script = REPO_ROOT / command[1]
+        assert script.is_file(), script
+        monkeypatch.setattr(sys, "argv", [str(script), *command[2:], "--help"])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(script), run_name="__main__")
+        assert exit_info.value.code == 0, command
+        assert "usage:" in capsys.readouterr().out

@@ -329,7 +329,7 @@ def test_gradient_checkpointing_and_bf16_autocast(tmp_path):
 
 LM_STEPS = 30
 # Each optimizer gets its best learning rate from a sweep on this task and budget (held-out loss, seed 0):
-#   mixed  3e-3: 5.36  1e-2: 3.55  2e-2: 1.64  4e-2: 0.34  6e-2: 0.29  8e-2: 0.35
+#   mixed  3e-3: 5.36  1e-2: 3.55  2e-2: 1.64  4e-2: 0.34  6e-2: 0.30  8e-2: 0.36
 #   AdamW  1e-3: 5.08  3e-3: 3.81  5e-3: 3.11  7e-3: 2.44  1e-2: 1.68  1.4e-2: 1.67  2e-2: 1.73  4e-2: 3.46
 MIXED_LR, ADAMW_LR = 6e-2, 1.4e-2
 

@@ -26,24 +26,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse ``type`` accepting integers ≥ ``minimum``."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ {minimum}, got {text!r}")
+        return value
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}")
-    return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         "images. Ctrl-C saves a checkpoint; rerun with the same --output to resume.",
     )
     demo.add_argument("--output", type=Path, default=Path("dsv41-demo"), help="output folder (default: %(default)s)")
-    demo.add_argument("--steps", type=_positive_int, default=None, help="training steps (default: 120)")
+    demo.add_argument("--steps", type=_int_at_least(1), default=None,
+                      help="training steps, for each stage with --lora (default: 120)")
     demo.add_argument("--lora", action="store_true",
                       help="then teach the fine-tuned model a new caption wording through a LoRA adapter (PEFT)")
-    demo.add_argument("--seed", type=_non_negative_int, default=0, help="seed for data, model and training")
+    demo.add_argument("--seed", type=_int_at_least(0), default=0, help="seed for data, model and training")
     demo.set_defaults(handler=_run_demo)
 
     inspect = commands.add_parser(
@@ -109,29 +105,34 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
     settings = report["settings"]
     eval_losses = [loss for _, loss in report["loss_curves"]["eval"]]
     rows = [
         ("caption exact match", report["before"]["exact_match"], report["after"]["exact_match"]),
-        ("eval loss (caption tokens)", eval_losses[0] if eval_losses else None, eval_losses[-1] if eval_losses else None),
+        ("eval loss (caption tokens)", *((eval_losses[0], eval_losses[-1]) if eval_losses else (None, None))),
     ]
-    cell = lambda value: "-" if value is None else f"{value:.3f}"  # noqa: E731
     lines = [
         "",
         f"DeepSeek-V4.1 demo — {report['num_parameters']:,} parameters, {settings['steps']} training steps, "
         f"{settings['num_eval']} held-out images",
         f"{'':<28}{'untrained':>11}{'fine-tuned':>12}",
-        *(f"{name:<28}{cell(a):>11}{cell(b):>12}" for name, a, b in rows),
+        *(f"{name:<28}{_cell(a):>11}{_cell(b):>12}" for name, a, b in rows),
         f"(a caption guesser scores {report['chance_exact_match']:.3f})",
     ]
     if report["lora"]:
         lora = report["lora"]
+        before, after = lora["before"]["exact_match"], lora["after"]["exact_match"]
         lines += [
             "",
-            f"LoRA ({lora['trainable_parameters']:,} trainable parameters), new wording {report['samples'][0]['truth']!r}:",
+            f"LoRA ({lora['trainable_parameters']:,} trainable parameters), "
+            f"new wording {report['samples'][0]['truth']!r}:",
             f"{'':<28}{'fine-tuned':>11}{'+ LoRA':>12}",
-            f"{'caption exact match':<28}{cell(lora['before']['exact_match']):>11}{cell(lora['after']['exact_match']):>12}",
+            f"{'caption exact match':<28}{_cell(before):>11}{_cell(after):>12}",
         ]
     lines += ["", f"{'image':<16}{'truth':<34}{'generated':<34}reloaded"]
     for sample in report["samples"]:

@@ -172,7 +172,8 @@ def convert_released_checkpoint(
         raise FileNotFoundError(f"source checkpoint folder {source} does not exist")
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {source}")
-    config = DeepseekV41Config.from_dict(json.loads((source / "config.json").read_text()))  # ours or the flat reference one
+    # our layout or DeepSeek's flat inference/config.json
+    config = DeepseekV41Config.from_dict(json.loads((source / "config.json").read_text()))
     config.released_storage = None  # the weights are no longer stored quantized
     with _ReleasedCheckpoint(source) as checkpoint:
         names = checkpoint.output_names()

@@ -70,7 +70,7 @@ class DemoSettings:
     """What a demo run does. Everything but ``output`` must match when resuming."""
 
     output: Path = Path("dsv41-demo")
-    steps: int = 120
+    steps: int = 120  # per training stage (full fine-tuning, then LoRA)
     lora: bool = False
     seed: int = 0
     batch_size: int = 32
@@ -85,10 +85,6 @@ class DemoSettings:
                 raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning-rate must be positive, got {self.learning_rate!r}")
-
-    @property
-    def lora_steps(self) -> int:
-        return max(1, self.steps // 2)
 
     def run_key(self) -> dict[str, Any]:
         """The settings that define the run (a resumed run must have the same)."""
@@ -155,7 +151,9 @@ class CaptionCollator:
         return {**batch, "labels": labels}
 
 
-def caption_exact_match(model: Any, processor: Any, dataset: ShapesDataset, batch_size: int = 72) -> tuple[float, list[str]]:
+def caption_exact_match(
+    model: Any, processor: Any, dataset: ShapesDataset, batch_size: int = 72
+) -> tuple[float, list[str]]:
     """Share of ``dataset`` images whose greedy caption equals the true one, and the captions."""
     model.eval()
     predictions = []
@@ -284,7 +282,9 @@ def fine_tune(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def loss_curves(log_history: list[dict[str, Any]], prefix: str = "", offset: int = 0) -> dict[str, list[tuple[int, float]]]:
+def loss_curves(
+    log_history: list[dict[str, Any]], prefix: str = "", offset: int = 0
+) -> dict[str, list[tuple[int, float]]]:
     """``{"<prefix>train": [(step, loss)], "<prefix>eval": [(step, eval_loss)]}`` from ``trainer.state.log_history``,
     steps shifted by ``offset``."""
     curves = {f"{prefix}train": [], f"{prefix}eval": []}
@@ -339,7 +339,8 @@ def reload_and_caption(folder: Path, image_paths: list[Path]) -> dict[str, Any]:
     """Run :mod:`.demo_reload` in a fresh, isolated interpreter (no project code importable but what the folder
     ships); returns its JSON output."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, "-I", demo_reload.__file__, str(folder), PROMPT, *map(str, image_paths)]
+    paths = [str(Path(p).resolve()) for p in (folder, *image_paths)]  # it runs in a temporary directory
+    command = [sys.executable, "-I", demo_reload.__file__, paths[0], PROMPT, *paths[1:]]
     with tempfile.TemporaryDirectory() as cwd:
         result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -453,7 +454,7 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
         trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
         print_fn(f"LoRA: {trainable:,} trainable parameters teach the wording {eval_sentence[0].caption!r}")
         lora_trainer = fine_tune(adapted, processor, settings, stage="lora", style="sentence",
-                                 steps=settings.lora_steps, print_fn=print_fn)
+                                 steps=settings.steps, print_fn=print_fn)
         curves.update(loss_curves(lora_trainer.state.log_history, prefix="LoRA ", offset=settings.steps))
         adapted.save_pretrained(output / "lora-adapter")
         model = adapted.merge_and_unload()

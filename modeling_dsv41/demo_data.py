@@ -57,10 +57,8 @@ def _shape_outline(shape: str, cx: float, cy: float, r: float, angle: float) -> 
         return [(cx + r * math.cos(t), cy + r * math.sin(t)) for t in np.linspace(0, 2 * math.pi, 32, endpoint=False)]
     corners = 4 if shape == "square" else 3
     radius = r * (1.2 if shape == "square" else 1.3)  # similar areas for the three shapes
-    return [
-        (cx + radius * math.cos(angle + 2 * math.pi * k / corners), cy + radius * math.sin(angle + 2 * math.pi * k / corners))
-        for k in range(corners)
-    ]
+    turns = [angle + 2 * math.pi * k / corners for k in range(corners)]
+    return [(cx + radius * math.cos(t), cy + radius * math.sin(t)) for t in turns]
 
 
 def render_sample(rng: random.Random, size: int = IMAGE_SIZE, style: str = "short") -> ShapeSample:

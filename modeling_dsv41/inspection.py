@@ -37,7 +37,9 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("vision: aligner and delimiters", r"^(aligner\.|image_(start|newline|end)$)"),
 )
 # (height, width) of the images whose token budgets `inspect` lists
-IMAGE_SIZES: tuple[tuple[int, int], ...] = ((224, 224), (544, 544), (1024, 768), (1080, 1920), (1302, 1302), (3024, 4032))
+IMAGE_SIZES: tuple[tuple[int, int], ...] = (
+    (224, 224), (544, 544), (1024, 768), (1080, 1920), (1302, 1302), (3024, 4032),
+)
 
 
 @dataclass
@@ -127,11 +129,13 @@ def inspect_config(config: DeepseekV41Config, dtype: torch.dtype = torch.bfloat1
     return result
 
 
-def _human(n: float, unit: str = "") -> str:
-    for suffix in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000 or suffix == "T":
-            return f"{n:.3g}{suffix}{unit}" if suffix else f"{n:,.0f}{unit}"
+def _human(n: float) -> str:
+    """749,000,000,000 → ``749B`` (parameter counts)."""
+    for suffix in ("", "K", "M", "B"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{suffix}" if suffix else f"{n:,.0f}"
         n /= 1000
+    return f"{n:.3g}T"
 
 
 def _bytes(n: int) -> str:
@@ -144,7 +148,8 @@ def _bytes(n: int) -> str:
 def format_inspection(result: ModelInspection) -> str:
     """The report ``dsv41 inspect`` prints."""
     total = result.num_parameters
-    lines = [f"Parameters: {total:,} ({_human(total)}), {str(result.dtype).removeprefix('torch.')} unless kept in fp32", ""]
+    dtype = str(result.dtype).removeprefix("torch.")
+    lines = [f"Parameters: {total:,} ({_human(total)}), {dtype} unless kept in fp32", ""]
     lines.append(f"{'component':<34}{'parameters':>20}{'share':>9}")
     for component, count in result.components.items():
         lines.append(f"{component:<34}{count:>20,}{count / total:>9.1%}")
@@ -158,7 +163,8 @@ def format_inspection(result: ModelInspection) -> str:
         for (height, width), plan in result.image_plans.items():
             canvas = f"{plan.canvas_size[0]}×{plan.canvas_size[1]}"
             grid = f"{plan.token_grid[0]}×{plan.token_grid[1]}"
-            lines.append(f"{f'{height}×{width}':<14}{canvas:>12}{plan.num_patches:>10,}{grid:>12}{plan.num_positions:>11,}")
+            size = f"{height}×{width}"
+            lines.append(f"{size:<14}{canvas:>12}{plan.num_patches:>10,}{grid:>12}{plan.num_positions:>11,}")
         lines.append(f"(max_image_tokens = {result.config.vision_config.max_image_tokens})")
     else:
         lines += ["", "Text-only configuration: no vision encoder."]

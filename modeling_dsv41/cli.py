@@ -51,12 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         "with DeepseekV41Trainer, measure again, export a Hub-ready folder, reload it in a fresh process and caption "
         "images. Ctrl-C saves a checkpoint; rerun with the same --output to resume.",
     )
-    demo.add_argument("--output", type=Path, default=Path("dsv41-demo"), help="output folder (default: %(default)s)")
-    demo.add_argument("--steps", type=_int_at_least(1), default=None,
+    demo.add_argument("--output", type=Path, default=Path("dsv41-demo"), metavar="DIR", help="output folder (default: %(default)s)")
+    demo.add_argument("--steps", type=_int_at_least(1), default=None, metavar="N",
                       help="training steps, for each stage with --lora (default: 120)")
     demo.add_argument("--lora", action="store_true",
                       help="then teach the fine-tuned model a new caption wording through a LoRA adapter (PEFT)")
-    demo.add_argument("--seed", type=_int_at_least(0), default=0, help="seed for data, model and training")
+    demo.add_argument("--seed", type=_int_at_least(0), default=0, metavar="S", help="seed for data, model and training")
     demo.set_defaults(handler=_run_demo)
 
     inspect = commands.add_parser(
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Count parameters per component and per optimizer kind, optimizer-state bytes (ours vs AdamW) "
         "and image token budgets, without allocating the weights.",
     )
-    inspect.add_argument("target", nargs="?", default="deepseek-v4.1-flash",
+    inspect.add_argument("target", nargs="?", default="deepseek-v4.1-flash", metavar="PRESET|PATH",
                          help=f"a preset ({', '.join(PRESETS)}) or a folder / config.json (default: %(default)s)")
     inspect.set_defaults(handler=_run_inspect)
 
@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a checkpoint in DeepSeek's released storage (FP8 / packed FP4 weights with E8M0 scales) "
         "and write plain safetensors that DeepseekV41ForCausalLM.from_pretrained loads, one tensor at a time.",
     )
-    convert.add_argument("source", type=Path, help="folder with config.json and *.safetensors in the released format")
-    convert.add_argument("destination", type=Path, help="new (or empty) folder to write")
+    convert.add_argument("source", type=Path, metavar="SRC", help="folder with config.json and *.safetensors in the released format")
+    convert.add_argument("destination", type=Path, metavar="DST", help="new (or empty) folder to write")
     convert.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                          help="dtype of the dequantized weights (default: %(default)s)")
     convert.set_defaults(handler=_run_convert)

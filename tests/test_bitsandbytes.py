@@ -1,20 +1,19 @@
-"""bitsandbytes 8-bit and 4-bit (NF4) loading through BitsAndBytesConfig, and QLoRA on CPU (extra ``quant``)."""
+"""bitsandbytes 8-bit and 4-bit (NF4) loading through BitsAndBytesConfig, and QLoRA on CPU (bitsandbytes is in the
+``test`` extra as well as ``quant``, so these tests run in CI rather than skip)."""
 
 import collections
 
 import pytest
 import torch
 
-bnb = pytest.importorskip("bitsandbytes")
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from transformers import BitsAndBytesConfig
 
-from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training  # noqa: E402
-from transformers import BitsAndBytesConfig  # noqa: E402
-
-import modeling_dsv41  # noqa: E402,F401
-from configuration import DeepseekV41Config  # noqa: E402
-from modeling_dsv41 import DeepseekV41ForCausalLM  # noqa: E402
-from modeling_dsv41.checkpoint_loading import save_released_checkpoint  # noqa: E402
-from reference_fixture import stub_tokenizer  # noqa: E402
+import modeling_dsv41  # noqa: F401  (registers the Auto classes)
+from configuration import DeepseekV41Config
+from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41.checkpoint_loading import save_released_checkpoint
+from reference_fixture import stub_tokenizer
 
 # Text-only, two layers (window-only + a ratio-2 KV/index source with Engram). Most widths are multiples of 64 so
 # that 4-bit quantizes most Linears on CPU; index_n_heads=4 gives the indexer's weights_proj 4 outputs, which bnb's

@@ -136,7 +136,7 @@ def test_demo_lora_stage_teaches_a_new_wording_and_publishes_the_merged_model(tm
     (["demo", "--steps", "0"], "--steps: expected an integer ≥ 1, got '0'"),
     (["demo", "--seed", "x"], "--seed: expected an integer ≥ 0, got 'x'"),
     (["demo", "--unknown"], "unrecognized arguments: --unknown"),
-    (["convert", "only-one"], "the following arguments are required: destination"),
+    (["convert", "only-one"], "the following arguments are required: DST"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -439,7 +439,7 @@ def test_policy_rejects_unknown_matrices_and_supports_stacked_experts(tiny_model
 
 
 def test_policy_on_peft_model(tiny_model):
-    peft = pytest.importorskip("peft")
+    import peft
     model = peft.get_peft_model(tiny_model, peft.LoraConfig(r=2, target_modules=["wq_a", "wo_b"]))
     groups = build_param_groups(model, lr=1e-3)
     names = [n for g in groups for n in g["param_names"]]

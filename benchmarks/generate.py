@@ -43,22 +43,37 @@ def synchronized(device: str) -> float:
 
 
 @torch.no_grad()
-def measure(model: DeepseekV41ForCausalLM, context: int, steps: int, reps: int, device: str) -> dict[str, float]:
-    ids = torch.randint(3, 500, (1, context + steps), generator=torch.Generator().manual_seed(context)).to(device)
-    out = model(ids[:, :context], use_cache=True, logits_to_keep=1)
-    cache = out.cache
-    decode = []
+def measure(
+    model: DeepseekV41ForCausalLM, contexts: list[int], steps: int, reps: int, device: str
+) -> dict[int, dict[str, float]]:
+    """Decode steps and full forwards of all contexts, interleaved round-robin so that machine noise (a shared
+    CPU) lands on every context alike instead of on whichever ran during a slow spell."""
+    ids, caches = {}, {}
+    for context in contexts:
+        ids[context] = torch.randint(
+            3, 500, (1, context + steps), generator=torch.Generator().manual_seed(context)
+        ).to(device)
+        caches[context] = model(ids[context][:, :context], use_cache=True, logits_to_keep=1).cache
+    decode = {context: [] for context in contexts}
     for t in range(steps):
-        start = synchronized(device)
-        model(ids[:, context + t : context + t + 1], cache=cache)
-        decode.append(synchronized(device) - start)
-    full = []
+        for context in contexts:
+            start = synchronized(device)
+            model(ids[context][:, context + t : context + t + 1], cache=caches[context])
+            decode[context].append(synchronized(device) - start)
+    full = {context: [] for context in contexts}
     for _ in range(reps):
-        start = synchronized(device)
-        model(ids[:, :context], use_cache=False, logits_to_keep=1)
-        full.append(synchronized(device) - start)
-    decode_s, full_s = statistics.median(decode[1:] or decode), statistics.median(full)
-    return {"decode_s": decode_s, "full_s": full_s, "cache_kib": sum(cache.nbytes().values()) / 1024}
+        for context in contexts:
+            start = synchronized(device)
+            model(ids[context][:, :context], use_cache=False, logits_to_keep=1)
+            full[context].append(synchronized(device) - start)
+    return {
+        context: {
+            "decode_s": statistics.median(decode[context][1:] or decode[context]),
+            "full_s": statistics.median(full[context]),
+            "cache_kib": sum(caches[context].nbytes().values()) / 1024,
+        }
+        for context in contexts
+    }
 
 
 def main() -> None:
@@ -71,13 +86,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build(args.device)
-    measure(model, 32, 4, 1, args.device)  # warm-up
+    measure(model, [32], 4, 1, args.device)  # warm-up
 
     print(f"tiny preset, fp32, batch 1, {args.device}, {args.threads} threads")
     print(f"{'context':>8} {'cached tok/s':>13} {'recompute tok/s':>16} {'speed-up':>9} {'cache KiB':>10}")
-    results = {}
-    for context in args.contexts:
-        r = results[context] = measure(model, context, args.steps, args.reps, args.device)
+    results = measure(model, args.contexts, args.steps, args.reps, args.device)
+    for context, r in results.items():
         print(
             f"{context:>8} {1 / r['decode_s']:>13.1f} {1 / r['full_s']:>16.2f} "
             f"{r['full_s'] / r['decode_s']:>8.1f}× {r['cache_kib']:>10.1f}"

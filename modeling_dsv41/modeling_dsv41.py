@@ -32,6 +32,7 @@ from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .moe import DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
+from .padding import left_padding_shift, roll_rows
 from .rotary import DeepseekV41RotaryEmbedding
 from .vision import (
     IMAGE_START,
@@ -308,10 +309,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 last_hidden_state=last, cache=cache, hidden_states=tuple(all_hidden) if all_hidden else None
             )
 
-        shift = _left_padding_shift(attention_mask)
+        shift = left_padding_shift(attention_mask)
         if shift is not None:  # align left-padded rows so positions count from each row's first real token
             input_ids, inputs_embeds, image_token_types, attention_mask = (
-                _roll_rows(t, -shift) for t in (input_ids, inputs_embeds, image_token_types, attention_mask)
+                roll_rows(t, -shift) for t in (input_ids, inputs_embeds, image_token_types, attention_mask)
             )
         embeds = self._embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types)
         image_mask = None if image_token_types is None else image_token_types != IMAGE_TOKEN_TYPE_TEXT
@@ -329,8 +330,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if cache is not None:
             cache.finish_step(step, embeds.shape[1])
         if shift is not None:
-            last = _roll_rows(last, shift)
-            all_hidden = [_roll_rows(h, shift) for h in all_hidden] if all_hidden else None
+            last = roll_rows(last, shift)
+            all_hidden = [roll_rows(h, shift) for h in all_hidden] if all_hidden else None
         return BaseModelOutputWithPast(
             last_hidden_state=last, cache=cache, hidden_states=tuple(all_hidden) if all_hidden else None
         )
@@ -540,25 +541,6 @@ def _repeat_images(
         order += list(range(first, first + count)) * repeats
         first += count
     return {"pixel_values": torch.cat([patches[i] for i in order]), "image_grid_hw": image_grid_hw[order]}
-
-
-def _left_padding_shift(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Per-row count of leading padding, or None when no row is left-padded."""
-    if attention_mask is None or attention_mask.ndim != 2:
-        return None
-    mask = attention_mask.bool()
-    leading = (~mask).int().cumprod(dim=1).sum(dim=1)
-    return leading if bool(leading.any()) else None
-
-
-def _roll_rows(t: torch.Tensor | None, shift: torch.Tensor) -> torch.Tensor | None:
-    """Roll each row of ``t`` ([B, S, ...]) along dim 1 by its own ``shift``."""
-    if t is None:
-        return None
-    seq = t.shape[1]
-    index = (torch.arange(seq, device=t.device).unsqueeze(0) - shift.unsqueeze(1)) % seq  # [B, S]
-    index = index.view(*index.shape, *([1] * (t.ndim - 2))).expand_as(t)
-    return t.gather(1, index)
 
 
 __all__ = [

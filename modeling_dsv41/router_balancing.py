@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .modeling_dsv41 import IMAGE_TOKEN_TYPE_TEXT, _left_padding_shift, _roll_rows
+from .modeling_dsv41 import IMAGE_TOKEN_TYPE_TEXT
 from .moe import DeepseekV41MoE
+from .padding import left_padding_shift, roll_rows
 
 PADDING, TEXT, IMAGE = -1, 0, 1
 
@@ -48,9 +49,9 @@ def token_modalities(
         modality = modality.masked_fill(image_token_types != IMAGE_TOKEN_TYPE_TEXT, IMAGE)
     if attention_mask is not None:
         modality = modality.masked_fill(~attention_mask.bool(), PADDING)
-        shift = _left_padding_shift(attention_mask)
+        shift = left_padding_shift(attention_mask)
         if shift is not None:
-            modality = _roll_rows(modality, -shift)
+            modality = roll_rows(modality, -shift)
     return modality
 
 
@@ -110,6 +111,10 @@ class RouterBiasBalancer:
             gate.bias.add_(bias_update(counts[TEXT], self.speed).to(gate.bias.device, gate.bias.dtype))
             if gate.bias_vl is not None:
                 gate.bias_vl.add_(bias_update(counts[IMAGE], self.speed).to(gate.bias_vl.device, gate.bias_vl.dtype))
+        self.discard()
+
+    def discard(self) -> None:
+        """Drop this step's counts without moving any bias (an optimizer step skipped on gradient overflow)."""
         self.counts.zero_()
 
 

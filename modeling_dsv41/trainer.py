@@ -97,8 +97,12 @@ class RouterBiasBalancingCallback(TrainerCallback):
             self.balancer = RouterBiasBalancer(model, self.speed)
         self.balancer.record(attention_mask, image_token_types)
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.balancer.step()
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # fp16 loss scaling skips the step when gradients overflow: the weights stay, so must the biases
+        if getattr(optimizer, "step_was_skipped", False):
+            self.balancer.discard()
+        else:
+            self.balancer.step()
 
 
 class DeepseekV41Trainer(Trainer):

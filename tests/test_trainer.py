@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from transformers import TrainerCallback
 from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from modeling_dsv41.optim import MixedOptimizer, assignment_table, build_param_groups
 from modeling_dsv41.router_balancing import IMAGE, TEXT, RouterBiasBalancer, bias_update
-from modeling_dsv41.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+from modeling_dsv41.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments, RouterBiasBalancingCallback
 
 SEQ = 16
 TOP_K = 2  # experts per token in the tiny preset
@@ -240,6 +241,28 @@ def test_each_bias_moves_only_from_its_own_modality_and_padding_is_ignored():
     balancer.step()
     for name, bias in gate_biases(model).items():
         assert torch.equal(bias, before[name]) == name.endswith("bias_vl"), name
+
+
+def test_a_skipped_optimizer_step_moves_no_bias():
+    """fp16 loss scaling skips steps whose gradients overflow; the balancing must skip them too (and drop the
+    counts, so the next step counts only its own tokens)."""
+    model = tiny_model().eval()
+    callback = RouterBiasBalancingCallback(SPEED)
+    ids = torch.randint(3, 500, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    before = gate_biases(model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    callback.record(model, None, None)
+    assert callback.balancer.counts.any()
+    callback.on_optimizer_step(None, None, None, optimizer=SimpleNamespace(step_was_skipped=True))
+    assert not callback.balancer.counts.any()
+    assert all(torch.equal(bias, before[name]) for name, bias in gate_biases(model).items())
+
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    callback.record(model, None, None)
+    callback.on_optimizer_step(None, None, None, optimizer=SimpleNamespace(step_was_skipped=False))
+    assert not torch.equal(model.layers[0].ffn.gate.bias, before["layers.0.ffn.gate.bias"])
 
 
 def test_gradient_accumulation_counts_the_whole_step(tmp_path):

@@ -14,6 +14,11 @@ Per layer ``i`` with ``compress_ratios[i] = r``:
   a per-head ``attn_sink`` joins the softmax denominator; the output's rope slice is rotated back and
   projected by the block-diagonal ``wo_a`` (``o_groups``) and ``wo_b``.
 
+Each query attends over a list of *slots* (rows of the concatenated [window K=V; compressed K=V], -1 for none)
+laid out as the reference lays them out: its window positions oldest first, then its selected compressed rows in
+position order. :func:`sink_attention` reduces them in the reference kernel's blocks of 64 slots, so that the
+float rounding, and with it the logits, follow the reference's.
+
 What a source hands to its consumers within one forward lives in :class:`CompressedContext`; what decoding
 carries from one forward to the next lives in :class:`~.cache.DeepseekV41Cache`.
 """
@@ -35,6 +40,8 @@ from .rotary import apply_rotary
 _fp8_qdq = straight_through(fp8_qdq)
 _fp4_qdq_kv = straight_through(fp4_qdq_e4m3_scale)
 _fp4_qdq_index = straight_through(fp4_qdq_e8m0_scale)
+# Slots per step of the reference kernel's online softmax (its tile of gathered K=V rows).
+SPARSE_ATTENTION_BLOCK = 64
 
 
 @dataclass
@@ -42,9 +49,9 @@ class CompressedContext:
     """State that compressed layers hand down the stack during one forward pass.
 
     compress_kv [B, T, D]: latest KV source's compressed K=V (rotated, quantized as cached).
-    index_k [B, T, Di]: latest key owner's index keys. selection [B, S, T] bool: latest index source's
-    top-k. candidates [B, S, T] bool: the candidate source's blocks. compress_lens [S]: compressed rows
-    visible to each query.
+    index_k [B, T, Di]: latest key owner's index keys. selection [B, S, k] long: latest index source's top-k
+    compressed rows per query, ascending, -1 for none (see :func:`topk_selection`). candidates [B, S, T] bool:
+    the candidate source's blocks.
     """
 
     compress_kv: torch.Tensor | None = None
@@ -157,41 +164,71 @@ class DeepseekV41Indexer(nn.Module):
         elif self.uses_candidates and ctx.candidates is not None:
             scores = scores.masked_fill(~ctx.candidates, -torch.inf)
         ctx.index_scores = scores
-        return topk_selection(scores, reachable, self.topk)
+        return topk_selection(scores, compress_lens, self.topk)
 
 
-def topk_selection(scores: torch.Tensor, reachable: torch.Tensor, topk: int) -> torch.Tensor:
-    """The ``topk`` best positions per query as a mask [B, S, T], restricted to reachable positions (as the
-    reference keeps a picked index only when it lies below the query's compressed length)."""
+def topk_selection(scores: torch.Tensor, compress_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """The ``topk`` best compressed rows per query [B, S, min(topk, T)] from scores [B, S, T], in ascending row
+    order, -1 for a pick at or past the query's compressed length (``compress_lens`` [S] or [B, S]). A reachable
+    row may be picked at -inf (too few candidates): the reference attends to it, and so do we."""
     k = min(topk, scores.shape[-1])
-    picked = torch.zeros_like(scores, dtype=torch.bool)
-    picked.scatter_(-1, scores.topk(k, dim=-1, sorted=False).indices, True)
-    return picked & reachable
+    picked = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    return picked.masked_fill(picked >= compress_lens.unsqueeze(-1), -1)
 
 
 def sink_attention(
-    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Softmax attention of every head over one shared K=V, with a per-head sink logit in the denominator.
+    """Softmax attention of every head over the K=V rows its query's ``slots`` pick, with a per-head sink logit in
+    the denominator.
 
-    q [B,S,H,D], kv [B,N,D], mask [B,S,N] bool (True = attend), sink [H]. Probabilities are rounded to the
-    activation dtype before the PV product (the reference kernel's bf16 rounding point); the denominator
-    stays fp32. A query with nothing to attend to gets zeros.
+    q [B,S,H,D], kv [B,N,D], slots [B,S,K] (rows of kv, -1 = empty), sink [H]. As in the reference kernel, an
+    online softmax runs over blocks of :data:`SPARSE_ATTENTION_BLOCK` slots: probabilities are taken against the
+    running maximum and rounded to the activation dtype before the PV product, while the denominator and the
+    accumulator stay fp32. A query with no slot to attend to gets zeros.
     """
-    scores = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale
-    scores = scores.masked_fill(~mask.unsqueeze(2), -torch.inf)
-    peak = scores.amax(dim=-1).clamp_min(-1e30)  # finite even for fully masked rows
-    probs = torch.exp(scores - peak.unsqueeze(-1))
-    denom = probs.sum(dim=-1) + torch.exp(sink.float() - peak)
-    out = torch.einsum("bshn,bnd->bshd", probs.to(q.dtype).float(), kv.float())
-    return (out / denom.unsqueeze(-1)).to(q.dtype)
+    bsz, seq_len, n_heads, dim = q.shape
+    qf, kvf = q.float(), kv.float()
+    rows = torch.arange(bsz, device=q.device).view(-1, 1, 1)
+    peak = qf.new_full((bsz, seq_len, n_heads), -1e30)  # finite, so a block of empty slots gives exp(-inf) = 0
+    denom = qf.new_zeros(bsz, seq_len, n_heads)
+    acc = qf.new_zeros(bsz, seq_len, n_heads, dim)
+    for start in range(0, slots.shape[-1], SPARSE_ATTENTION_BLOCK):
+        block = slots[..., start : start + SPARSE_ATTENTION_BLOCK]
+        filled = block >= 0
+        keys = kvf[rows, block.clamp_min(0)] * filled.unsqueeze(-1)  # [B, S, k, D]
+        scores = torch.einsum("bshd,bskd->bshk", qf, keys)
+        scores = torch.where(filled.unsqueeze(2), scores, -torch.inf) * scale
+        new_peak = torch.maximum(peak, scores.amax(dim=-1))
+        rescale = torch.exp(peak - new_peak)
+        probs = torch.exp(scores - new_peak.unsqueeze(-1))
+        denom = denom * rescale + probs.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", probs.to(q.dtype).float(), keys)
+        peak = new_peak
+    denom = denom + torch.exp(sink.float() - peak)
+    return (acc / denom.unsqueeze(-1)).to(q.dtype)
 
 
-def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """[S, S] bool: query i sees keys t with i - window < t ≤ i."""
-    i = torch.arange(seq_len, device=device).unsqueeze(1)
-    t = torch.arange(seq_len, device=device)
-    return (t <= i) & (t > i - window)
+def prefill_window_slots(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[S, min(S, W)]: query i reads positions max(0, i - W + 1) onwards, oldest first, -1 past i."""
+    query = torch.arange(seq_len, device=device).unsqueeze(1)
+    slots = (query - window + 1).clamp_min(0) + torch.arange(min(seq_len, window), device=device)
+    return slots.masked_fill(slots > query, -1)
+
+
+def decode_window_slots(past: torch.Tensor, seq_len: int, window: int) -> torch.Tensor:
+    """[B, S, W] indices into the keys at positions ``past - W`` … ``past + S - 1`` of each row: query s (at
+    position past + s) reads the W positions ending at its own, oldest first, -1 before the row's first token
+    (the reference's ring order, empty slots first)."""
+    query = torch.arange(seq_len, device=past.device).view(1, -1, 1)
+    offset = torch.arange(window, device=past.device)
+    position = past.view(-1, 1, 1) + query - window + 1 + offset
+    return (query + 1 + offset).masked_fill(position < 0, -1)
+
+
+def _shifted(selection: torch.Tensor, offset: int) -> torch.Tensor:
+    """Compressed-row picks as slots of the concatenated [window; compressed] K=V."""
+    return torch.where(selection >= 0, selection + offset, -1)
 
 
 class DeepseekV41Attention(nn.Module):
@@ -227,14 +264,13 @@ class DeepseekV41Attention(nn.Module):
         x: torch.Tensor,
         rotation: torch.Tensor,
         ctx: CompressedContext,
-        key_padding: torch.Tensor | None = None,
         layer_cache: DeepseekV41LayerCache | None = None,
         step: CacheStep | None = None,
     ) -> torch.Tensor:
         """x [B,S,D] (positions 0..S-1), rotation [S, R] complex for this layer's rope kind → [B,S,D].
 
-        key_padding [B, S] bool marks padded positions no query may attend to (right padding only ever
-        follows real tokens, so it needs no mask; the model aligns left-padded rows before calling).
+        Padding needs no mask: the model aligns every row to start at 0, so padding only follows a row's real
+        tokens, outside their windows and compressed lengths.
 
         With a ``layer_cache``: on the prefill ``step`` this full pass also records the decode state; on later
         steps x holds only the new tokens (at ``step.positions``, rotation [B, S, R]) and attends over the cache.
@@ -249,23 +285,21 @@ class DeepseekV41Attention(nn.Module):
         kv = self._window_kv(x, rot)
         if layer_cache is not None:
             layer_cache.store_window(kv, step.lengths)
-        mask = window_mask(seq_len, self.window, x.device).unsqueeze(0).expand(bsz, -1, -1)
-        if key_padding is not None:
-            mask = mask & ~key_padding.unsqueeze(1)
+        slots = prefill_window_slots(seq_len, self.window, x.device).expand(bsz, -1, -1)
         if self.ratio:
-            compress_kv, compress_mask = self._compressed(x, qr, rot, ctx, layer_cache, step)
+            compress_kv, selection = self._compressed(x, qr, rot, ctx, layer_cache, step)
             kv = torch.cat([kv, compress_kv], dim=1)
-            mask = torch.cat([mask, compress_mask], dim=-1)
-        return self._attend(q, kv, mask, rot)
+            slots = torch.cat([slots, _shifted(selection, seq_len)], dim=-1)
+        return self._attend(q, kv, slots, rot)
 
     def _window_kv(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         """Each token's shared K=V [B,S,D], rotated (and FP8 quantize-dequantized, as cached by the reference)."""
         kv = apply_rotary(self.kv_norm(self.wkv(x)), rot)
         return _fp8_qdq(kv) if self.emulate_quantization else kv
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         bsz, seq_len = q.shape[:2]
-        out = sink_attention(q, kv, mask, self.attn_sink, self.scale)
+        out = sink_attention(q, kv, slots, self.attn_sink, self.scale)
         out = apply_rotary(out, rot, inverse=True)
         out = out.view(bsz, seq_len, self.n_groups, -1)
         return self.wo_b(self.wo_a(out).flatten(2))
@@ -279,7 +313,7 @@ class DeepseekV41Attention(nn.Module):
         layer_cache: DeepseekV41LayerCache | None = None,
         step: CacheStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressed K=V this layer reads [B,T,D] and which of it each query attends to [B,S,T]."""
+        """The compressed K=V this layer reads [B,T,D] and the rows each query attends to [B,S,k] (-1 = none)."""
         seq_len, r = x.shape[1], self.ratio
         compress_lens = torch.arange(1, seq_len + 1, device=x.device) // r  # rows visible to each query
         if self.is_kv_source:
@@ -297,11 +331,11 @@ class DeepseekV41Attention(nn.Module):
     def _select(
         self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, compress_lens: torch.Tensor
     ) -> None:
-        """An index source publishes its top-k selection [B, S, T] for the layers up to the next one."""
+        """An index source publishes its top-k selection [B, S, k] for the layers up to the next one."""
         if not self.is_index_source:
             return
         if ctx.compress_kv.shape[1] == 0:
-            ctx.selection = x.new_zeros(x.shape[0], x.shape[1], 0, dtype=torch.bool)
+            ctx.selection = x.new_zeros(x.shape[0], x.shape[1], 0, dtype=torch.long)
         else:
             ctx.selection = self.indexer(x, qr, rot, ctx, compress_lens)
 
@@ -327,15 +361,12 @@ class DeepseekV41Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
         kv = layer_cache.extend_window(self._window_kv(x, rot))  # positions past - W … past + S - 1
-        key_positions = step.past.unsqueeze(1) + torch.arange(-self.window, x.shape[1], device=x.device)
-        query_positions = step.positions.unsqueeze(-1)
-        keys = key_positions.unsqueeze(1)
-        mask = (keys <= query_positions) & (keys > query_positions - self.window) & (keys >= 0)
+        slots = decode_window_slots(step.past, x.shape[1], self.window)
         if self.ratio:
-            compress_kv, compress_mask = self._compressed_incremental(x, qr, rot, ctx, layer_cache, step)
+            compress_kv, selection = self._compressed_incremental(x, qr, rot, ctx, layer_cache, step)
+            slots = torch.cat([slots, _shifted(selection, kv.shape[1])], dim=-1)
             kv = torch.cat([kv, compress_kv], dim=1)
-            mask = torch.cat([mask, compress_mask], dim=-1)
-        return self._attend(q, kv, mask, rot)
+        return self._attend(q, kv, slots, rot)
 
     def _compressed_incremental(
         self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext,

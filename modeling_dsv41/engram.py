@@ -203,6 +203,11 @@ class DeepseekV41NgramHasher(nn.Module):
             )
         if len(lookup) > self.token_map.numel():
             raise ValueError(f"the tokenizer has {len(lookup)} tokens, more than vocab_size {self.token_map.numel()}")
+        if not 0 <= self.pad_token_id < len(lookup):
+            # look-back past a sequence start reads the pad token's compressed id: it must be a real token
+            raise ValueError(
+                f"engram_pad_token_id {self.pad_token_id} is not a token of this tokenizer ({len(lookup)} tokens)"
+            )
         self.token_map.fill_(DEAD)
         self.token_map[: len(lookup)] = torch.tensor(lookup, dtype=torch.long, device=self.token_map.device)
 

@@ -11,7 +11,8 @@ This reproduces the released ``inference/image_processor.py`` (``plan_image_grid
 4. letterbox into that canvas like PIL ``ImageOps.pad`` (bicubic, centred, gray 127);
 5. scale to [-1, 1] (``(x / 255 - 0.5) / 0.5``), round to bfloat16 and cut row-major 14×14 patches.
 
-One deliberate addition: EXIF orientation is applied before anything else (the reference ignores it).
+Like the reference, the EXIF Orientation tag is ignored by default; ``apply_exif_orientation=True`` turns camera
+photos upright first (then plan from the upright size).
 
 Both processors match the reference bit for bit. :class:`DeepseekV41ImageProcessorPil` makes the reference's own
 PIL calls. :class:`DeepseekV41ImageProcessor` (the torch backend) works from the plan: on CPU it resamples with
@@ -168,6 +169,11 @@ def plan_image_grid(
     canvas = (math.ceil(rows / patch_size) * patch_size, math.ceil(cols / patch_size) * patch_size)
     if span_length(_canvas_token_grid(canvas, patch_size, downsample_ratio)) > max_image_tokens:
         canvas = _shrink_to_budget(rows, cols, patch_size, downsample_ratio, max_image_tokens)
+        if 0 in canvas:  # the reference would go on with an empty canvas and an image of 0 patches
+            raise ValueError(
+                f"{height}×{width} shrinks to an empty {canvas[0]}×{canvas[1]} canvas under "
+                f"max_image_tokens={max_image_tokens} with downsample_ratio={downsample_ratio}"
+            )
     tokens = _canvas_token_grid(canvas, patch_size, downsample_ratio)
     if span_length(tokens) > max_image_tokens:  # the reference asserts this; no size is known to reach it
         raise ValueError(f"{height}×{width} does not fit max_image_tokens={max_image_tokens}")
@@ -254,11 +260,13 @@ def _apply_exif_orientation(image: Image.Image) -> Image.Image:
     return image if orientation in (1, None) else ImageOps.exif_transpose(image)
 
 
-def pil_to_rgb(image: Image.Image) -> Image.Image:
-    """EXIF-upright and ``convert("RGB")``: alpha is dropped and palette transparency ignored, like the reference."""
+def pil_to_rgb(image: Image.Image, apply_exif_orientation: bool = False) -> Image.Image:
+    """``convert("RGB")``: alpha is dropped and palette transparency ignored, like the reference; optionally
+    EXIF-upright first."""
     if image.width == 0 or image.height == 0:
         raise ValueError(f"empty image ({image.width}×{image.height})")
-    image = _apply_exif_orientation(image)
+    if apply_exif_orientation:
+        image = _apply_exif_orientation(image)
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
@@ -471,6 +479,8 @@ class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
     max_image_tokens (`int`, defaults to 1024): bound on an image span's positions (start + rows·(cols+1) + end).
     min_pixels (`int`, defaults to 295936): smaller images are upscaled to at least this area first.
     max_wh_ratio (`float`, *optional*): wider images are stretched to this aspect instead of letterboxed.
+    apply_exif_orientation (`bool`, defaults to `False`): turn images upright by their EXIF Orientation tag first.
+        The reference ignores the tag, so the default keeps its output.
     """
 
     patch_size: int
@@ -478,6 +488,7 @@ class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
     max_image_tokens: int
     min_pixels: int
     max_wh_ratio: int | float | None
+    apply_exif_orientation: bool
 
 
 _PLAN_KEYS = ("patch_size", "downsample_ratio", "max_image_tokens", "min_pixels", "max_wh_ratio")
@@ -506,6 +517,7 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
     max_image_tokens = 1024
     min_pixels = 295936
     max_wh_ratio = None
+    apply_exif_orientation = False
     valid_kwargs = DeepseekV41ImageProcessorKwargs
     model_input_names = ["pixel_values", "image_grid_hw"]
     supported_resamples: tuple[int, ...] = tuple(_FILTERS)
@@ -612,7 +624,7 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
             try:
                 if isinstance(image, EncodedImage):
                     image = decode_image(image)
-                image = self._to_rgb(image, kwargs.get("input_data_format"), device)
+                image = self._to_rgb(image, kwargs.get("input_data_format"), device, kwargs["apply_exif_orientation"])
                 plan = plan_image_grid(*self._image_size(image), **plan_settings)
                 canvas = self._letterbox(image, plan, kwargs["resample"])
             except (ValueError, TypeError) as error:
@@ -648,10 +660,12 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         with ThreadPoolExecutor(workers) as pool:
             return list(pool.map(lambda item: process(*item), items))
 
-    def _to_rgb(self, image: Any, data_format: Any, device: Any) -> Image.Image | torch.Tensor:
+    def _to_rgb(
+        self, image: Any, data_format: Any, device: Any, apply_exif_orientation: bool
+    ) -> Image.Image | torch.Tensor:
         """A PIL RGB image to resample on CPU, else a uint8 [H, W, 3] tensor on ``device``."""
         if isinstance(image, Image.Image):
-            image = pil_to_rgb(image)
+            image = pil_to_rgb(image, apply_exif_orientation)
             return image if _on_cpu(device) else torch.from_numpy(np.array(image)).to(device)
         if isinstance(image, (np.ndarray, torch.Tensor)):
             rgb = array_to_rgb(image, data_format)

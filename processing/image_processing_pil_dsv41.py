@@ -35,8 +35,9 @@ class DeepseekV41ImageProcessorPil(DeepseekV41ImageProcessor):
     def _map(process: Callable[[int, Any], Any], items: list[tuple[int, Any]], device: Any) -> list[Any]:
         return [process(index, image) for index, image in items]
 
-    def _to_rgb(self, image: Any, data_format: Any, device: Any) -> Image.Image:
-        return super()._to_rgb(image, data_format, device=None)  # a PIL image: all the work happens on CPU
+    def _to_rgb(self, image: Any, data_format: Any, device: Any, apply_exif_orientation: bool) -> Image.Image:
+        # a PIL image: all the work happens on CPU
+        return super()._to_rgb(image, data_format, None, apply_exif_orientation)
 
     def _letterbox(self, image: Image.Image, plan: ImageGridPlan, resample: int) -> np.ndarray:
         height, width = plan.canvas_size

@@ -243,6 +243,12 @@ def test_load_tokenizer_fills_map(byte_bpe, tiny):
     wrong = DeepseekV41TextConfig(**{**config.to_dict(), "engram_compressed_vocab_size": size + 1})
     with pytest.raises(ValueError, match="compresses to"):
         DeepseekV41NgramHasher(wrong).load_tokenizer(tok)
+    # a pad token the tokenizer does not have: look-back past the sequence start would read no real id
+    outside = DeepseekV41TextConfig(
+        **{**config.to_dict(), "engram_compressed_vocab_size": size, "engram_pad_token_id": len(expected)}
+    )
+    with pytest.raises(ValueError, match=f"engram_pad_token_id {len(expected)} is not a token"):
+        DeepseekV41NgramHasher(outside).load_tokenizer(tok)
 
 
 # ---------------------------------------------------------------------------------------------------

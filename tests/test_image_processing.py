@@ -190,7 +190,7 @@ def test_alpha_and_palette_transparency_are_dropped_not_composited():
     assert torch.equal(processor(palette)["pixel_values"], processor(palette.convert("RGB"))["pixel_values"])
 
 
-def test_exif_orientation_is_applied():
+def test_exif_orientation_is_ignored_like_the_reference_unless_asked():
     image = random_image(40, 20, 8)
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90° clockwise to display
@@ -199,7 +199,13 @@ def test_exif_orientation_is_applied():
     upright = image.transpose(Image.Transpose.ROTATE_270)
     for backend in BACKENDS:
         processor = backend(**TINY)
-        assert torch.equal(processor(buffer.getvalue())["pixel_values"], processor(upright)["pixel_values"])
+        stored = processor(buffer.getvalue())
+        assert torch.equal(stored["pixel_values"], processor(image)["pixel_values"])
+        assert stored["image_grid_hw"].tolist() == [list(processor.plan(20, 40).patch_grid)]
+        rotated = processor(buffer.getvalue(), apply_exif_orientation=True)
+        assert torch.equal(rotated["pixel_values"], processor(upright)["pixel_values"])
+        assert torch.equal(backend(**TINY, apply_exif_orientation=True)(buffer.getvalue())["pixel_values"],
+                           rotated["pixel_values"])
 
 
 # --- inputs ------------------------------------------------------------------------------------------------------
@@ -372,3 +378,9 @@ def test_repeated_lazy_image_is_decoded_once(fixtures_dir):
     outputs = DeepseekV41ImageProcessor(**TINY)([lazy, lazy, lazy])
     single = outputs["pixel_values"].shape[0] // 3
     assert torch.equal(outputs["pixel_values"], outputs["pixel_values"][:single].repeat(3, 1, 1, 1))
+
+
+def test_a_plan_that_shrinks_to_an_empty_canvas_is_a_clear_error():
+    """With downsample_ratio 1 and a tight budget the reference's float arithmetic reaches a 0-pixel side."""
+    with pytest.raises(ValueError, match="empty 0×140 canvas"):
+        plan_image_grid(220, 2235, downsample_ratio=1, max_image_tokens=20, min_pixels=0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from modeling_dsv41.attention import CompressedContext, select_candidate_blocks, topk_selection
+from modeling_dsv41.attention import select_candidate_blocks, topk_selection
 from reference_fixture import reference_inputs, reference_model
 
 

@@ -124,7 +124,7 @@ def released_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
             s[a + "indexer.wq_b.weight"] = (d.index_heads * d.index_head_dim, d.q_lora)
             s[a + "indexer.weights_proj.weight"] = (d.index_heads, d.dim)
             if i in d.kv_sources:
-                s[a + "indexer.wk.weight"] = (d.index_head_dim, d.dim)
+                s[a + "indexer.wk.weight"] = (d.index_head_dim, d.head_dim)  # keys from the compressed latent
                 s[a + "indexer.k_norm.weight"] = (d.index_head_dim,)
         f = p + "ffn."
         s[f + "gate.weight"], s[f + "gate.bias"], s[f + "gate.bias_vl"] = (d.experts, d.dim), (d.experts,), (d.experts,)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import CacheStep, DeepseekV41LayerCache, gather_rows
-from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
+from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear, einsum_rounded_once
 from .norms import DeepseekV41RMSNorm
 from .quantization import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
 from .rotary import apply_rotary
@@ -152,7 +152,7 @@ class DeepseekV41Indexer(nn.Module):
             q = _fp4_qdq_index(q)
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         index_k = ctx.index_k
-        scores = torch.einsum("bshd,btd->bsht", q, index_k)
+        scores = einsum_rounded_once("bshd,btd->bsht", q, index_k)
         scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)  # [B, S, T], in the activation dtype
         width = scores.shape[-1]
         reachable = torch.arange(width, device=x.device) < compress_lens.unsqueeze(-1)  # [S, T]

@@ -1,4 +1,5 @@
-"""Linear layers whose computation is not a plain ``nn.Linear``: fp32 compute, and the block-diagonal ``wo_a``.
+"""Linear layers whose computation is not a plain ``nn.Linear``: fp32 compute, and the block-diagonal ``wo_a``;
+and the low-precision batched product they share with the indexer.
 
 Consumers call these modules rather than reading their ``weight``, so that wrappers which replace a linear layer
 (PEFT LoRA, quantization) either act on what the layer really computes or refuse it — never get silently skipped.
@@ -9,6 +10,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def einsum_rounded_once(equation: str, *operands: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum`` accumulated in fp32 and rounded once to the operands' dtype.
+
+    The reference's bf16 outputs were produced with torch 2.14, whose CPU bf16 batched GEMM rounds the exact fp32
+    sum once; torch 2.13's rounds otherwise, one bf16 ulp off on some outputs (enough for the FP4 steps and the
+    indexer's top-k to amplify). Computing in fp32 gives 2.14's bits on any version. fp32 operands are unchanged.
+    """
+    dtype = operands[0].dtype
+    if dtype == torch.float32:
+        return torch.einsum(equation, *operands)
+    return torch.einsum(equation, *(t.float() for t in operands)).to(dtype)
 
 
 class DeepseekV41Fp32Linear(nn.Linear):
@@ -37,7 +51,7 @@ class DeepseekV41GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., groups, in_features] → [..., groups, out_features]."""
         weight = self.weight.view(self.groups, self.out_features, self.in_features)
-        return torch.einsum("...gd,grd->...gr", x, weight)
+        return einsum_rounded_once("...gd,grd->...gr", x, weight)
 
     def extra_repr(self) -> str:
         return (

@@ -48,6 +48,22 @@ def test_layer0_captures_match_within_bf16_rounding(fixtures_dir, mode):
     assert torch.equal(out.hidden_states[0][0, :, 0], expected["inputs_embeds"])
 
 
+def test_layer0_attention_from_the_captured_input_is_bit_exact(fixtures_dir):
+    """Given the reference's own layer-0 attention input, our window K=V and attention output are its bits: the
+    slot layout and 64-slot softmax, and the bf16 grouped ``wo_a`` product rounded once (as the fixtures' torch
+    2.14 computes it; torch 2.13's bf16 batched GEMM is one ulp off on 21 of these outputs). Without QDQ only: with
+    the FP8 K=V, 26 outputs still differ by one ulp through fp32 kernels that changed between those versions."""
+    from modeling_dsv41.attention import CompressedContext
+
+    captures = load_file(fixtures_dir / "v41_tiny_vl/dense/captures_noqdq.safetensors")
+    model = reference_model(fixtures_dir, "dense", emulate_quantization=False)
+    attn, x = model.layers[0].attn, captures["layers.0.attn_in"].unsqueeze(0)
+    rotation = model.window_rotary(torch.arange(x.shape[1]))
+    with torch.no_grad():
+        assert torch.equal(attn._window_kv(x, rotation.unsqueeze(0))[0], captures["layers.0.window_kv"])
+        assert torch.equal(attn(x, rotation, CompressedContext())[0], captures["layers.0.attn_out"])
+
+
 @pytest.mark.parametrize("mode", ["noqdq", "qdq"])
 def test_sparse_selection_matches_given_captured_scores(fixtures_dir, mode):
     """Given the captured index scores, our top-k and candidate masks equal the reference's exactly."""
@@ -105,10 +121,11 @@ def test_end_to_end_from_png_through_the_image_processor(fixtures_dir):
 # Reference logits for prompts longer than the fixture's 57 tokens, where attention exceeds one 64-slot block of
 # the reference kernel (window 16 + up to 64 compressed rows), the indexer really selects (sparse), and an image
 # sits at position 90. Made by DeepSeek's reference code (the fixtures' CPU port) on the fixture weights, without
-# QDQ, under torch 2.13.0; the image span's features are the fixture's captured aligner output, which our vision
-# path reproduces bit for bit. With torch 2.13 our logits equal these exactly; the tolerance leaves room for other
-# torch versions' kernels (ulp noise, ~0.016 on the fixture across 2.13 and 2.14), far below what a wrong
-# attention layout costs (0.16-0.30 here).
+# QDQ, under torch 2.13.0 with its bf16 einsums accumulated in fp32 and rounded once, as the fixtures' torch 2.14.1
+# computes them (see linear.einsum_rounded_once); the image span's features are the fixture's captured aligner
+# output, which our vision path reproduces bit for bit. Our logits equal these exactly; the tolerance leaves room
+# for other torch versions' kernels (ulp noise, ~0.016 on the fixture across 2.13 and 2.14), far below what a
+# wrong attention layout costs (0.16-0.30 here).
 LONG = "data/reference_long_noqdq.safetensors"
 
 

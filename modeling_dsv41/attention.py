@@ -145,7 +145,7 @@ class DeepseekV41Indexer(nn.Module):
         compress_lens: torch.Tensor,
     ) -> torch.Tensor:
         """x [B,S,D], qr [B,S,q_lora], compress_lens [S] or [B, S] (compressed rows each query may see);
-        returns the selection mask [B, S, T] (True = attend)."""
+        returns the selection [B, S, k]: ascending compressed rows, -1 for none (see :func:`topk_selection`)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rotary(q, rotation)
         if self.emulate_quantization:

@@ -9,7 +9,9 @@ Both models are built at the same width, depth and expert count (our ``tiny`` pr
   so a busy machine slows both alike;
 - our forward time split by component (attention incl. compressor/indexer, MoE, mHC mixes/collapse/expand,
   RMSNorms, Engram incl. hashing, vision incl. aligner, the rest) and transformers' split for comparison;
-- a torch.profiler table of our top ops over one forward+backward.
+- a torch.profiler table of our top ops over one forward+backward;
+- the cost of reference numerics (``config.reference_numerics``): our bf16 forward with the mode on ÷ off, in time
+  and in peak resident memory added by the forward (Linux's VmHWM, reset before each measured call).
 
 The two are not the same architecture, so the ratio is a cost comparison, not a parity check. Differences
 that matter for time: transformers' V4 has compressed layers of ratio 4 with a compressor and an indexer in
@@ -157,6 +159,39 @@ def timed_calls(targets: dict[str, list[tuple[object, str]]]) -> Iterator[dict[s
                 setattr(obj, attr, own)
 
 
+def peak_rss_added(step: Callable[[], None]) -> int:
+    """Bytes of resident memory the process peaks at during ``step`` above where it started (Linux only: resets
+    the high-water mark through /proc/self/clear_refs, then reads VmHWM)."""
+
+    def status_kib(field: str) -> int:
+        line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+        return int(line.split()[1])
+
+    before = status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    step()
+    return (status_kib("VmHWM") - before) * 1024
+
+
+def reference_numerics_cost(model: DeepseekV41ForCausalLM, inputs: dict, warmup: int, reps: int) -> None:
+    """Forward time and peak memory of ``model`` in bf16 with reference numerics on ÷ off."""
+    model = model.to(torch.bfloat16).eval()
+    modes = {"off": False, "on": True}
+
+    def forward(mode: str) -> None:
+        model.config.reference_numerics = modes[mode]
+        forward_only(model, inputs)
+
+    times = median_times({m: m for m in modes}, {m: None for m in modes}, lambda m, _: forward(m), warmup, reps)
+    peaks = {mode: statistics.median(peak_rss_added(lambda: forward(mode)) for _ in range(3)) for mode in modes}
+    model.config.reference_numerics = False
+    print("\n## Reference numerics (bf16 forward): on ÷ off")
+    print(f"time: {times['on'] * 1e3:.1f} ms ÷ {times['off'] * 1e3:.1f} ms = {times['on'] / times['off']:.2f}×")
+    print(f"peak memory added by the forward: {peaks['on'] / 2**20:.1f} MiB ÷ {peaks['off'] / 2**20:.1f} MiB = "
+          f"{peaks['on'] / max(peaks['off'], 1):.2f}×")
+
+
 def our_components(model: DeepseekV41ForCausalLM) -> dict[str, list[tuple[object, str]]]:
     targets: dict[str, list[tuple[object, str]]] = defaultdict(list)
     for layer in model.layers:
@@ -261,6 +296,8 @@ def main() -> None:
         forward_backward(ours, our_inputs)
     print("\n## Our top ops over one forward+backward (torch.profiler, self CPU time)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+
+    reference_numerics_cost(ours, no_cache, args.warmup, args.reps)
 
 
 if __name__ == "__main__":

@@ -385,6 +385,12 @@ class DeepseekV41Config(PreTrainedConfig):
     r"""DeepSeek-V4.1: ``text_config`` (:class:`DeepseekV41TextConfig`) and an optional ``vision_config``
     (:class:`DeepseekV41VisionConfig`; ``None`` builds a text-only model).
 
+    Args:
+        reference_numerics (`bool`): compute every bf16/fp16 matrix product in fp32 and round it once (and the
+            ViT's attention with portable rounding points), so that outputs do not depend on the CPU's GEMM kernels
+            and match DeepSeek's reference run the same way. Slower; off by default. See
+            :mod:`modeling_dsv41.numerics`.
+
     Example:
         ```python
         >>> from configuration import DeepseekV41Config
@@ -405,6 +411,7 @@ class DeepseekV41Config(PreTrainedConfig):
     vision_config: dict | PreTrainedConfig | None = None
     image_token_id: int = 129264
     released_storage: dict | None = None
+    reference_numerics: bool = False
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:

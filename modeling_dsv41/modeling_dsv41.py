@@ -32,6 +32,7 @@ from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .moe import DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
+from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
 from .rotary import DeepseekV41RotaryEmbedding
 from .vision import (
@@ -216,6 +217,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         self.embed = value
 
     # ---- inputs ---------------------------------------------------------------------------------------
+    @under_configured_numerics
     def get_image_features(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> list[torch.Tensor]:
         """ViT + aligner: one [h_tok·w_tok, D] tensor per image, rows in reading order."""
         if not self.config.has_vision:
@@ -264,6 +266,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     # ---- forward --------------------------------------------------------------------------------------
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @under_configured_numerics
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -421,6 +424,7 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
 
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @under_configured_numerics
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -364,6 +364,33 @@ def test_bad_groups_raise(group, message):
         MixedOptimizer([group])
 
 
+def test_deepspeed_zero3_placeholders_are_refused_at_construction():
+    """deepspeed.zero.Init leaves every parameter an empty placeholder with its real shape in ``ds_shape``."""
+    placeholder = nn.Parameter(torch.empty(0))
+    placeholder.ds_id, placeholder.ds_shape = 0, torch.Size((4, 4))
+    for kind in ("muon", "sinkhorn"):
+        with pytest.raises(ValueError, match="fully_shard"):
+            MixedOptimizer([{"kind": kind, "params": [placeholder]}])
+    MixedOptimizer([{"kind": "adamw", "params": [placeholder]}])  # element-wise: any partition is fine
+
+
+@pytest.mark.parametrize("kind", ["muon", "muon_headwise", "sinkhorn"])
+def test_deepspeed_zero12_flat_partitions_are_refused_before_any_update(kind):
+    """ZeRO-1/2 swap each group's params for one flat fp32 slice after construction: step raises, changes nothing."""
+    matrices, others = _params((6, 4), (6, 4)), _params((5, 3), seed=1)
+    extra = {"num_heads": 2} if kind == "muon_headwise" else {}
+    opt = MixedOptimizer([{"kind": "muon", "params": others}, {"kind": kind, "params": matrices, **extra}])
+    flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in matrices])[:24])  # rank 0's half
+    opt.param_groups[1]["params"] = [flat]
+    for p in (flat, *others):
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in (flat, *others)]
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip((flat, *others), before))
+    assert not opt.state
+
+
 # ----------------------------------------------------------------------------- policy
 
 

@@ -122,13 +122,14 @@ class MixedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+        work = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
+        for group, params in work:  # every check before any update
             for p in params:
                 if p.grad.is_sparse:
                     raise ValueError(f"{group['kind']} does not support sparse gradients")
                 if group["kind"] != "adamw":
                     _check_shape(group["kind"], p)  # DeepSpeed ZeRO-1/2 swap in flat partitions after __init__
+        for group, params in work:
             if params:
                 _STEPS[group["kind"]](self, group, params)
         return loss

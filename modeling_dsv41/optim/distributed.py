@@ -129,8 +129,8 @@ def owner_compute(
 ) -> list[Tensor]:
     """``fn`` of every whole tensor, once, on one owner rank; returns this rank's shard of each result.
 
-    ``updates`` are local shards (one dtype) laid out like the DTensors ``like``; ``fn`` maps a whole tensor to
-    one of the same shape and dtype. Tensors are processed in chunks of at most ``max_numel`` elements per
+    ``updates`` are local shards (one dtype) laid out like the DTensors ``like``; ``fn`` maps a stack of whole
+    same-shape tensors ``[k, *shape]`` to one of the same shape and dtype (each tensor on its own). Tensors are processed in chunks of at most ``max_numel`` elements per
     rank; every rank must call this with the same tensors in the same order.
     """
     results: list[Tensor | None] = [None] * len(updates)
@@ -199,8 +199,13 @@ def _exchange(
                 wholes[i][region] = piece.view([s.stop - s.start for s in region])
                 offset += _numel(region)
 
-    # 2. The owner computes each whole tensor once and returns every rank its shard.
-    computed = {i: fn(whole) for i, whole in wholes.items()}
+    # 2. The owner computes each whole tensor once (same shapes batched) and returns every rank its shard.
+    computed: dict[int, Tensor] = {}
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i in owned:
+        by_shape.setdefault(layouts[i].shape, []).append(i)
+    for members in by_shape.values():
+        computed.update(zip(members, fn(torch.stack([wholes[i] for i in members])).unbind(0)))
     send = [[computed[i][layouts[i].region(c)].reshape(-1) for i in owned] for c in coordinates]
     recv_sizes = [
         sum(_numel(layouts[i].region(mine)) for i in range(len(updates)) if i % world == owner)
@@ -233,5 +238,5 @@ def _via_replicate(update: Tensor, like: Tensor, fn: Callable[[Tensor], Tensor])
     sharded = DTensor.from_local(update, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
     replicate = [Replicate()] * like.device_mesh.ndim
     whole = sharded.redistribute(like.device_mesh, replicate).to_local()
-    result = DTensor.from_local(fn(whole), like.device_mesh, replicate)
+    result = DTensor.from_local(fn(whole.unsqueeze(0)).squeeze(0), like.device_mesh, replicate)
     return result.redistribute(like.device_mesh, like.placements).to_local()

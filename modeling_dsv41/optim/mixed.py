@@ -212,7 +212,7 @@ def _muon_split(group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
         _nesterov_into(torch.empty_like(b), g, b, group["momentum"], group["nesterov"]).to(torch.bfloat16)
         for g, b in zip(grads, bufs)
     ]
-    orthos = owner_compute(updates, params, lambda whole: _orthogonalize(group, whole), MAX_BATCH_NUMEL)
+    orthos = owner_compute(updates, params, lambda wholes: _orthogonalize(group, wholes), MAX_BATCH_NUMEL)
     for p, ortho in zip(params, orthos):
         rows, cols = p.shape[-2:]
         blocks = _blocks(group, rows)
@@ -263,17 +263,20 @@ def _sinkhorn_step(opt: MixedOptimizer, group: dict[str, Any], params: list[Tens
         update = _nesterov_into(torch.empty_like(buf_shard), grad, buf_shard, momentum, group["nesterov"])
         groups = row_groups(p) if is_dtensor(p) else []
         if groups is None:  # columns split too: the whole table on one owner rank
-            (direction,) = owner_compute([update.float()], [p], lambda whole: _dense_sinkhorn(group, whole), 1)
+            (direction,) = owner_compute([update.float()], [p], lambda wholes: _dense_sinkhorn(group, wholes), 1)
             shard.add_(direction.to(p.dtype), alpha=alpha)
             continue
         live_rows, direction = sinkhorn_balance(update, group["sinkhorn_iters"], group["row_mask_tau"], groups)
         shard.index_add_(0, live_rows, direction.to(p.dtype), alpha=alpha)
 
 
-def _dense_sinkhorn(group: dict[str, Any], update: Tensor) -> Tensor:
-    """The Sinkhorn direction as a full matrix, zero on the masked rows."""
-    live_rows, direction = sinkhorn_balance(update, group["sinkhorn_iters"], group["row_mask_tau"])
-    return torch.zeros_like(update).index_copy_(0, live_rows, direction)
+def _dense_sinkhorn(group: dict[str, Any], updates: Tensor) -> Tensor:
+    """The Sinkhorn direction of every table in ``updates [k, rows, cols]``, zero on the masked rows."""
+    out = torch.zeros_like(updates)
+    for update, direction in zip(updates, out):
+        live_rows, balanced = sinkhorn_balance(update, group["sinkhorn_iters"], group["row_mask_tau"])
+        direction.index_copy_(0, live_rows, balanced)
+    return out
 
 
 def _adamw_step(opt: MixedOptimizer, group: dict[str, Any], params: list[Tensor]) -> None:
@@ -285,28 +288,25 @@ def _adamw_step(opt: MixedOptimizer, group: dict[str, Any], params: list[Tensor]
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     beta1, beta2 = group["betas"]
-    # foreach kernels take DTensors or plain tensors, not both in one list
-    for sharded in (False, True):
-        subset = [p for p in params if is_dtensor(p) == sharded]
-        if not subset:
-            continue
-        adam(
-            subset,
-            [p.grad for p in subset],
-            [opt.state[p]["exp_avg"] for p in subset],
-            [opt.state[p]["exp_avg_sq"] for p in subset],
-            [],
-            [opt.state[p]["step"] for p in subset],
-            has_complex=any(torch.is_complex(p) for p in subset),
-            decoupled_weight_decay=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-        )
+    # On the local shards (the same storage as the DTensors): element-wise, so exactly torch's update,
+    # without DTensor's per-op dispatch.
+    adam(
+        [local(p) for p in params],
+        [local(grad_like_param(p)) for p in params],
+        [local(opt.state[p]["exp_avg"]) for p in params],
+        [local(opt.state[p]["exp_avg_sq"]) for p in params],
+        [],
+        [opt.state[p]["step"] for p in params],
+        has_complex=any(torch.is_complex(p) for p in params),
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
 
 
 _STEPS: dict[str, Callable[[MixedOptimizer, dict[str, Any], list[Tensor]], None]] = {

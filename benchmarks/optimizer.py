@@ -342,7 +342,8 @@ class ReceivedBytes(TorchDispatchMode):
         world, rank = dist.get_world_size(), dist.get_rank()
         if name == "alltoall_base_":  # (output, input, group, output_split_sizes, input_split_sizes)
             output, splits = args[0], list(args[3])
-            self.total += (output.numel() - (splits[rank] if splits else output.numel() // world)) * output.element_size()
+            own = splits[rank] if splits else output.numel() // world
+            self.total += (output.numel() - own) * output.element_size()
         elif name in ("allreduce_", "all_reduce"):
             tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             self.total += sum(2 * (world - 1) * t.numel() * t.element_size() // world for t in tensors)

@@ -251,6 +251,22 @@ def test_3d_expert_tensor_equals_per_expert_loop(monkeypatch):
         assert list(loop.state[p]) == ["momentum_buffer"]
 
 
+def test_fused_gate_up_expert_stack_equals_separate_w1_w3():
+    """A fused ``gate_up_proj [E, 2I, D]`` routed as head-wise with ``split_sizes=(I, I)``, one head each,
+    gets the update of the separate per-expert ``w1``/``w3`` the released checkpoint has."""
+    experts, inter, dim = 3, 16, 24
+    (gate_up,) = _params((experts, 2 * inter, dim))
+    separate = [nn.Parameter(m.clone()) for e in gate_up.detach().unbind(0) for m in e.split(inter)]
+    grads = [_grads([gate_up.shape], step) for step in range(3)]
+    group = {"kind": "muon_headwise", "params": [gate_up], "num_heads": (1, 1), "split_sizes": (inter, inter)}
+    _run(MixedOptimizer([group], lr=LR), [gate_up], grads)
+    loop = MixedOptimizer([{"kind": "muon", "params": separate}], lr=LR)
+    _run(loop, separate, [[m for e in g.unbind(0) for m in e.split(inter)] for (g,) in grads])
+    atol = 3 * LR * 0.18 * math.sqrt(dim) * BF16_ULP  # batched vs single bf16 matmuls
+    expected = torch.stack([torch.cat([p.detach() for p in separate[2 * e : 2 * e + 2]]) for e in range(experts)])
+    torch.testing.assert_close(gate_up.detach(), expected, rtol=0, atol=atol)
+
+
 # ----------------------------------------------------------------------------- Sinkhorn
 
 

@@ -39,7 +39,8 @@ class Toy(nn.Module):
         self.wq_b = nn.Parameter(torch.randn(heads * head_dim, dim) / dim**0.5)  # head-wise; shards cut head 1
         self.w1 = nn.Parameter(torch.randn(16, dim) / dim**0.5)  # muon, rows sharded
         self.w2 = nn.Parameter(torch.randn(dim, 16) / 4)  # muon, columns sharded
-        self.experts = nn.Parameter(torch.randn(experts, 6, dim) / dim**0.5)  # muon, expert dim sharded: local
+        # fused gate_up [E, 2I, D] (head-wise: gate and up each whole), expert dim sharded: local, no communication
+        self.experts = nn.Parameter(torch.randn(experts, 6, dim) / dim**0.5)
         self.experts_rows = nn.Parameter(torch.randn(experts, 6, dim) / dim**0.5)  # muon, each expert's rows split
         self.norm = nn.Parameter(torch.ones(dim))  # adamw
         self.bias = nn.Parameter(torch.zeros(16))  # adamw
@@ -65,12 +66,14 @@ def groups_for(model: Toy) -> list[dict]:
     return [
         {"kind": "sinkhorn", "params": [model.embed, model.table], "lr": 0.05},
         {"kind": "muon_headwise", "params": [model.wq_b], "num_heads": model.heads, "lr": 0.05},
-        {"kind": "muon", "params": [model.w1, model.w2, model.experts, model.experts_rows], "lr": 0.05},
+        {"kind": "muon_headwise", "params": [model.experts], "num_heads": (1, 1), "split_sizes": (3, 3), "lr": 0.05},
+        {"kind": "muon", "params": [model.w1, model.w2, model.experts_rows], "lr": 0.05},
         {"kind": "adamw", "params": [model.norm, model.bias], "lr": 0.05},
     ]
 
 
-KIND_OF = {"embed": "sinkhorn", "table": "sinkhorn", "wq_b": "muon_headwise", "norm": "adamw", "bias": "adamw"}
+KIND_OF = {"embed": "sinkhorn", "table": "sinkhorn", "wq_b": "muon_headwise", "experts": "muon_headwise"}
+KIND_OF.update(norm="adamw", bias="adamw")
 
 
 def batches(seed: int = 0) -> list[torch.Tensor]:
@@ -145,15 +148,23 @@ def _fsdp_matches_single_process_and_resumes(rank: int, tmp: Path) -> None:
 
 
 def _two_dim_mesh_layouts(rank: int, tmp: Path) -> None:
-    """A ("dp", "tp") mesh: Shard/Replicate on either mesh dim, rows or columns, vs one process."""
+    """A ("dp", "tp") mesh: Shard/Replicate on either mesh dim, rows or columns, vs one process; a strided
+    shard (FSDP2 over tensor parallelism) takes DTensor's all-gather fallback."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
     g = torch.Generator().manual_seed(0)
-    shapes = [(12, 8), (8, 12), (3, 6, 8), (11, 8)]
-    kinds = ["muon_headwise", "muon", "muon", "sinkhorn"]
-    placements = [(Replicate(), Shard(0)), (Replicate(), Shard(1)), (Shard(0), Shard(1)), (Replicate(), Shard(0))]
+    shapes = [(12, 8), (8, 12), (3, 6, 8), (11, 8), (8, 12)]
+    kinds = ["muon_headwise", "muon", "muon", "sinkhorn", "muon"]
+    placements = [
+        (Replicate(), Shard(0)),
+        (Replicate(), Shard(1)),
+        (Shard(0), Shard(1)),
+        (Replicate(), Shard(0)),
+        (Replicate(), _StridedShard(0, split_factor=2)),
+    ]
     weights = [torch.randn(shape, generator=g) for shape in shapes]
     grads = [[torch.randn(shape, generator=g) for shape in shapes] for _ in range(STEPS)]
 
@@ -172,7 +183,7 @@ def _two_dim_mesh_layouts(rank: int, tmp: Path) -> None:
     for kind, w, p1, p2 in zip(kinds, weights, single, sharded):
         delta = p1.detach() - w
         error = ((p2.detach().full_tensor() - p1.detach()).norm() / delta.norm()).item()
-        assert error <= MAX_RELATIVE_ERROR, (kind, error)
+        assert error <= MAX_RELATIVE_ERROR, (kind, tuple(w.shape), p2.placements, error)
 
 
 # ----------------------------------------------------------------------------- spawning

@@ -31,8 +31,9 @@ from torch import Tensor
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 over TP; not a Shard subclass
 except ImportError:  # torch built without distributed
-    DTensor = Replicate = Shard = None
+    DTensor = Replicate = Shard = _StridedShard = None
 
 # Error for optimizers handed DeepSpeed ZeRO's flat partitions (ZeRO-1/2 swap the groups' params for flat 1-D
 # fp32 slices after construction; ZeRO-3 replaces ``param.data`` by an empty placeholder with ``ds_*`` attributes).
@@ -69,7 +70,7 @@ def sharded_dims(tensor: Tensor) -> set[int]:
     """Tensor dims split across ranks (empty for a plain tensor or a replicated DTensor)."""
     if not is_dtensor(tensor):
         return set()
-    return {p.dim % tensor.ndim for p in tensor.placements if isinstance(p, Shard)}
+    return {p.dim % tensor.ndim for p in tensor.placements if isinstance(p, (Shard, _StridedShard))}
 
 
 def row_groups(tensor: Tensor) -> list[dist.ProcessGroup] | None:
@@ -130,8 +131,9 @@ def owner_compute(
     """``fn`` of every whole tensor, once, on one owner rank; returns this rank's shard of each result.
 
     ``updates`` are local shards (one dtype) laid out like the DTensors ``like``; ``fn`` maps a stack of whole
-    same-shape tensors ``[k, *shape]`` to one of the same shape and dtype (each tensor on its own). Tensors are processed in chunks of at most ``max_numel`` elements per
-    rank; every rank must call this with the same tensors in the same order.
+    same-shape tensors ``[k, *shape]`` to one of the same shape and dtype (each tensor on its own). Tensors are
+    processed in chunks of at most ``max_numel`` elements per rank; every rank must call this with the same
+    tensors in the same order.
     """
     results: list[Tensor | None] = [None] * len(updates)
     by_mesh: dict = {}

@@ -166,7 +166,9 @@ def _muon_step(opt: MixedOptimizer, group: dict[str, Any], params: list[Tensor])
         _muon_split(group, [params[i] for i in split], [grads[i] for i in split], [bufs[i] for i in split], lr)
 
 
-def _muon_whole(group: dict[str, Any], params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], lr: float) -> None:
+def _muon_whole(
+    group: dict[str, Any], params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], lr: float
+) -> None:
     """Tensors that hold whole matrices on this rank: same-shape ones share one stacked, batched update."""
     buckets: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
@@ -203,7 +205,9 @@ def _blocks(group: dict[str, Any], rows: int) -> tuple[tuple[int, int, int], ...
     return ((0, rows, 1),)
 
 
-def _muon_split(group: dict[str, Any], params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], lr: float) -> None:
+def _muon_split(
+    group: dict[str, Any], params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], lr: float
+) -> None:
     """Matrices sharded along rows or columns: each is orthogonalized whole on one owner rank.
 
     The update travels in bfloat16: Newton–Schulz casts to it first, so this changes no bit of the result.

@@ -50,7 +50,8 @@ def sinkhorn_balance(
     if not _SAFE_ROW_NORMS[0] < _all_reduce(_amax(row_norms), dist.ReduceOp.MAX, row_groups) < _SAFE_ROW_NORMS[1]:
         update = update / _all_reduce(_amax(update.abs()), dist.ReduceOp.MAX, row_groups).clamp_min(_FLOAT32_TINY)
         row_norms = torch.linalg.vector_norm(update, dim=1)
-    total, rows = _all_reduce(torch.stack([row_norms.sum(), row_norms.new_tensor(float(len(row_norms)))]), None, row_groups)
+    count = row_norms.new_tensor(float(len(row_norms)))
+    total, rows = _all_reduce(torch.stack([row_norms.sum(), count]), None, row_groups)  # mean over all rows
     live_rows = torch.nonzero(row_norms > row_mask_tau * (total / rows)).squeeze(1)
 
     direction = update.index_select(0, live_rows).div_(row_norms[live_rows, None])  # normalization 1: rows

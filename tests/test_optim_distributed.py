@@ -184,6 +184,9 @@ def _two_dim_mesh_layouts(rank: int, tmp: Path) -> None:
         delta = p1.detach() - w
         error = ((p2.detach().full_tensor() - p1.detach()).norm() / delta.norm()).item()
         assert error <= MAX_RELATIVE_ERROR, (kind, tuple(w.shape), p2.placements, error)
+    strided_rows = nn.Parameter(distribute_tensor(weights[0], mesh, placements[4]))
+    with pytest.raises(ValueError, match="head-wise Muon needs rows sharded with Shard"):
+        MixedOptimizer([{"kind": "muon_headwise", "params": [strided_rows], "num_heads": 3}])
 
 
 # ----------------------------------------------------------------------------- spawning

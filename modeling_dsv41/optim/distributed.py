@@ -23,7 +23,6 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -114,7 +113,6 @@ def _supported(tensor: Tensor) -> bool:
     return all(type(p) is Shard or isinstance(p, Replicate) for p in tensor.placements)
 
 
-@cache
 def _group_coordinates(mesh) -> tuple[dist.ProcessGroup, tuple[tuple[int, ...], ...]]:
     """The process group spanning ``mesh`` and, per rank of that group, its mesh coordinate."""
     group = mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD

@@ -76,6 +76,11 @@ class MixedOptimizer(torch.optim.Optimizer):
       left exactly unchanged; update RMS ``update_rms``; 2-D parameters only, no weight decay.
     - ``"adamw"``: exactly ``torch.optim.AdamW`` (``betas``, ``eps``, decoupled ``weight_decay``).
 
+    Sharded parameters (DTensor: FSDP2's ``fully_shard``, tensor/expert parallel meshes) get exactly the
+    unsharded update: element-wise work runs on the local shards, every matrix (head block) is orthogonalized
+    whole once, on one owner rank, and Sinkhorn all-reduces its column sums (see :mod:`.distributed`). Every
+    rank must step the same parameters. DeepSpeed ZeRO's flat partitions are refused (``ValueError``).
+
     State per parameter: ``momentum_buffer`` (muon kinds, sinkhorn) or ``step``, ``exp_avg``, ``exp_avg_sq``
     (adamw), all tensors, so ``torch.load(weights_only=True)`` reads a saved ``state_dict``. Momentum follows
     torch.optim.Muon's convention ``B ← μ·B + (1 − μ)·g``, Nesterov ``g + μ·(B − g)``. Keys a group leaves
@@ -250,8 +255,6 @@ def _row_region(p: Tensor) -> slice:
     """The global rows of the matrices whose shard this rank holds (all of them unless dim -2 is sharded)."""
     if p.ndim - 2 not in sharded_dims(p):
         return slice(0, p.shape[-2])
-    if not all(type(placement) in (Shard, Replicate) for placement in p.placements):
-        raise ValueError(f"head-wise Muon cannot place the head blocks of rows sharded as {p.placements}")
     layout = _Layout(tuple(p.shape), tuple(p.device_mesh.shape), tuple(p.placements))
     return layout.region(p.device_mesh.get_coordinate())[-2]
 
@@ -353,6 +356,8 @@ def _check_muon(group: dict[str, Any]) -> None:
         _check_shape(group["kind"], p)
         if group["kind"] == "muon_headwise":
             head_blocks(p.shape[-2], group["num_heads"], group["split_sizes"])  # raises on a bad layout
+            if p.ndim - 2 in sharded_dims(p) and not all(type(pl) in (Shard, Replicate) for pl in p.placements):
+                raise ValueError(f"head-wise Muon needs rows sharded with Shard or Replicate, got {p.placements}")
 
 
 def _check_sinkhorn(group: dict[str, Any]) -> None:

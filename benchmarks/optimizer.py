@@ -13,19 +13,35 @@ best of the repetitions, as ``timeit`` does: on a shared machine the least-distu
   meta device. The shapes are computed from the SPEC §2 numbers (``released_shapes``), not from the model
   class; the tiny instance of the same function is checked against the fixture's checkpoint.
 
-Usage: ``python benchmarks/optimizer.py [--reps 5] [--device cpu|cuda] [--sizes tiny,1024] [--threads N]``
+With ``--procs 2`` (CPU, gloo) it instead measures MixedOptimizer on FSDP2-sharded parameters (``fully_shard``,
+``Shard(0)``): step time and bytes each rank receives per step (measured on the collectives the step issues;
+its own data excluded, an all-reduce counted as a ring's ``2(W-1)/W`` of the tensor), against the same model in
+one process and against the naive baseline that all-gathers every sharded matrix on every rank and
+orthogonalizes it there (``owner_compute`` swapped for DTensor's all-gather; Sinkhorn and AdamW unchanged).
+
+Usage: ``python benchmarks/optimizer.py [--reps 5] [--device cpu|cuda] [--sizes tiny,1024] [--threads N]
+[--procs 2]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from unittest import mock
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import modeling_dsv41.optim.mixed as mixed
+from modeling_dsv41.optim.distributed import _via_replicate
 
 from modeling_dsv41.optim import (
     TORCH_MUON_NS_COEFFICIENTS,
@@ -313,18 +329,117 @@ def released_state_table() -> None:
         print(f"{name:<30}{b / tib:>11.2f}{b / adamw:>9.2f}")
 
 
+class ReceivedBytes(TorchDispatchMode):
+    """Bytes this rank receives through the collectives run under it (its own share excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if name == "alltoall_base_":  # (output, input, group, output_split_sizes, input_split_sizes)
+            output, splits = args[0], list(args[3])
+            own = splits[rank] if splits else output.numel() // world
+            self.total += (output.numel() - own) * output.element_size()
+        elif name in ("allreduce_", "all_reduce"):
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.total += sum(2 * (world - 1) * t.numel() * t.element_size() // world for t in tensors)
+        elif name in ("all_gather_into_tensor", "_allgather_base_"):
+            source = args[0] if name == "all_gather_into_tensor" else args[1]
+            self.total += (world - 1) * source.numel() * source.element_size()
+        return func(*args, **kwargs)
+
+
+def _naive_owner_compute(updates, like, fn, max_numel):
+    """The baseline: every rank all-gathers every sharded matrix and orthogonalizes all of them."""
+    return [_via_replicate(update, tensor, fn) for update, tensor in zip(updates, like)]
+
+
+def _sharded_worker(rank: int, world: int, port: int, d: Dims, reps: int, single_ms: float, label: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = build_standin(d)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    contenders = {
+        "owner ranks (ours)": (MixedOptimizer(build_param_groups(model, lr=1e-3)), mixed.owner_compute),
+        "all-gather everywhere": (MixedOptimizer(build_param_groups(model, lr=1e-3)), _naive_owner_compute),
+    }
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    received: dict[str, int] = {}
+    for rep in range(reps + 1):  # the first round allocates state and counts bytes
+        for name, (opt, exchange) in contenders.items():
+            with mock.patch.object(mixed, "owner_compute", exchange):
+                dist.barrier()
+                start = time.perf_counter()
+                if rep == 0:
+                    with ReceivedBytes() as counter:
+                        opt.step()
+                    received[name] = counter.total
+                else:
+                    opt.step()
+                dist.barrier()
+                times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        print(f"\n## {label}: {world} processes (gloo, FSDP2 Shard(0)), best of {reps} steps")
+        print(f"{'contender':<30}{'step ms':>10}{'× 1 proc':>10}{'recv MiB/rank':>15}")
+        print(f"{'one process (unsharded)':<30}{single_ms:>10.1f}{1.0:>10.2f}{0.0:>15.2f}")
+        for name in contenders:
+            best = min(times[name][1:]) * 1e3
+            print(f"{name:<30}{best:>10.1f}{best / single_ms:>10.2f}{received[name] / 2**20:>15.2f}")
+        ours, naive = (min(times[name][1:]) for name in contenders)
+        print(f"ours / all-gather everywhere: step time {ours / naive:.2f}, "
+              f"bytes {received['owner ranks (ours)'] / max(1, received['all-gather everywhere']):.2f}")
+    dist.destroy_process_group()
+
+
+def distributed_benchmark(d: Dims, label: str, reps: int, world: int) -> None:
+    """One-process step time (here), then ``world`` gloo processes on the FSDP2-sharded model."""
+    torch.manual_seed(0)
+    model = build_standin(d)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    single = MixedOptimizer(build_param_groups(model, lr=1e-3))
+    single.step()
+    single_ms = min(_timed(single.step) for _ in range(reps)) * 1e3
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_worker, args=(world, port, d, reps, single_ms, label), nprocs=world)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", default="tiny,1024", help="comma-separated: tiny, 1024")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (1 is steadier on a shared box)")
+    parser.add_argument("--procs", type=int, default=1, help="> 1: FSDP2-sharded mode on that many gloo processes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(check_tiny_shapes())
     sizes = {"tiny": (TINY, "tiny stand-in (fixture shapes)"), "1024": (WIDE_1024, "1024-wide stand-in")}
+    if args.procs > 1:
+        for size in args.sizes.split(","):
+            distributed_benchmark(*sizes[size], reps=args.reps, world=args.procs)
+        return
     for size in args.sizes.split(","):
         benchmark(*sizes[size], reps=args.reps, device=args.device)
     released_state_table()

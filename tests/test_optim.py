@@ -251,6 +251,22 @@ def test_3d_expert_tensor_equals_per_expert_loop(monkeypatch):
         assert list(loop.state[p]) == ["momentum_buffer"]
 
 
+def test_fused_gate_up_expert_stack_equals_separate_w1_w3():
+    """A fused ``gate_up_proj [E, 2I, D]`` routed as head-wise with ``split_sizes=(I, I)``, one head each,
+    gets the update of the separate per-expert ``w1``/``w3`` the released checkpoint has."""
+    experts, inter, dim = 3, 16, 24
+    (gate_up,) = _params((experts, 2 * inter, dim))
+    separate = [nn.Parameter(m.clone()) for e in gate_up.detach().unbind(0) for m in e.split(inter)]
+    grads = [_grads([gate_up.shape], step) for step in range(3)]
+    group = {"kind": "muon_headwise", "params": [gate_up], "num_heads": (1, 1), "split_sizes": (inter, inter)}
+    _run(MixedOptimizer([group], lr=LR), [gate_up], grads)
+    loop = MixedOptimizer([{"kind": "muon", "params": separate}], lr=LR)
+    _run(loop, separate, [[m for e in g.unbind(0) for m in e.split(inter)] for (g,) in grads])
+    atol = 3 * LR * 0.18 * math.sqrt(dim) * BF16_ULP  # batched vs single bf16 matmuls
+    expected = torch.stack([torch.cat([p.detach() for p in separate[2 * e : 2 * e + 2]]) for e in range(experts)])
+    torch.testing.assert_close(gate_up.detach(), expected, rtol=0, atol=atol)
+
+
 # ----------------------------------------------------------------------------- Sinkhorn
 
 
@@ -362,6 +378,33 @@ def test_adamw_groups_equal_torch_adamw():
 def test_bad_groups_raise(group, message):
     with pytest.raises(ValueError, match=message):
         MixedOptimizer([group])
+
+
+def test_deepspeed_zero3_placeholders_are_refused_at_construction():
+    """deepspeed.zero.Init leaves every parameter an empty placeholder with its real shape in ``ds_shape``."""
+    placeholder = nn.Parameter(torch.empty(0))
+    placeholder.ds_id, placeholder.ds_shape = 0, torch.Size((4, 4))
+    for kind in ("muon", "sinkhorn"):
+        with pytest.raises(ValueError, match="fully_shard"):
+            MixedOptimizer([{"kind": kind, "params": [placeholder]}])
+    MixedOptimizer([{"kind": "adamw", "params": [placeholder]}])  # element-wise: any partition is fine
+
+
+@pytest.mark.parametrize("kind", ["muon", "muon_headwise", "sinkhorn"])
+def test_deepspeed_zero12_flat_partitions_are_refused_before_any_update(kind):
+    """ZeRO-1/2 swap each group's params for one flat fp32 slice after construction: step raises, changes nothing."""
+    matrices, others = _params((6, 4), (6, 4)), _params((5, 3), seed=1)
+    extra = {"num_heads": 2} if kind == "muon_headwise" else {}
+    opt = MixedOptimizer([{"kind": "muon", "params": others}, {"kind": kind, "params": matrices, **extra}])
+    flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in matrices])[:24])  # rank 0's half
+    opt.param_groups[1]["params"] = [flat]
+    for p in (flat, *others):
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in (flat, *others)]
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip((flat, *others), before))
+    assert not opt.state
 
 
 # ----------------------------------------------------------------------------- policy

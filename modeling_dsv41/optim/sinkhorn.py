@@ -8,8 +8,10 @@ normalizations, so only one momentum buffer is stored per table.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 # Outside this range of the largest row norm, squares of the entries may underflow or overflow float32:
@@ -19,7 +21,9 @@ _SAFE_ROW_NORMS = (2.0**-50, 2.0**50)
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
-def sinkhorn_balance(update: Tensor, iters: int = 11, row_mask_tau: float = 1e-3) -> tuple[Tensor, Tensor]:
+def sinkhorn_balance(
+    update: Tensor, iters: int = 11, row_mask_tau: float = 1e-3, row_groups: Sequence[dist.ProcessGroup] = ()
+) -> tuple[Tensor, Tensor]:
     """Balance the rows and columns of ``update [m, n]``; returns ``(live_rows [L], direction [L, n])``.
 
     Rows whose ℓ2 norm is ``≤ row_mask_tau · mean(row norms)`` are masked out: an embedding row that no
@@ -31,6 +35,11 @@ def sinkhorn_balance(update: Tensor, iters: int = 11, row_mask_tau: float = 1e-3
     Written as Sinkhorn scalings ``diag(r)·X·diag(c)`` of the squared entries, so each normalization is one
     matrix-vector product (a column-wise norm is many times slower than a row-wise one on CPU). Float32;
     needs two ``[L, n]`` temporaries.
+
+    ``row_groups``: when ``update`` is this rank's block of rows of a row-sharded matrix, the process groups
+    across which the rows are split. Row scalings stay local; the statistics over rows (the largest row norm,
+    the mean row norm, the column sums of every column normalization) are all-reduced over them, so every
+    rank gets its rows of the unsharded result. ``live_rows`` then index the local rows.
     """
     if update.ndim != 2:
         raise ValueError(f"the Sinkhorn-balanced update needs a matrix [rows, cols], got {tuple(update.shape)}")
@@ -38,10 +47,12 @@ def sinkhorn_balance(update: Tensor, iters: int = 11, row_mask_tau: float = 1e-3
         raise ValueError(f"sinkhorn_iters must be odd (rows first and last), got {iters}")
     update = update.float()
     row_norms = torch.linalg.vector_norm(update, dim=1)
-    if not _SAFE_ROW_NORMS[0] < row_norms.max() < _SAFE_ROW_NORMS[1]:
-        update = update / update.abs().amax().clamp_min(_FLOAT32_TINY)
+    if not _SAFE_ROW_NORMS[0] < _all_reduce(_amax(row_norms), dist.ReduceOp.MAX, row_groups) < _SAFE_ROW_NORMS[1]:
+        update = update / _all_reduce(_amax(update.abs()), dist.ReduceOp.MAX, row_groups).clamp_min(_FLOAT32_TINY)
         row_norms = torch.linalg.vector_norm(update, dim=1)
-    live_rows = torch.nonzero(row_norms > row_mask_tau * row_norms.mean()).squeeze(1)
+    count = row_norms.new_tensor(float(len(row_norms)))
+    total, rows = _all_reduce(torch.stack([row_norms.sum(), count]), None, row_groups)  # mean over all rows
+    live_rows = torch.nonzero(row_norms > row_mask_tau * (total / rows)).squeeze(1)
 
     direction = update.index_select(0, live_rows).div_(row_norms[live_rows, None])  # normalization 1: rows
     squares = direction.square()  # [L, n]
@@ -49,12 +60,24 @@ def sinkhorn_balance(update: Tensor, iters: int = 11, row_mask_tau: float = 1e-3
     col_scale = torch.ones(update.shape[1], device=update.device)
     for step in range(1, iters):
         if step % 2:  # columns: c_j = 1 / ‖(r_i x_ij)_i‖
-            col_scale = _inverse_sqrt(row_scale.square() @ squares)
+            col_scale = _inverse_sqrt(_all_reduce(row_scale.square() @ squares, None, row_groups))
         else:  # rows: r_i = 1 / ‖(x_ij c_j)_j‖
             row_scale = _inverse_sqrt(squares @ col_scale.square())
     del squares
     direction.mul_(row_scale.mul_(math.sqrt(update.shape[1]))[:, None]).mul_(col_scale)
     return live_rows, direction
+
+
+def _amax(values: Tensor) -> Tensor:
+    """Largest entry, 0 for an empty shard (a rank may hold no row of a small table)."""
+    return values.amax() if values.numel() else values.new_zeros(())
+
+
+def _all_reduce(value: Tensor, op: dist.ReduceOp | None, groups: Sequence[dist.ProcessGroup]) -> Tensor:
+    """``value`` reduced (sum when ``op`` is None) over every group in ``groups``; as is without groups."""
+    for group in groups:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return value
 
 
 def _inverse_sqrt(sum_of_squares: Tensor) -> Tensor:

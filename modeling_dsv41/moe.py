@@ -116,16 +116,17 @@ class DeepseekV41Experts(nn.Module):
         tokens, weights = (order // top_k).split(counts), top_k_weights.flatten()[order].split(counts)
         out = hidden_states.new_zeros(num_tokens, self.hidden_dim, dtype=torch.float32)
         inter = self.intermediate_dim
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # read once (a PEFT parametrization computes it)
         for expert, (token, weight) in enumerate(zip(tokens, weights)):  # fixed order: the fp32 sum is reproducible
             if token.numel() == 0:
                 continue
             # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter
             x = hidden_states.index_select(0, token)
-            gate_up = self.gate_up_proj[expert]
+            gate_up = gate_up_proj[expert]
             hidden = weight.unsqueeze(-1) * clamped_swiglu(
                 F.linear(x, gate_up[:inter]), F.linear(x, gate_up[inter:]), self.swiglu_limit
             )
-            out.index_add_(0, token, F.linear(hidden.to(x.dtype), self.down_proj[expert]).float())
+            out.index_add_(0, token, F.linear(hidden.to(x.dtype), down_proj[expert]).float())
         return out
 
 

@@ -28,7 +28,9 @@ not, so ``from_pretrained`` builds it from ``tokenizer.json`` next to the weight
 **bitsandbytes.** Linears the model reads as raw tensors (the fp32 head and ratio-2 compressors, Engram ``wkv``, the
 ViT patch embedding) and, for 4-bit, those whose shape bnb's CPU kernels cannot pack (in-features a multiple of 64,
 out-features of 32) join ``llm_int8_skip_modules``. Norms, gates, mHC and the Engram gate parameters are not Linears,
-and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone.
+and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone. So are the fused routed experts (3-D
+parameters; transformers' bnb integration quantizes Linears only): they load in ``dtype``, and QLoRA adapts them
+through PEFT's ``target_parameters``.
 
 :func:`save_released_checkpoint` writes a model in the released format (tests, benchmarks).
 """

@@ -61,7 +61,7 @@ class DeepseekV41TrainingArguments(TrainingArguments):
     )
     freeze_default_parameters: bool = field(
         default=True,
-        metadata={"help": "Freeze the indexer and the balancing biases (SPEC §6; DDP needs it)."},
+        metadata={"help": "Freeze the indexer (SPEC §6; DDP needs it)."},
     )
 
     _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "optimizer_kind_kwargs", "optimizer_overrides"]

@@ -19,6 +19,7 @@ Usage: ``python benchmarks/optimizer.py [--reps 5] [--device cpu|cuda] [--sizes 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -147,11 +148,32 @@ def released_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
     return s
 
 
+def model_shapes(released: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The released names and shapes in the model's layout: ``model.`` prefix, ``lm_head``, each layer's routed experts
+    fused (``gate_up_proj`` [E, 2·I, D], ``down_proj`` [E, D, I]); the router biases are buffers, left out."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    experts: dict[str, list[tuple[int, ...]]] = {}
+    for name, shape in released.items():
+        routed = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.\d+\.(w[12])\.weight", name)
+        if routed:
+            experts.setdefault(f"model.{routed[1]}.{routed[2]}", []).append(shape)
+        elif not re.search(r"\.experts\.\d+\.w3\.weight$|\.gate\.bias", name):
+            shapes["lm_head.weight" if name == "head.weight" else f"model.{name}"] = shape
+    for key, per_expert in experts.items():
+        path, w = key.rsplit(".", 1)
+        rows, cols = per_expert[0]
+        if w == "w1":
+            shapes[f"{path}.gate_up_proj"] = (len(per_expert), 2 * rows, cols)
+        else:
+            shapes[f"{path}.down_proj"] = (len(per_expert), rows, cols)
+    return shapes
+
+
 def build_standin(d: Dims, device: str | torch.device = "cpu") -> nn.Module:
-    """A parameter-only module with the released names and shapes for ``d`` and a config the policy reads."""
+    """A parameter-only module with the model's names and shapes for ``d`` and a config the policy reads."""
     root = nn.Module()
     with torch.device(device):
-        for name, shape in released_shapes(d).items():
+        for name, shape in model_shapes(released_shapes(d)).items():
             module = root
             *path, leaf = name.split(".")
             for part in path:
@@ -163,7 +185,7 @@ def build_standin(d: Dims, device: str | torch.device = "cpu") -> nn.Module:
                 nn.init.normal_(param, std=0.02)
             module.register_parameter(leaf, nn.Parameter(param))
     root.config = argparse.Namespace(
-        num_attention_heads=d.heads,
+        num_attention_heads=d.heads, moe_intermediate_size=d.inter,
         vision_config=argparse.Namespace(hidden_size=d.vision_dim, num_attention_heads=d.vision_heads),
     )
     return root

@@ -255,8 +255,18 @@ def _contenders(d: Dims, device: str) -> tuple[dict[str, Callable[[], object]], 
         group = {"kind": "muon", "params": copies(muon_names), "ns_coefficients": coefficients}
         return MixedOptimizer([{**group, "update_rms": update_rms}], lr=1e-3)
 
+    def matrices(names: list[str]) -> list[nn.Parameter]:
+        """As ``copies``, with every stacked [E, rows, cols] tensor (the fused experts) cut into its E matrices:
+        torch.optim.Muon takes 2-D parameters only, and orthogonalizes each matrix as ours does."""
+        params = []
+        for p in copies(names):
+            for weight, grad in zip(p.detach().reshape(-1, *p.shape[-2:]), p.grad.reshape(-1, *p.shape[-2:])):
+                params.append(nn.Parameter(weight.clone()))
+                params[-1].grad = grad
+        return params
+
     def torch_muon():
-        return torch.optim.Muon(copies(muon_names), lr=1e-3, adjust_lr_fn="match_rms_adamw")
+        return torch.optim.Muon(matrices(muon_names), lr=1e-3, adjust_lr_fn="match_rms_adamw")
 
     whole = {
         "MixedOptimizer (SPEC §6)": mixed,

@@ -279,8 +279,9 @@ def test_auto_classes_resolve_to_ours(tmp_path, model):
     assert type(config) is DeepseekV41Config
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is DeepseekV41ForCausalLM
     assert type(AutoModelForImageTextToText.from_pretrained(tmp_path)) is DeepseekV41ForCausalLM
-    backbone = AutoModel.from_pretrained(tmp_path)
+    backbone = AutoModel.from_pretrained(tmp_path, experts_implementation="grouped_mm")
     assert type(backbone) is DeepseekV41Model
+    assert backbone.layers[0].ffn.experts.config._experts_implementation == "grouped_mm"  # reaches the experts
     assert torch.equal(backbone.layers[0].attn.wq_a.weight, model.model.layers[0].attn.wq_a.weight)
 
 

@@ -87,7 +87,7 @@ class DeepseekV41Experts(nn.Module):
     ``experts_implementation="eager"`` (this ``forward``, the default) is the reference's computation: the routing
     weight scales the clamped SwiGLU activation before ``w2`` and the experts' outputs are summed in fp32 in expert
     order. ``"batched_mm"`` and ``"grouped_mm"`` run transformers' kernels with the same clamps
-    (:meth:`_apply_gate`), scale after ``w2`` and sum in the model dtype, so they agree with eager to bf16 rounding.
+    (:meth:`_apply_gate`), scale after ``w2`` and return the model dtype, so they agree with eager to rounding.
     """
 
     def __init__(self, config):

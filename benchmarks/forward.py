@@ -52,9 +52,9 @@ def build_ours(engram: bool) -> DeepseekV41ForCausalLM:
         text = config.text_config.to_dict() | {"engram_layer_ids": [], "engram_num_embeddings": []}
         config = DeepseekV41Config.from_preset("tiny", text_config=text)
     model = DeepseekV41ForCausalLM(config)
-    if model.engram_hasher is not None:
+    if model.model.engram_hasher is not None:
         # a stand-in for the tokenizer's compressed map (the fixture's stub tokenizer has id // 2)
-        model.engram_hasher.token_map.copy_(torch.arange(config.text_config.vocab_size) // 2)
+        model.model.engram_hasher.token_map.copy_(torch.arange(config.text_config.vocab_size) // 2)
     return model
 
 
@@ -194,17 +194,17 @@ def reference_numerics_cost(model: DeepseekV41ForCausalLM, inputs: dict, warmup:
 
 def our_components(model: DeepseekV41ForCausalLM) -> dict[str, list[tuple[object, str]]]:
     targets: dict[str, list[tuple[object, str]]] = defaultdict(list)
-    for layer in model.layers:
+    for layer in model.model.layers:
         targets["attention (+compressor, indexer)"].append((layer.attn, "forward"))
         targets["MoE (gate, experts, shared)"].append((layer.ffn, "forward"))
         targets["mHC (mixes+Sinkhorn, collapse, expand)"] += [(layer.hc, a) for a in ("mixes", "collapse", "expand")]
         targets["RMSNorm (attn_norm, ffn_norm)"] += [(layer.attn_norm, "forward"), (layer.ffn_norm, "forward")]
         if layer.engram is not None:
             targets["Engram (hashing, block)"].append((layer.engram, "forward"))
-    if model.engram_hasher is not None:
-        targets["Engram (hashing, block)"].append((model.engram_hasher, "forward"))
+    if model.model.engram_hasher is not None:
+        targets["Engram (hashing, block)"].append((model.model.engram_hasher, "forward"))
     if model.config.has_vision:
-        targets["vision (ViT, aligner)"] += [(model.vision, "forward"), (model.aligner, "forward")]
+        targets["vision (ViT, aligner)"] += [(model.model.vision, "forward"), (model.model.aligner, "forward")]
     return targets
 
 
@@ -272,7 +272,7 @@ def main() -> None:
 
     print(f"# Forward benchmark: batch {args.batch} × {args.seq} tokens, fp32, CPU, torch.set_num_threads("
           f"{torch.get_num_threads()}), torch {torch.__version__}; median of {args.reps} round-robin repeats "
-          f"after {args.warmup} warm-up; ours with Engram: {ours.engram_hasher is not None}")
+          f"after {args.warmup} warm-up; ours with Engram: {ours.model.engram_hasher is not None}")
     results = {
         "forward": median_times(models, inputs, forward_only, args.warmup, args.reps),
         "forward+backward": median_times(models, inputs, forward_backward, args.warmup, args.reps),

@@ -32,7 +32,7 @@ def build(device: str) -> DeepseekV41ForCausalLM:
     config = DeepseekV41Config.from_preset("tiny")
     model = DeepseekV41ForCausalLM(config).eval().to(device)
     # a stand-in for the tokenizer's compressed map (the fixture's stub tokenizer has id // 2)
-    model.engram_hasher.token_map.copy_(torch.arange(config.text_config.vocab_size, device=device) // 2)
+    model.model.engram_hasher.token_map.copy_(torch.arange(config.text_config.vocab_size, device=device) // 2)
     return model
 
 

@@ -92,7 +92,7 @@ def write_checkpoints(workdir: Path, shard_bytes: int) -> dict[str, Path]:
     # any tokenizer compressing to engram_compressed_vocab_size ids: one key per pair of tokens
     vocab = {f"{'t' if i % 2 == 0 else 'T'}{i // 2}": i for i in range(STAND_IN["vocab_size"])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    model.engram_hasher.load_tokenizer(tokenizer)
+    model.model.engram_hasher.load_tokenizer(tokenizer)
     folders = {"released": workdir / "released", "bf16": workdir / "bf16"}
     save_released_checkpoint(model, folders["released"], max_shard_bytes=shard_bytes)
     tokenizer.save(str(folders["released"] / "tokenizer.json"))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -163,11 +164,32 @@ def released_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
     return s
 
 
+def model_shapes(released: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The released names and shapes in the model's layout: ``model.`` prefix, ``lm_head``, each layer's routed experts
+    fused (``gate_up_proj`` [E, 2·I, D], ``down_proj`` [E, D, I]); the router biases are buffers, left out."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    experts: dict[str, list[tuple[int, ...]]] = {}
+    for name, shape in released.items():
+        routed = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.\d+\.(w[12])\.weight", name)
+        if routed:
+            experts.setdefault(f"model.{routed[1]}.{routed[2]}", []).append(shape)
+        elif not re.search(r"\.experts\.\d+\.w3\.weight$|\.gate\.bias", name):
+            shapes["lm_head.weight" if name == "head.weight" else f"model.{name}"] = shape
+    for key, per_expert in experts.items():
+        path, w = key.rsplit(".", 1)
+        rows, cols = per_expert[0]
+        if w == "w1":
+            shapes[f"{path}.gate_up_proj"] = (len(per_expert), 2 * rows, cols)
+        else:
+            shapes[f"{path}.down_proj"] = (len(per_expert), rows, cols)
+    return shapes
+
+
 def build_standin(d: Dims, device: str | torch.device = "cpu") -> nn.Module:
-    """A parameter-only module with the released names and shapes for ``d`` and a config the policy reads."""
+    """A parameter-only module with the model's names and shapes for ``d`` and a config the policy reads."""
     root = nn.Module()
     with torch.device(device):
-        for name, shape in released_shapes(d).items():
+        for name, shape in model_shapes(released_shapes(d)).items():
             module = root
             *path, leaf = name.split(".")
             for part in path:
@@ -179,7 +201,7 @@ def build_standin(d: Dims, device: str | torch.device = "cpu") -> nn.Module:
                 nn.init.normal_(param, std=0.02)
             module.register_parameter(leaf, nn.Parameter(param))
     root.config = argparse.Namespace(
-        num_attention_heads=d.heads,
+        num_attention_heads=d.heads, moe_intermediate_size=d.inter,
         vision_config=argparse.Namespace(hidden_size=d.vision_dim, num_attention_heads=d.vision_heads),
     )
     return root
@@ -249,8 +271,18 @@ def _contenders(d: Dims, device: str) -> tuple[dict[str, Callable[[], object]], 
         group = {"kind": "muon", "params": copies(muon_names), "ns_coefficients": coefficients}
         return MixedOptimizer([{**group, "update_rms": update_rms}], lr=1e-3)
 
+    def matrices(names: list[str]) -> list[nn.Parameter]:
+        """As ``copies``, with every stacked [E, rows, cols] tensor (the fused experts) cut into its E matrices:
+        torch.optim.Muon takes 2-D parameters only, and orthogonalizes each matrix as ours does."""
+        params = []
+        for p in copies(names):
+            for weight, grad in zip(p.detach().reshape(-1, *p.shape[-2:]), p.grad.reshape(-1, *p.shape[-2:])):
+                params.append(nn.Parameter(weight.clone()))
+                params[-1].grad = grad
+        return params
+
     def torch_muon():
-        return torch.optim.Muon(copies(muon_names), lr=1e-3, adjust_lr_fn="match_rms_adamw")
+        return torch.optim.Muon(matrices(muon_names), lr=1e-3, adjust_lr_fn="match_rms_adamw")
 
     whole = {
         "MixedOptimizer (SPEC §6)": mixed,

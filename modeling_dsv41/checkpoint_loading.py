@@ -1,5 +1,16 @@
-"""Loading DeepSeek-V4.1 checkpoints with ``from_pretrained``: the released storage format, the Engram token map,
-bitsandbytes.
+"""Loading DeepSeek-V4.1 checkpoints with ``from_pretrained``: the released names and storage format, the Engram
+token map, bitsandbytes.
+
+**Released names.** The release names the backbone's tensors at the root (``embed``, ``layers.{i}...``, ``vision.*``,
+``aligner.*``), the LM head ``head`` and each routed expert's ``ffn.experts.{e}.w1/w2/w3``. Our models hold the
+backbone as ``model`` with the head ``lm_head`` and fused experts (``ffn.experts.gate_up_proj`` [E, 2·I, D] = each
+expert's ``w1`` then ``w3`` rows, ``ffn.experts.down_proj`` [E, D, I] = its ``w2``). The conversions registered
+here for ``deepseek_v41`` map one layout onto the other in transformers' loading machinery: a
+:class:`~transformers.core_model_loading.WeightRenaming` adds the ``model.`` prefix and renames the head, and a
+:class:`~transformers.core_model_loading.WeightConverter` merges the experts (:class:`MergeReleasedExperts`,
+dequantizing them first when they are stored FP4). ``save_pretrained`` writes our layout; with
+``save_original_format=True`` it applies the same conversions backwards and writes the released names with plain
+weights, and :func:`save_released_checkpoint` writes the released names *and* storage (FP8/FP4 with scales).
 
 **Released storage** (fixtures README §7). Dense Linears are FP8 e4m3 with one E8M0 scale per 32x32 block, routed
 experts packed FP4 (two E2M1 codes per byte, even column in the low nibble) with one E8M0 scale per row and 32
@@ -17,7 +28,9 @@ not, so ``from_pretrained`` builds it from ``tokenizer.json`` next to the weight
 **bitsandbytes.** Linears the model reads as raw tensors (the fp32 head and ratio-2 compressors, Engram ``wkv``, the
 ViT patch embedding) and, for 4-bit, those whose shape bnb's CPU kernels cannot pack (in-features a multiple of 64,
 out-features of 32) join ``llm_int8_skip_modules``. Norms, gates, mHC and the Engram gate parameters are not Linears,
-and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone.
+and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone. So are the fused routed experts (3-D
+parameters; transformers' bnb integration quantizes Linears only): they load in ``dtype``, and QLoRA adapts them
+through PEFT's ``target_parameters``.
 
 :func:`save_released_checkpoint` writes a model in the released format (tests, benchmarks).
 """
@@ -39,7 +52,7 @@ from torch import nn
 from transformers import BitsAndBytesConfig, PreTrainedConfig
 from transformers import initialization as init
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import ConversionOps, WeightConverter
+from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, revert_weight_conversion
 from transformers.utils import cached_file, logging
 
 from .quantization import (
@@ -65,7 +78,7 @@ _CHUNK_ELEMENTS = 1 << 22
 # bnb's 4-bit CPU kernels quantize in blocks of 64 inputs and pack weights in blocks of 32 outputs
 BNB_4BIT_IN_BLOCK, BNB_4BIT_OUT_BLOCK = 64, 32
 # Linears whose forward reads `.weight` itself (fp32 upcasts, a grouped einsum, dtype queries): never quantized
-_READS_RAW_WEIGHT = re.compile(r"(^|\.)(head|compressor\.wkv|compressor\.wgate|engram\.wkv|patch_embed\.proj)$")
+_READS_RAW_WEIGHT = re.compile(r"(^|\.)(lm_head|compressor\.wkv|compressor\.wgate|engram\.wkv|patch_embed\.proj)$")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,14 +203,86 @@ class _SavePlainWeight(ConversionOps):
         return DequantizeReleasedWeight()
 
 
-def released_storage_conversions() -> list[WeightConverter]:
-    """The conversions ``from_pretrained`` applies to DeepSeek-V4.1 checkpoints."""
+class MergeReleasedExperts(ConversionOps):
+    """The released per-expert ``w1``/``w3`` (or ``w2``) weights, FP4 with scales or plain → one fused
+    ``gate_up_proj`` [E, 2·I, D] (or ``down_proj`` [E, D, I]) in the parameter's dtype.
+
+    The source patterns list each weight pattern followed by its scale pattern; the weights of one pattern are
+    stacked in expert order (the loader sorts keys naturally) and the patterns concatenated along dim 1. One op
+    rather than ``MergeModulelist`` + ``Concatenate``: the scales must be consumed per expert first, and the
+    reverse (:class:`SplitReleasedExperts`) must split into the weight patterns only.
+    """
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, model=None, full_layer_name=None, **kwargs):
+        param = model.get_parameter(full_layer_name)
+        merged = []
+        for pattern in source_patterns:
+            if not pattern.endswith(_WEIGHT):
+                continue
+            weights = input_dict.pop(pattern, None)
+            scales = input_dict.pop(pattern[: -len(_WEIGHT)] + _SCALE, None)
+            if not weights:
+                raise ValueError(f"{full_layer_name}: the checkpoint has no {pattern}")
+            if scales is not None and len(scales) != len(weights):
+                raise ValueError(f"{full_layer_name}: {len(weights)} experts' {pattern} but {len(scales)} scales")
+            if scales is not None:
+                dtype = weights[0].dtype if weights[0].is_floating_point() and weights[0].element_size() > 1 else param.dtype
+                weights = [dequantize_released_weight(w, s, param.shape[-1], dtype) for w, s in zip(weights, scales)]
+            merged.append(torch.stack(weights))
+        if sum(t.shape[1] for t in merged) != param.shape[1] or merged[0].shape[0] != param.shape[0]:
+            raise ValueError(
+                f"{full_layer_name}: the checkpoint's experts make {[tuple(t.shape) for t in merged]}, which does not "
+                f"fit the parameter's {tuple(param.shape)} (n_routed_experts, moe_intermediate_size, hidden_size)"
+            )
+        return {target_patterns[0]: torch.cat(merged, dim=1) if len(merged) > 1 else merged[0]}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return SplitReleasedExperts()
+
+
+class SplitReleasedExperts(ConversionOps):
+    """Reverse of :class:`MergeReleasedExperts` for ``save_pretrained(save_original_format=True)``: one fused
+    tensor → the released per-expert weights (plain; :func:`save_released_checkpoint` quantizes them)."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        fused = _only(input_dict[source_patterns[0]])
+        names = [pattern for pattern in target_patterns if pattern.endswith(_WEIGHT)]
+        out = {}
+        for name, part in zip(names, fused.chunk(len(names), dim=1)):
+            out.update({name.replace("*", str(e)): part[e] for e in range(part.shape[0])})
+        return out
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return MergeReleasedExperts()
+
+
+# the backbone's top-level names, which the release keeps at the root
+_BACKBONE_ROOTS = r"embed|layers|norm|engram_hasher|vision|aligner|image_start|image_newline|image_end"
+
+
+def _released_experts(weights: tuple[str, ...], target: str) -> WeightConverter:
+    sources = [f"ffn.experts.*.{w}{suffix}" for w in weights for suffix in (_WEIGHT, _SCALE)]
+    return WeightConverter(source_patterns=sources, target_patterns=f"ffn.experts.{target}", operations=[MergeReleasedExperts()])
+
+
+def released_storage_conversions() -> list[WeightRenaming | WeightConverter]:
+    """The conversions ``from_pretrained`` applies to DeepSeek-V4.1 checkpoints (and, reversed,
+    ``save_pretrained(save_original_format=True)``). Keys already in our layout match none of them."""
     return [
+        WeightRenaming(source_patterns=rf"^({_BACKBONE_ROOTS})(?=\.|$)", target_patterns=r"model.\1"),
+        WeightRenaming(source_patterns=r"^head\.", target_patterns="lm_head."),
+        # experts before the generic converter: a key goes to the first converter that matches it
+        _released_experts(("w1", "w3"), "gate_up_proj"),
+        _released_experts(("w2",), "down_proj"),
         WeightConverter(
             source_patterns=[RELEASED_WEIGHT, RELEASED_SCALE],
             target_patterns=RELEASED_WEIGHT,
             operations=[DequantizeReleasedWeight()],
-        )
+        ),
     ]
 
 
@@ -264,7 +349,7 @@ def ensure_engram_token_map(model: nn.Module, source: str | os.PathLike, tokeniz
     ``tokenizer`` (a ``tokenizers.Tokenizer``, a transformers fast tokenizer or a path to ``tokenizer.json``) wins
     when given; otherwise the ``tokenizer.json`` next to the weights at ``source`` is used.
     """
-    hasher = getattr(model, "engram_hasher", None)
+    hasher = getattr(model.base_model, "engram_hasher", None)
     if hasher is None or (tokenizer is None and hasher.has_token_map):
         return
     if tokenizer is None:
@@ -336,7 +421,8 @@ class DeepseekV41CheckpointLoadingMixin:
 
         A checkpoint with scales is read one parameter at a time (:func:`sequential_loading`). With a
         :class:`~transformers.BitsAndBytesConfig`, the modules that must stay in high precision are added to its
-        ``llm_int8_skip_modules``.
+        ``llm_int8_skip_modules``. Released storage loads in bf16 unless ``dtype`` says otherwise (its FP8/FP4
+        tensors have no natural "auto" dtype).
         """
         hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
         quantization_config = kwargs.get("quantization_config")
@@ -345,11 +431,22 @@ class DeepseekV41CheckpointLoadingMixin:
                 cls, pretrained_model_name_or_path, quantization_config, kwargs.get("config"), hub_kwargs
             )
         released = stores_scales(pretrained_model_name_or_path, **hub_kwargs)
+        if released and kwargs.get("dtype", "auto") == "auto":
+            kwargs["dtype"] = torch.bfloat16
         with sequential_loading() if released else nullcontext():
             loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
+        # The conversions map the two layouts one-to-one: saving in the released layout applies all of them, not
+        # only those this load happened to use (transformers keeps just those).
+        model._weight_conversions = None
         ensure_engram_token_map(model, pretrained_model_name_or_path, engram_tokenizer, **hub_kwargs)
         return loaded
+
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs) -> None:
+        """:meth:`PreTrainedModel.save_pretrained`, in our layout by default. ``save_original_format=True`` writes
+        the released layout instead (root names, ``head``, per-expert ``w1``/``w2``/``w3``; plain weights), which
+        ``from_pretrained`` reads back unchanged; :func:`save_released_checkpoint` also quantizes as the release."""
+        super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def _get_dtype_plan(self, dtype: torch.dtype) -> dict:
         plan = super()._get_dtype_plan(dtype)
@@ -424,9 +521,21 @@ _RELEASED_QUANTIZERS = (
 )
 
 
-def released_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s tensors as the release stores them: quantized weights with their ``.scale``, no token map."""
+def released_layout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s tensors under the released names (per-expert ``w1``/``w2``/``w3``), unquantized."""
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    conversions = getattr(model, "_weight_conversions", None)
+    model._weight_conversions = None  # all of the registered conversions, whichever the last load used
+    try:
+        return revert_weight_conversion(model, state)
+    finally:
+        model._weight_conversions = conversions
+
+
+def released_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s tensors as the release stores them: released names, quantized weights with their ``.scale``, no
+    token map."""
+    state = released_layout_state_dict(model)
     state.pop("engram_hasher.token_map", None)
     out = {}
     for name, tensor in state.items():
@@ -471,7 +580,9 @@ def save_released_checkpoint(
         save_file(shard, folder / filename, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, filename))
     total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    # the E8M0 scales have no dtype transformers can infer "auto" from: name the one to load in (from_pretrained
+    # of this package defaults to it too)
+    index = {"metadata": {"total_size": total, "dtype": "bfloat16"}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
@@ -484,6 +595,9 @@ __all__ = [
     "quantize_fp4_rows",
     "quantize_fp8_block",
     "quantize_fp8_rows",
+    "MergeReleasedExperts",
+    "SplitReleasedExperts",
+    "released_layout_state_dict",
     "released_state_dict",
     "released_storage_conversions",
     "save_released_checkpoint",

@@ -1,10 +1,12 @@
-"""Convert a checkpoint in DeepSeek's released storage into our plain format, one tensor at a time.
+"""Convert a checkpoint in DeepSeek's released storage into our plain format, one output tensor at a time.
 
 The released files keep dense weights as FP8 with 32×32-block E8M0 scales, routed experts as packed FP4 and Engram
 tables as FP8 with per-row scales (see :mod:`.checkpoint_loading`). ``from_pretrained`` can read them directly; a
 converted copy loads without the dequantization pass, can be memory-mapped, and is what fine-tuning tools expect.
-Memory stays at one output shard plus one tensor, whatever the model size: the released DeepSeek-V4.1-Flash
-converts on a machine with far less RAM than the model.
+It is written in our layout (``model.`` prefix, ``lm_head``, each layer's routed experts fused into
+``gate_up_proj``/``down_proj``), named by the same conversions ``from_pretrained`` applies. Memory stays at one
+output shard plus one output tensor (a layer's fused experts at most), whatever the model size: the released
+DeepSeek-V4.1-Flash converts on a machine with far less RAM than the model.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from configuration import DeepseekV41Config
 
-from .checkpoint_loading import dequantize_released_weight
+from .checkpoint_loading import dequantize_released_weight, released_storage_conversions
 
 # what the released checkpoint holds that our model does not load: the DSpark draft head and an unused vector
 IGNORED_KEYS = re.compile(r"^(mtp\.|image_pad$)")
@@ -84,12 +87,27 @@ class _ReleasedCheckpoint:
         return scale if scale in self.files else None
 
     def output_names(self) -> list[str]:
-        """Tensors to write, in file order: scales are folded into their weights, ignored keys dropped."""
+        """Released tensors to convert, in file order: scales are folded into their weights, ignored keys dropped."""
         folded = {name for name in self.files if name.endswith(_SCALE) and name[: -len(_SCALE)] + _WEIGHT in self.files}
         return [
             name for name in sorted(self.files, key=lambda n: (str(self.files[n]), n))
             if name not in folded and not IGNORED_KEYS.match(name)
         ]
+
+    def outputs(self, names: list[str]) -> dict[str, list[str]]:
+        """Our name → the released tensors it is made of (one, or every expert's ``w1`` then ``w3`` / ``w2`` in
+        expert order), in the order their first source comes in ``names``."""
+        conversions = released_storage_conversions()
+        renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+        converters = [c for c in conversions if isinstance(c, WeightConverter)]
+        outputs: dict[str, list[str]] = {}
+        for name in names:
+            target, _ = rename_source_key(name, renamings, converters)
+            outputs.setdefault(target, []).append(name)
+        for target, sources in outputs.items():
+            if len(sources) > 1:  # fused experts: weight pattern (w1 before w3), then expert index
+                sources.sort(key=lambda n: (n.rsplit(".", 2)[-2], dot_natural_key(n)))
+        return outputs
 
     def output_bytes(self, names: list[str], dtype: torch.dtype) -> int:
         total = 0
@@ -100,6 +118,16 @@ class _ReleasedCheckpoint:
             else:
                 total += numel * _SAFETENSORS_ITEMSIZE.get(stored, 4)
         return total
+
+    def fused(self, sources: list[str], dtype: torch.dtype) -> torch.Tensor:
+        """One output tensor: a single converted tensor, or the experts' weights stacked and concatenated as
+        :class:`~.checkpoint_loading.MergeReleasedExperts` fuses them."""
+        if len(sources) == 1 and ".ffn.experts." not in sources[0]:
+            return self.converted(sources[0], dtype)
+        parts = {}
+        for name in sources:
+            parts.setdefault(name.rsplit(".", 2)[-2], []).append(self.converted(name, dtype))
+        return torch.cat([torch.stack(weights) for weights in parts.values()], dim=1)
 
     def converted(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """``name`` dequantized into ``dtype`` if it has a scale, else as stored."""
@@ -139,9 +167,10 @@ def _write_shards(
         parts.append((path, list(current)))
         current.clear()
 
-    with tqdm(total=len(names), unit="tensor", desc="Converting", disable=not progress) as bar:
-        for name in names:
-            tensor = checkpoint.converted(name, dtype)
+    outputs = checkpoint.outputs(names)
+    with tqdm(total=len(outputs), unit="tensor", desc="Converting", disable=not progress) as bar:
+        for name, sources in outputs.items():
+            tensor = checkpoint.fused(sources, dtype)
             size = tensor.numel() * tensor.element_size()
             if current and current_bytes + size > max_shard_bytes:
                 flush()
@@ -192,7 +221,7 @@ def convert_released_checkpoint(
     for file_name in COPIED_FILES:
         if (source / file_name).is_file():
             shutil.copy2(source / file_name, destination / file_name)
-    return {"tensors": len(names), "bytes": total_bytes}
+    return {"tensors": sum(len(tensor_names) for _, tensor_names in parts), "bytes": total_bytes}
 
 
 __all__ = ["COPIED_FILES", "IGNORED_KEYS", "convert_released_checkpoint"]

@@ -49,10 +49,12 @@ from .export import export_for_hub
 from .modeling_dsv41 import DeepseekV41ForCausalLM
 from .trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
 
-# LoRA on the language model's attention and expert matrices, by released name (the block-diagonal `wo_a` cannot
-# take one); the LM head trains in full, as new words need their output rows
-LORA_TARGET_MODULES = r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])"
-LORA_FULLY_TRAINED = ["head"]
+# LoRA on the language model's attention and shared-expert matrices, by released name (the block-diagonal `wo_a`
+# cannot take one), and per expert on the fused routed experts; the LM head trains in full, as new words need their
+# output rows
+LORA_TARGET_MODULES = r"model\.layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.shared_experts\.w[123])"
+LORA_TARGET_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+LORA_FULLY_TRAINED = ["lm_head"]
 NUM_SAMPLE_IMAGES = 8
 MIN_FREE_BYTES = 200 * 2**20  # checkpoints, the export and the samples take ≈ 30 MB; keep a margin
 
@@ -115,7 +117,7 @@ def build_demo_model(config: DeepseekV41Config, tokenizer: Any, seed: int) -> De
     """A freshly initialized model (deterministic in ``seed``) whose Engram hashes this tokenizer's ids."""
     torch.manual_seed(seed)
     model = DeepseekV41ForCausalLM(config)
-    model.engram_hasher.load_tokenizer(tokenizer)
+    model.model.engram_hasher.load_tokenizer(tokenizer)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, do_sample=False,
@@ -215,7 +217,11 @@ def attach_lora(model: DeepseekV41ForCausalLM) -> Any:
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(
-        model, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGET_MODULES, modules_to_save=LORA_FULLY_TRAINED)
+        model,
+        LoraConfig(
+            r=8, lora_alpha=16, target_modules=LORA_TARGET_MODULES, target_parameters=LORA_TARGET_PARAMETERS,
+            modules_to_save=LORA_FULLY_TRAINED,
+        ),
     )
 
 

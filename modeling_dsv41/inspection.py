@@ -5,7 +5,6 @@ positions images of a few sizes take. Backs ``dsv41 inspect``.
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass, field
 
@@ -21,8 +20,8 @@ from .optim.policy import FROZEN
 
 # component name → pattern searched in the parameter name; the first match wins
 COMPONENTS: tuple[tuple[str, str], ...] = (
-    ("token embedding", r"^embed\."),
-    ("LM head", r"^head\."),
+    ("token embedding", r"^(model\.)?embed\."),
+    ("LM head", r"^lm_head\."),
     ("norms", r"(^|\.)(attn_norm|ffn_norm|norm)\.weight$"),
     ("attention: indexer", r"\.attn\.indexer\."),
     ("attention: compressor", r"\.attn\.compressor\."),
@@ -33,8 +32,8 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("mHC", r"\.hc_(attn|ffn)_"),
     ("Engram: tables", r"\.engram\.embed\."),
     ("Engram: projection and gate", r"\.engram\."),
-    ("vision: ViT", r"^vision\."),
-    ("vision: aligner and delimiters", r"^(aligner\.|image_(start|newline|end)$)"),
+    ("vision: ViT", r"^(model\.)?vision\."),
+    ("vision: aligner and delimiters", r"^(model\.)?(aligner\.|image_(start|newline|end)$)"),
 )
 # (height, width) of the images whose token budgets `inspect` lists
 IMAGE_SIZES: tuple[tuple[int, int], ...] = (
@@ -80,46 +79,22 @@ def build_meta_model(config: DeepseekV41Config, dtype: torch.dtype = torch.bfloa
         torch.set_default_dtype(previous)
 
 
-_ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.")
-_ROUTER_ROWS = re.compile(r"\.ffn\.gate\.(weight|bias|bias_vl)$")  # one row (or entry) per routed expert
-
-
-def _with_fewer_experts(config: DeepseekV41Config) -> tuple[DeepseekV41Config, int]:
-    """``config`` with ``num_experts_per_tok`` routed experts per layer, and how many experts each stands for.
-
-    The released model has 15,360 expert modules; building them all, even on the meta device, takes seconds,
-    and every expert of a layer has the same shapes, so a few stand in for all of them.
-    """
-    text = config.text_config
-    experts, active = text.n_routed_experts, text.num_experts_per_tok
-    if experts % active:
-        return config, 1
-    reduced = copy.deepcopy(config)
-    reduced.text_config.n_routed_experts = active
-    return reduced, experts // active
-
-
 def inspect_config(config: DeepseekV41Config, dtype: torch.dtype = torch.bfloat16) -> ModelInspection:
     """Counts for ``config`` with parameters in ``dtype``; optimizer state is kept in the parameter dtype."""
-    reduced, scale = _with_fewer_experts(config)
-    model = build_meta_model(reduced, dtype)
+    model = build_meta_model(config, dtype)  # the routed experts are two fused tensors per layer: quick on meta
     params = list(model.named_parameters())
     kinds = assign_kinds(model)
     result = ModelInspection(config=config, dtype=dtype)
     result.components = dict.fromkeys((c for c, _ in COMPONENTS), 0)
     result.assignment.kinds = {kind: KindSummary() for kind in (*KINDS, FROZEN)}
     for name, param in params:
-        # a routed expert's tensor stands for `scale` tensors; a router tensor has `scale` times the rows
-        tensors, numel = (scale, param.numel()) if _ROUTED_EXPERT.search(name) else (1, param.numel())
-        if _ROUTER_ROWS.search(name):
-            numel *= scale
-        row, kind = result.assignment.kinds[kinds[name]], kinds[name]
-        row.tensors += tensors
-        row.parameters += tensors * numel
-        row.state_bytes += tensors * state_bytes(kind, numel, param.element_size())
-        result.components[component_of(name)] += tensors * numel
+        numel, row, kind = param.numel(), result.assignment.kinds[kinds[name]], kinds[name]
+        row.tensors += 1
+        row.parameters += numel
+        row.state_bytes += state_bytes(kind, numel, param.element_size())
+        result.components[component_of(name)] += numel
         if kind != FROZEN:
-            result.adamw_state_bytes += tensors * state_bytes("adamw", numel, param.element_size())
+            result.adamw_state_bytes += state_bytes("adamw", numel, param.element_size())
     result.components = {k: v for k, v in result.components.items() if v}
     if config.vision_config is not None:
         vision = config.vision_config

@@ -1,10 +1,12 @@
 """DeepSeek-V4.1 for transformers: embed → (merge images) → [Engram] → blocks on ``hc_mult`` residual copies →
-collapse → ``norm`` → fp32 ``head``.
+collapse → ``norm`` → fp32 ``lm_head``.
 
-Module and parameter names are the released checkpoint's (``embed``, ``layers.{i}.attn.wq_a``,
-``layers.{i}.ffn.experts.{e}.w1``, ``layers.{i}.hc_attn_fn``, ``layers.{i}.engram.wkv``, ``head``, ``vision.*``,
-``aligner.*``), so released weights load without renaming. The LM head sits next to the backbone (no
-``model.`` prefix), which is why :class:`DeepseekV41ForCausalLM` extends :class:`DeepseekV41Model`.
+:class:`DeepseekV41ForCausalLM` holds the backbone as ``model`` (a :class:`DeepseekV41Model`) and ``lm_head``, as
+every transformers causal LM does. Inside the backbone, module names are the released checkpoint's (``embed``,
+``layers.{i}.attn.wq_a``, ``layers.{i}.hc_attn_fn``, ``layers.{i}.engram.wkv``, ``vision.*``, ``aligner.*``); the
+routed experts are fused (``layers.{i}.ffn.experts.gate_up_proj`` / ``down_proj``). The released names (no
+``model.`` prefix, ``head``, per-expert ``w1``/``w2``/``w3``) are mapped on load and, on request, on save by the
+conversions registered in :mod:`.checkpoint_loading`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
-from .moe import DeepseekV41Gate, DeepseekV41MoE
+from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
@@ -108,21 +110,22 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
 class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
     config_class = DeepseekV41Config
     config: DeepseekV41Config
-    base_model_prefix = "model"  # neither class has a `model` attribute: released names sit at the root
+    base_model_prefix = "model"
     main_input_name = "input_ids"
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
-    # fp32 in the reference whatever the model dtype: mHC, sinks, router biases, head, ViT norms (and, per instance,
-    # the ratio-2 compressors: see post_init)
+    # fp32 in the reference whatever the model dtype: mHC, sinks, router biases, LM head, ViT norms (and, per
+    # instance, the ratio-2 compressors: see post_init). Names are matched with and without the `model.` prefix.
     _keep_in_fp32_modules_strict = [
         "hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale",
-        "attn_sink", "gate.bias", "gate.bias_vl", "head", r"^vision\.blocks\.\d+\.norm[12]\.", r"^vision\.norm\.",
+        "attn_sink", "gate.bias", "gate.bias_vl", r"^lm_head\.", r"^(?:model\.)?vision\.blocks\.\d+\.norm[12]\.",
+        r"^(?:model\.)?vision\.norm\.",
     ]
     # the released checkpoint also carries the DSpark draft head (mtp.*) and an unused image_pad vector
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^image_pad$"]
     # ... but no Engram token map: from_pretrained builds it from the tokenizer
-    _keys_to_ignore_on_load_missing = [r"^engram_hasher\.token_map$"]
+    _keys_to_ignore_on_load_missing = [r"(^|\.)engram_hasher\.token_map$"]
     _supports_sdpa = False
     _supports_flash_attn = False
 
@@ -130,11 +133,26 @@ class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedMo
         # ratio-2 compressors pool in fp32 (reference dtypes); ratio-1 compressors are plain model-dtype projections
         text = self.config.get_text_config()
         self._keep_in_fp32_modules_strict = [*self._keep_in_fp32_modules_strict] + [
-            rf"^layers\.{i}\.attn\.compressor\.w(kv|gate)\."
+            rf"^(?:model\.)?layers\.{i}\.attn\.compressor\.w(kv|gate)\."
             for i in text.kv_source_layer_ids
             if i < text.num_hidden_layers and text.compress_ratios[i] > 1
         ]
         super().post_init()
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """``eager`` unless asked otherwise: it is the reference's computation (routing weight before ``w2``, fp32 sum
+        in expert order). ``batched_mm``/``grouped_mm`` agree with it to bf16 rounding (see DeepseekV41Experts)."""
+        return super().get_correct_experts_implementation("eager" if requested_experts is None else requested_experts)
+
+    def _check_and_adjust_experts_implementation(self, experts_implementation: str | None) -> str:
+        # the experts read the text config (the layers are built from it), which transformers sets only at load time
+        applicable = super()._check_and_adjust_experts_implementation(experts_implementation)
+        self.config.get_text_config()._experts_implementation_internal = applicable
+        return applicable
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        return True  # the routed experts (moe.py) use @use_experts_implementation
 
     def _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs) -> None:
         """Non-reentrant checkpointing only: layers hand compressed KV to later layers through a context object,
@@ -165,6 +183,9 @@ class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedMo
                 init.ones_(getattr(module, f"hc_{kind}_scale"))
         elif isinstance(module, DeepseekV41Attention):
             init.zeros_(module.attn_sink)
+        elif isinstance(module, DeepseekV41Experts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, DeepseekV41Gate):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.bias)
@@ -397,9 +418,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return self.norm(DeepseekV41HyperConnection.collapse(hidden, pre_mix)), all_hidden
 
 
-class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
-    """DeepSeek-V4.1 with its LM ``head`` (kept in fp32; logits come out in fp32). Takes images when the
-    config has a vision part: it is also registered for ``AutoModelForImageTextToText``."""
+class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
+    """DeepSeek-V4.1: the backbone ``model`` and its LM head ``lm_head`` (kept in fp32; logits come out in fp32).
+    Takes images when the config has a vision part: it is also registered for ``AutoModelForImageTextToText``."""
 
     _tied_weights_keys = None
     # generate(): greedy, sampling and beam search (DeepseekV41Cache reorders its rows). Assisted and other
@@ -411,16 +432,21 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     )
 
     def __init__(self, config: DeepseekV41Config):
-        text = config.text_config
         super().__init__(config)
-        self.head = DeepseekV41Fp32Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
+        text = config.get_text_config()
+        self.model = DeepseekV41Model(config)
+        self.lm_head = DeepseekV41Fp32Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
-        return self.head
+        return self.lm_head
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.head = value
+        self.lm_head = value
+
+    def get_image_features(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> list[torch.Tensor]:
+        """See :meth:`DeepseekV41Model.get_image_features`."""
+        return self.model.get_image_features(pixel_values, image_grid_hw)
 
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -443,17 +469,18 @@ class DeepseekV41ForCausalLM(DeepseekV41Model, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """As :meth:`DeepseekV41Model.forward`, plus ``labels`` ([B, S], -100 ignored; shifted inside, as in every
         transformers causal LM) and ``logits_to_keep`` (an int keeps the last N positions, a tensor indexes)."""
-        outputs = super().forward(
+        outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             pixel_values=pixel_values, image_grid_hw=image_grid_hw, image_token_types=image_token_types,
             output_hidden_states=output_hidden_states, cache=cache, use_cache=use_cache, return_dict=True,
         )
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.head(hidden[:, keep])
+        logits = self.lm_head(hidden[:, keep])
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits, labels, vocab_size=self.text_config.vocab_size, **kwargs)
+            vocab_size = self.config.get_text_config().vocab_size
+            loss = self.loss_function(logits, labels, vocab_size=vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states)
 
     # ---- generation -----------------------------------------------------------------------------------

@@ -1,18 +1,21 @@
 """DeepSeek-V4.1 mixture of experts: a biased top-k router with a second bias for image tokens, clamped
-SwiGLU experts (only the selected ones run), and one shared expert every token goes through."""
+SwiGLU routed experts stored fused as transformers' experts are (``gate_up_proj`` [E, 2·I, D], ``down_proj``
+[E, D, I], dispatched by ``config._experts_implementation``), and one shared expert every token goes through."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.moe import use_experts_implementation
 
 
 class DeepseekV41Gate(nn.Module):
     """Router. ``bias`` (text) or ``bias_vl`` (image-span tokens) steers which experts are *chosen*; the routing
     weights come from the unbiased scores, renormalized over the chosen ones and scaled by ``route_scale``.
 
-    Both biases are moved by the aux-loss-free balancing rule, not by gradients (see the trainer).
+    Both biases are fp32 buffers (saved with the model): the aux-loss-free balancing rule moves them, never a
+    gradient or an optimizer (see :mod:`~modeling_dsv41.router_balancing`).
     """
 
     def __init__(self, config, use_vision_bias: bool):
@@ -23,12 +26,11 @@ class DeepseekV41Gate(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.route_scale = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
-        self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False)
-        self.bias_vl = (
-            nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False)
-            if use_vision_bias
-            else None
-        )
+        self.register_buffer("bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        if use_vision_bias:
+            self.register_buffer("bias_vl", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        else:
+            self.bias_vl = None
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Unbiased expert affinities [N, E] in fp32."""
@@ -52,9 +54,17 @@ class DeepseekV41Gate(nn.Module):
         return weights * self.route_scale, indices
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(gate) * up`` in fp32 with the training clamps: up to ±limit, gate above at limit (none if limit <= 0)."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return F.silu(gate) * up
+
+
 class DeepseekV41Expert(nn.Module):
-    """SwiGLU FFN with the training clamps: up (``w3``) clamped to ±limit, gate (``w1``) clamped above at limit.
-    The routing weight multiplies the activation before ``w2``."""
+    """The shared expert: a SwiGLU FFN (``w1`` gate, ``w3`` up, ``w2`` down) with the routed experts' clamps."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float):
         super().__init__()
@@ -63,28 +73,71 @@ class DeepseekV41Expert(nn.Module):
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.swiglu_limit = swiglu_limit
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
-        if self.swiglu_limit > 0:
-            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
-            gate = gate.clamp(max=self.swiglu_limit)
-        hidden = F.silu(gate) * up
-        if weights is not None:
-            hidden = weights * hidden
-        return self.w2(hidden.to(x.dtype))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit).to(x.dtype))
+
+
+@use_experts_implementation
+class DeepseekV41Experts(nn.Module):
+    """The routed experts as two fused tensors, in the layout of transformers' MoE experts: ``gate_up_proj``
+    [E, 2·I, D] (each expert's ``w1`` rows, then its ``w3`` rows) and ``down_proj`` [E, D, I] (its ``w2``).
+    The released per-expert ``w1``/``w2``/``w3`` are merged on load and split again on save (see
+    :mod:`~modeling_dsv41.checkpoint_loading`).
+
+    ``experts_implementation="eager"`` (this ``forward``, the default) is the reference's computation: the routing
+    weight scales the clamped SwiGLU activation before ``w2`` and the experts' outputs are summed in fp32 in expert
+    order. ``"batched_mm"`` and ``"grouped_mm"`` run transformers' kernels with the same clamps
+    (:meth:`_apply_gate`), scale after ``w2`` and return the model dtype, so they agree with eager to rounding.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.swiglu_limit = config.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        """[S, 2·I] gate and up projections → clamped SwiGLU [S, I] (batched_mm / grouped_mm)."""
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return clamped_swiglu(gate, up, self.swiglu_limit).to(gate_up_out.dtype)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]. Only experts with tokens run;
+        one host sync reads how many each got."""
+        num_tokens, top_k = top_k_index.shape
+        expert_ids = top_k_index.flatten()
+        order = expert_ids.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
+        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
+        tokens, weights = (order // top_k).split(counts), top_k_weights.flatten()[order].split(counts)
+        out = hidden_states.new_zeros(num_tokens, self.hidden_dim, dtype=torch.float32)
+        inter = self.intermediate_dim
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # read once (a PEFT parametrization computes it)
+        for expert, (token, weight) in enumerate(zip(tokens, weights)):  # fixed order: the fp32 sum is reproducible
+            if token.numel() == 0:
+                continue
+            # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter
+            x = hidden_states.index_select(0, token)
+            gate_up = gate_up_proj[expert]
+            hidden = weight.unsqueeze(-1) * clamped_swiglu(
+                F.linear(x, gate_up[:inter]), F.linear(x, gate_up[inter:]), self.swiglu_limit
+            )
+            out.index_add_(0, token, F.linear(hidden.to(x.dtype), down_proj[expert]).float())
+        return out
 
 
 class DeepseekV41MoE(nn.Module):
-    """Routed experts (``experts.{e}``) plus ``shared_experts``. Only experts that received tokens run."""
+    """Routed ``experts`` (:class:`DeepseekV41Experts`) plus ``shared_experts``."""
 
     def __init__(self, config, use_vision_bias: bool):
         super().__init__()
         self.n_routed_experts = config.n_routed_experts
         self.gate = DeepseekV41Gate(config, use_vision_bias)
-        self.experts = nn.ModuleList(
-            DeepseekV41Expert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
-            for _ in range(config.n_routed_experts)
-        )
+        self.experts = DeepseekV41Experts(config)
         self.shared_experts = DeepseekV41Expert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
         self.last_expert_indices: torch.Tensor | None = None  # [B, S, k], read by the bias-balancing rule
 
@@ -93,14 +146,5 @@ class DeepseekV41MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         self.last_expert_indices = indices.detach().view(*shape[:-1], -1)
-        out = torch.zeros_like(x, dtype=torch.float32)
-        counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
-        for e, count in enumerate(counts):  # expert order fixes the fp32 summation order, as in the reference
-            if count == 0:
-                continue
-            token, slot = torch.where(indices == e)
-            # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter
-            routed = self.experts[e](x.index_select(0, token), weights[token, slot, None])
-            out.index_add_(0, token, routed.float())
-        out = out + self.shared_experts(x).float()
+        out = self.experts(x, indices, weights).float() + self.shared_experts(x).float()
         return out.to(x.dtype).view(shape)

@@ -9,7 +9,7 @@
   step (all micro-batches and processes).
 
 Everything else (gradient accumulation, bf16 autocast, gradient checkpointing, DDP, checkpoints and resuming) is
-``Trainer``'s own: the biases are model parameters, so checkpoints carry them, and the counts are empty whenever
+``Trainer``'s own: the biases are persistent model buffers, so checkpoints carry them, and the counts are empty whenever
 a checkpoint is written (right after an optimizer step).
 """
 
@@ -61,7 +61,7 @@ class DeepseekV41TrainingArguments(TrainingArguments):
     )
     freeze_default_parameters: bool = field(
         default=True,
-        metadata={"help": "Freeze the indexer and the balancing biases (SPEC §6; DDP needs it)."},
+        metadata={"help": "Freeze the indexer (SPEC §6; DDP needs it)."},
     )
 
     _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "optimizer_kind_kwargs", "optimizer_overrides"]
@@ -108,8 +108,8 @@ class RouterBiasBalancingCallback(TrainerCallback):
 class DeepseekV41Trainer(Trainer):
     """``Trainer`` with DeepSeek-V4.1's mixed optimizer and per-modality aux-loss-free router balancing.
 
-    Takes :class:`DeepseekV41TrainingArguments`. With ``freeze_default_parameters`` (default) the indexer and the
-    balancing biases are frozen at construction. The assignment table (tensors, parameters and optimizer-state
+    Takes :class:`DeepseekV41TrainingArguments`. With ``freeze_default_parameters`` (default) the indexer is frozen
+    at construction (the balancing biases are buffers, moved only by the balancing rule). The assignment table (tensors, parameters and optimizer-state
     bytes per kind) is logged at INFO by ``modeling_dsv41.trainer`` and kept in ``self.assignment_table``.
     """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,24 @@ def reference_state_dict(fixtures: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def to_our_layout(released: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Released names → our model's, written out independently of the conversion code: ``model.`` prefix,
+    ``lm_head``, and each layer's routed experts fused into ``gate_up_proj`` [E, 2·I, D] (every expert's ``w1`` rows
+    then its ``w3`` rows) and ``down_proj`` [E, D, I] (its ``w2``), experts in index order."""
+    ours, experts = {}, {}
+    for name, tensor in released.items():
+        routed = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight", name)
+        if routed:
+            experts.setdefault(routed[1], {}).setdefault(routed[3], {})[int(routed[2])] = tensor
+        else:
+            ours["lm_head.weight" if name == "head.weight" else f"model.{name}"] = tensor
+    for path, weights in experts.items():
+        stacked = {w: torch.stack([per_expert[e] for e in sorted(per_expert)]) for w, per_expert in weights.items()}
+        ours[f"model.{path}.gate_up_proj"] = torch.cat([stacked["w1"], stacked["w3"]], dim=1)
+        ours[f"model.{path}.down_proj"] = stacked["w2"]
+    return ours
+
+
 def reference_model(fixtures: Path, variant: str, emulate_quantization: bool) -> DeepseekV41ForCausalLM:
     """The reference's bf16 model: bf16 everywhere except the tensors the reference keeps in fp32, run in reference
     numerics so that the parity tests give the same result on every CPU."""
@@ -33,7 +52,7 @@ def reference_model(fixtures: Path, variant: str, emulate_quantization: bool) ->
     config.text_config.emulate_quantization = emulate_quantization
     config.reference_numerics = True
     model = DeepseekV41ForCausalLM(config).eval()
-    state = reference_state_dict(fixtures)
+    state = to_our_layout(reference_state_dict(fixtures))
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
     for name, param in model.named_parameters():

@@ -26,7 +26,8 @@ TEXT = dict(
     engram_layer_ids=[0], engram_num_embeddings=[660], engram_vocab_size=100, engram_n_heads=2, engram_head_dim=32,
     engram_compressed_vocab_size=256, num_nextn_predict_layers=0,
 )
-LORA_TARGETS = r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.experts\.\d+\.(w1|w2|w3))"
+LORA_TARGETS = r"model\.layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.shared_experts\.(w1|w2|w3))"
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
 
 
@@ -34,7 +35,7 @@ NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=TEXT))
-    model.engram_hasher.load_tokenizer(stub_tokenizer())
+    model.model.engram_hasher.load_tokenizer(stub_tokenizer())
     folder = tmp_path_factory.mktemp("bnb")
     model.save_pretrained(folder)
     return folder
@@ -56,16 +57,21 @@ def test_quantized_load_keeps_high_precision_modules(checkpoint, kind):
     quantized = "Linear4bit" if kind == "4bit" else "Linear8bitLt"
     types = _linear_types(model)
     for name in ("layers.0.attn.wq_a", "layers.0.attn.wq_b", "layers.1.attn.wkv", "layers.1.attn.wo_b",
-                 "layers.0.ffn.experts.3.w2", "layers.1.ffn.shared_experts.w1", "layers.1.attn.indexer.wq_b"):
-        assert types[name] == quantized, name
+                 "layers.1.ffn.shared_experts.w1", "layers.1.attn.indexer.wq_b"):
+        assert types[f"model.{name}"] == quantized, name
     # read as raw tensors by the model (fp32 head and ratio-2 compressor, Engram wkv's dtype): never quantized
-    for name in ("head", "layers.1.attn.compressor.wkv", "layers.1.attn.compressor.wgate", "layers.0.engram.wkv"):
+    for name in ("lm_head", "model.layers.1.attn.compressor.wkv", "model.layers.1.attn.compressor.wgate",
+                 "model.layers.0.engram.wkv"):
         assert types[name] != quantized, name
-    assert (types["layers.1.attn.indexer.weights_proj"] == quantized) == (kind == "8bit")  # 4 outputs: no 4-bit pack
-    assert model.head.weight.dtype == model.layers[1].hc_attn_fn.dtype == model.layers[1].ffn.gate.bias.dtype == torch.float32
-    assert model.layers[0].ffn.gate.weight.dtype == model.layers[0].attn_norm.weight.dtype == torch.bfloat16
-    assert model.layers[0].engram.q_weight.dtype == torch.bfloat16
-    assert set(model.config.quantization_config.llm_int8_skip_modules) >= {"head", "layers.0.engram.wkv"}
+    assert (types["model.layers.1.attn.indexer.weights_proj"] == quantized) == (kind == "8bit")  # 4 outputs: no 4-bit
+    backbone = model.model
+    assert model.lm_head.weight.dtype == backbone.layers[1].hc_attn_fn.dtype == backbone.layers[1].ffn.gate.bias.dtype
+    assert model.lm_head.weight.dtype == torch.float32
+    assert backbone.layers[0].ffn.gate.weight.dtype == backbone.layers[0].attn_norm.weight.dtype == torch.bfloat16
+    assert backbone.layers[0].engram.q_weight.dtype == torch.bfloat16
+    # the fused routed experts are 3-D parameters, not Linears: transformers' bnb integration leaves them in `dtype`
+    assert backbone.layers[0].ffn.experts.gate_up_proj.dtype == torch.bfloat16
+    assert set(model.config.quantization_config.llm_int8_skip_modules) >= {"lm_head", "model.layers.0.engram.wkv"}
 
     reference = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
     ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -81,7 +87,10 @@ def test_released_checkpoint_quantizes_on_load(checkpoint, tmp_path):
     stub_tokenizer().save(str(tmp_path / "tokenizer.json"))
     model = DeepseekV41ForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(**NF4),
                                                    dtype=torch.bfloat16)
-    assert _linear_types(model)["layers.0.ffn.experts.0.w1"] == "Linear4bit"
+    assert _linear_types(model)["model.layers.0.ffn.shared_experts.w1"] == "Linear4bit"
+    # the FP4 routed experts were dequantized and merged into the fused tensors
+    source_experts = source.model.layers[0].ffn.experts.gate_up_proj
+    assert model.model.layers[0].ffn.experts.gate_up_proj.shape == source_experts.shape
     assert torch.isfinite(_logits(model, torch.randint(0, 500, (1, 8)))).all()
 
 
@@ -89,10 +98,14 @@ def test_qlora_trains_on_cpu(checkpoint):
     model = DeepseekV41ForCausalLM.from_pretrained(checkpoint, quantization_config=BitsAndBytesConfig(**NF4),
                                                    dtype=torch.bfloat16)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS))
-    adapted = collections.Counter(name.split(".")[-1] for name, m in model.base_model.model.named_modules()
-                                  if hasattr(m, "lora_A"))
-    assert adapted == {"wq_a": 2, "wq_b": 2, "wkv": 2, "wo_b": 2, "w1": 8, "w2": 8, "w3": 8}
+    config = LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, target_parameters=EXPERT_PARAMETERS
+    )
+    model = get_peft_model(model, config)
+    adapted = collections.Counter(getattr(m, "parameter_name", None) or name.split(".")[-1]
+                                  for name, m in model.base_model.model.named_modules() if hasattr(m, "lora_A"))
+    assert adapted == {"wq_a": 2, "wq_b": 2, "wkv": 2, "wo_b": 2, "w1": 2, "w2": 2, "w3": 2, "gate_up_proj": 2,
+                       "down_proj": 2}
     assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
 
     ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -2,8 +2,10 @@
 packed FP4 / E8M0 scales, checked against the reference's own dequantized values), the Engram token map, our own
 save → load round trip."""
 
+import json
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -42,6 +44,19 @@ def _load(folder, **kwargs):
     return DeepseekV41ForCausalLM.from_pretrained(folder, **kwargs)
 
 
+def released_view(model: DeepseekV41ForCausalLM, name: str) -> torch.Tensor:
+    """The tensor of ``model`` a released name denotes, written out independently of the conversion code: the
+    ``model.`` prefix, ``head`` → ``lm_head``, and expert ``e``'s ``w1``/``w3`` = rows ``[:I]``/``[I:]`` of
+    ``gate_up_proj[e]``, its ``w2`` = ``down_proj[e]``."""
+    routed = re.fullmatch(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight", name)
+    if routed is None:
+        ours = "lm_head.weight" if name == "head.weight" else f"model.{name}"
+        return model.get_buffer(ours) if ".gate.bias" in ours else model.get_parameter(ours)
+    experts, e, w = model.get_submodule(f"model.{routed[1]}"), int(routed[2]), routed[3]
+    inter = experts.intermediate_dim
+    return {"w1": experts.gate_up_proj[e, :inter], "w3": experts.gate_up_proj[e, inter:], "w2": experts.down_proj[e]}[w]
+
+
 @pytest.fixture(scope="module")
 def fixture_folder(fixtures_dir, tmp_path_factory):
     return fixture_checkpoint(fixtures_dir, "dense", tmp_path_factory.mktemp("fixture") / "dense")
@@ -61,7 +76,7 @@ def test_fixture_folder_loads_like_the_reference_model(fixtures_dir, fixture_fol
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
     # the token map built from tokenizer.json is the fixture's stub map
     token_map = load_file(fixtures_dir / "v41_tiny_vl/engram.safetensors")["token_map"]
-    assert torch.equal(model.engram_hasher.token_map, token_map)
+    assert torch.equal(model.model.engram_hasher.token_map, token_map)
 
     # same tensors, same dtypes: the same model as test_parity's, so in reference numerics its logits match the
     # reference as well (test_parity's measured budget for the qdq mode)
@@ -75,10 +90,12 @@ def test_fixture_folder_loads_like_the_reference_model(fixtures_dir, fixture_fol
 
 def test_reference_dtypes_survive_a_bf16_load(fixture_folder):
     model = _load(fixture_folder, dtype=torch.bfloat16)
-    assert model.layers[1].attn.compressor.wkv.weight.dtype == torch.float32  # ratio 2: pooled in fp32
-    assert model.layers[3].attn.compressor.wkv.weight.dtype == torch.bfloat16  # ratio 1: a plain projection
-    assert model.vision.norm.weight.dtype == model.vision.blocks[0].norm1.weight.dtype == torch.float32
-    assert model.head.weight.dtype == model.layers[0].hc_attn_fn.dtype == torch.float32
+    backbone = model.model
+    assert backbone.layers[1].attn.compressor.wkv.weight.dtype == torch.float32  # ratio 2: pooled in fp32
+    assert backbone.layers[3].attn.compressor.wkv.weight.dtype == torch.bfloat16  # ratio 1: a plain projection
+    assert backbone.vision.norm.weight.dtype == backbone.vision.blocks[0].norm1.weight.dtype == torch.float32
+    assert model.lm_head.weight.dtype == backbone.layers[0].hc_attn_fn.dtype == torch.float32
+    assert backbone.layers[0].ffn.gate.bias.dtype == torch.float32
 
 
 def test_fp8_engram_tables_load_as_stored(fixtures_dir, fixture_folder):
@@ -87,7 +104,7 @@ def test_fp8_engram_tables_load_as_stored(fixtures_dir, fixture_folder):
     model = _load(fixture_folder, config=config, dtype=torch.bfloat16)
     stored = load_file(fixtures_dir / "v41_tiny_vl/model.safetensors")
     for layer in (0, 1):
-        table = model.layers[layer].engram.embed
+        table = model.model.layers[layer].engram.embed
         assert table.weight.dtype == torch.float8_e4m3fn and table.scale.dtype == torch.float8_e8m0fnu
         assert torch.equal(table.weight.view(torch.uint8), stored[f"layers.{layer}.engram.embed.weight"].view(torch.uint8))
         assert torch.equal(table.scale.view(torch.uint8), stored[f"layers.{layer}.engram.embed.scale"].view(torch.uint8))
@@ -95,7 +112,7 @@ def test_fp8_engram_tables_load_as_stored(fixtures_dir, fixture_folder):
     dequantized = _load(fixture_folder, dtype=torch.bfloat16)
     for layer, rows in ((0, 660), (1, 864)):
         rows = torch.arange(rows)
-        assert torch.equal(model.layers[layer].engram.embed(rows), dequantized.layers[layer].engram.embed(rows))
+        assert torch.equal(model.model.layers[layer].engram.embed(rows), dequantized.model.layers[layer].engram.embed(rows))
 
 
 def test_missing_token_map_is_a_clear_error_unless_a_tokenizer_is_given(fixtures_dir, tmp_path):
@@ -103,7 +120,7 @@ def test_missing_token_map_is_a_clear_error_unless_a_tokenizer_is_given(fixtures
     with pytest.raises(ValueError, match="no compressed token map.*engram_tokenizer"):
         _load(folder, dtype=torch.bfloat16)
     model = _load(folder, dtype=torch.bfloat16, engram_tokenizer=stub_tokenizer())
-    assert torch.equal(model.engram_hasher.token_map, torch.arange(512) // 2)
+    assert torch.equal(model.model.engram_hasher.token_map, torch.arange(512) // 2)
 
 
 @pytest.mark.parametrize("table_dtype", ["float", "fp8"])
@@ -113,7 +130,8 @@ def test_save_then_load_is_bit_exact(fixture_folder, tmp_path, table_dtype):
     model = _load(fixture_folder, config=config, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path)  # our format: plain weights, token map included, no tokenizer.json needed
     saved = load_file(tmp_path / "model.safetensors")
-    assert "engram_hasher.token_map" in saved
+    assert "model.engram_hasher.token_map" in saved and "lm_head.weight" in saved
+    assert "model.layers.0.ffn.experts.gate_up_proj" in saved and not any(".experts.0." in name for name in saved)
     assert not any(name.endswith(".scale") and "engram.embed" not in name for name in saved)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert isinstance(reloaded, DeepseekV41ForCausalLM)
@@ -167,19 +185,20 @@ def test_released_checkpoint_dequantizes_like_the_reference(quant_format, releas
     ignored = [r for r in caplog.records if "mtp.*" in r.getMessage()]
     assert len(ignored) == 1 and "Ignoring 2 checkpoint weights" in ignored[0].getMessage()  # mtp (+ scale), image_pad
 
-    params = dict(model.named_parameters())
     for name, values in expected.items():
         if not name.startswith("synthetic."):
-            assert params[name].dtype == dtype and torch.equal(params[name], values.to(dtype)), name
-    # every other quantized tensor reads as the reference kernels read it
+            ours = released_view(model, name)
+            assert ours.dtype == dtype and torch.equal(ours, values.to(dtype)), name
+    # every other quantized tensor (the FP4 experts merged into gate_up_proj / down_proj among them) reads as the
+    # reference kernels read it
     for name, tensor in state.items():
         if name.endswith(".scale") and not name.startswith("mtp."):
             weight_name = name[: -len("scale")] + "weight"
             reference = dequantize_released_tensor(state[weight_name], tensor)
-            assert torch.equal(params[weight_name], reference.to(dtype)), weight_name
+            assert torch.equal(released_view(model, weight_name), reference.to(dtype)), weight_name
     # what is not quantized keeps its values and its reference dtype
-    assert model.layers[1].attn.compressor.wgate.weight.dtype == torch.float32
-    assert torch.equal(model.layers[0].attn_norm.weight, state["layers.0.attn_norm.weight"].to(dtype))
+    assert model.model.layers[1].attn.compressor.wgate.weight.dtype == torch.float32
+    assert torch.equal(model.model.layers[0].attn_norm.weight, state["layers.0.attn_norm.weight"].to(dtype))
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=torch.randint(0, 500, (1, 9))).logits).all()
 
@@ -237,3 +256,63 @@ def test_released_writers_round_trip_within_format_precision(quantize, shape):
     bound = 1 / 3 if quantize is quantize_fp4_rows else 1 / 16
     blocks = weight.abs().unflatten(1, (-1, 32)).amax(-1, keepdim=True).expand(-1, -1, 32).flatten(1)
     assert ((values - weight).abs() <= bound * blocks).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Writing the released layout again: names and values round-trip
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_save_original_format_writes_the_released_names_and_reloads(fixtures_dir, fixture_folder, tmp_path):
+    """``save_pretrained(save_original_format=True)``: the fixture's own key names (experts split per expert again,
+    ``head``, no ``model.`` prefix), plain values, and a reload equal to the model."""
+    model = _load(fixture_folder, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path, save_original_format=True)
+    saved = load_file(tmp_path / "model.safetensors")
+    released = load_file(fixtures_dir / "v41_tiny_vl/model.safetensors")
+    # the Engram tables are written dequantized (no scale), and our token map comes along
+    assert set(saved) == {k for k in released if not k.endswith("engram.embed.scale")} | {"engram_hasher.token_map"}
+    for name, tensor in saved.items():
+        if name != "engram_hasher.token_map":
+            assert torch.equal(tensor, released_view(model, name)), name
+            if "engram.embed" not in name:  # stored plain in the fixture: the same values again
+                assert torch.equal(tensor.float(), released[name].float()), name
+    inter = model.config.text_config.moe_intermediate_size
+    assert torch.equal(saved["layers.0.ffn.experts.1.w3.weight"], model.model.layers[0].ffn.experts.gate_up_proj[1, inter:])
+    reloaded = _load(tmp_path, dtype=torch.bfloat16)
+    before, after = model.state_dict(), reloaded.state_dict()
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+
+
+def test_released_storage_round_trips_and_loads_without_a_dtype(released_folder, tmp_path):
+    """A released-format folder (FP8 / packed FP4 + E8M0 scales) loads with a plain ``from_pretrained(path)`` (bf16,
+    no "unknown dtype F8_E8M0"), and writing it again with save_released_checkpoint gives the same names, dtypes
+    and shapes, and loads back to the same values. (Bytes may differ: the fixture's tensors were quantized by the
+    reference, which may pick a larger power-of-two scale than ours for the same values.)"""
+    folder, state = released_folder
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["dtype"] == "bfloat16"  # what transformers reads when the config names no dtype
+    model = _load(folder)
+    assert model.model.layers[0].attn.wq_a.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].ffn.experts.gate_up_proj.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.float32
+    again = released_state_dict(model)
+    expected = {k: v for k, v in state.items() if not k.startswith("mtp.") and k != "image_pad"}
+    assert again.keys() == expected.keys()
+    for name, tensor in expected.items():
+        ours = again[name]
+        assert ours.shape == tensor.shape, name
+        quantized = name.endswith(".scale") or tensor.dtype in (torch.float8_e4m3fn, torch.int8)
+        if quantized:
+            assert ours.dtype == tensor.dtype, name
+        else:  # plain tensors come back in the dtype they were loaded in
+            assert torch.equal(ours.float(), tensor.to(ours.dtype).float()), name
+        if name.endswith(".scale"):  # dequantized, the values are the stored ones
+            weight = name[: -len("scale")] + "weight"
+            assert torch.equal(dequantize_released_tensor(again[weight], ours), dequantize_released_tensor(state[weight], tensor)), weight
+    save_released_checkpoint(model, tmp_path)
+    reloaded = _load(tmp_path, engram_tokenizer=stub_tokenizer())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name

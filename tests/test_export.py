@@ -43,7 +43,7 @@ def tiny():
     )
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(config).eval()
-    model.engram_hasher.load_tokenizer(tokenizer)
+    model.model.engram_hasher.load_tokenizer(tokenizer)
     processor = DeepseekV41Processor(DeepseekV41ImageProcessor.from_vision_config(config.vision_config), tokenizer)
     return model, processor
 

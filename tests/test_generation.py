@@ -25,7 +25,7 @@ def tiny_model(emulate_quantization: bool = False) -> DeepseekV41ForCausalLM:
     config = DeepseekV41Config.from_preset("tiny")
     config.text_config.emulate_quantization = emulate_quantization
     model = DeepseekV41ForCausalLM(config).eval()
-    model.engram_hasher.token_map.copy_(torch.arange(config.text_config.vocab_size) // 2)  # the fixtures' stub map
+    model.model.engram_hasher.token_map.copy_(torch.arange(config.text_config.vocab_size) // 2)  # the fixtures' stub map
     model.generation_config.eos_token_id = None  # every run generates all NEW_TOKENS
     return model
 
@@ -78,7 +78,7 @@ def boundary_ties(model, **inputs) -> list[tuple[int, int]]:
 
         return hook
 
-    for layer in model.layers:
+    for layer in model.model.layers:
         if layer.attn.indexer is not None:
             hooks.append(layer.attn.indexer.register_forward_hook(record(layer.layer_id)))
     try:

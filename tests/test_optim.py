@@ -6,10 +6,12 @@ import copy
 import io
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
+from reference_fixture import to_our_layout
 from safetensors import safe_open
 from torch import nn
 
@@ -48,14 +50,17 @@ def _grads(shapes: list[torch.Size], step: int) -> list[torch.Tensor]:
 
 
 def _standin_from_fixture(fixtures_dir) -> nn.Module:
-    """A parameter-only module with the tiny reference model's exact names and shapes (no forward).
+    """A parameter-only module with the tiny reference model's names (in our layout) and shapes (no forward).
 
     2-D ``*.weight`` leaves are ``nn.Linear`` so that PEFT can wrap them. The Engram ``embed.scale`` is the
     checkpoint's FP8 row scale, not a trainable parameter, and is left out.
     """
     model_dir = fixtures_dir / "v41_tiny_vl"
     with safe_open(model_dir / "model.safetensors", framework="pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not k.endswith("embed.scale")}
+        released = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not k.endswith("embed.scale")}
+    # our names (the router biases are buffers, not parameters)
+    meta = {k: torch.empty(shape, device="meta") for k, shape in released.items() if not re.search(r"gate\.bias", k)}
+    shapes = {k: tuple(t.shape) for k, t in to_our_layout(meta).items()}
     torch.manual_seed(0)
     root = nn.Module()
 
@@ -78,7 +83,7 @@ def _standin_from_fixture(fixtures_dir) -> nn.Module:
             parent(name).register_parameter(name.rsplit(".", 1)[-1], nn.Parameter(0.1 * torch.randn(shape)))
     reference = json.loads((model_dir / "sparse" / "config.json").read_text())
     root.config = SimpleNamespace(
-        text_config=SimpleNamespace(num_attention_heads=reference["n_heads"]),
+        text_config=SimpleNamespace(num_attention_heads=reference["n_heads"], moe_intermediate_size=reference["moe_inter_dim"]),
         vision_config=SimpleNamespace(
             hidden_size=reference["vision_dim"], num_attention_heads=reference["vision_n_heads"]
         ),
@@ -92,26 +97,26 @@ def tiny_model(fixtures_dir) -> nn.Module:
 
 
 def _spec_kind(name: str) -> str:
-    """SPEC §6 written out independently of the policy's regexes, for the released names."""
+    """SPEC §6 written out independently of the policy's regexes, for our names."""
     last = name.rsplit(".", 1)[-1]
-    if ".attn.indexer." in name or name.endswith(("ffn.gate.bias", "ffn.gate.bias_vl")):
+    if ".attn.indexer." in name:
         return "frozen"
-    if name in ("embed.weight", "head.weight") or name.endswith("engram.embed.weight"):
+    if name in ("model.embed.weight", "lm_head.weight") or name.endswith("engram.embed.weight"):
         return "sinkhorn"
-    if name.endswith(("attn.wq_b.weight", "attn.wqkv.weight")):
+    if name.endswith(("attn.wq_b.weight", "attn.wqkv.weight", "ffn.experts.gate_up_proj")):
         return "muon_headwise"
     if last == "bias" or name.endswith(
         (
             "norm.weight", "norm1.weight", "norm2.weight", "attn_sink", "hc_attn_base", "hc_attn_scale",
             "hc_ffn_base", "hc_ffn_scale", "engram.q_weight", "engram.k_weight",
         )
-    ) or name in ("image_start", "image_end", "image_newline"):
+    ) or name in ("model.image_start", "model.image_end", "model.image_newline"):
         return "adamw"
     if name.endswith(
         (
             "attn.wq_a.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
             "compressor.wkv.weight", "compressor.wgate.weight", "ffn.gate.weight", "w1.weight", "w2.weight",
-            "w3.weight", "hc_attn_fn", "hc_ffn_fn", "engram.wkv.weight", "patch_embed.proj.weight",
+            "w3.weight", "ffn.experts.down_proj", "hc_attn_fn", "hc_ffn_fn", "engram.wkv.weight", "patch_embed.proj.weight",
             "attn.wo.weight",
         )
     ):
@@ -126,7 +131,7 @@ def _fake_grads(model: nn.Module, step: int) -> None:
         if not p.requires_grad:
             continue
         grad = torch.randn(p.shape, generator=g) + 0.3 * p.detach()
-        if name.endswith(("embed.weight", "head.weight")):
+        if name.endswith(("embed.weight", "lm_head.weight")):
             grad *= (torch.rand(p.shape[0], 1, generator=g) < 0.25).float()
         p.grad = grad
 
@@ -428,57 +433,72 @@ def test_policy_assignment_is_spec_section_6(tiny_model):
 def test_policy_groups_head_layouts_and_frozen(tiny_model):
     groups = build_param_groups(tiny_model, lr=1e-3)
     by_name = {name: g for g in groups for name in g["param_names"]}
-    assert by_name["layers.0.attn.wq_b.weight"]["num_heads"] == 4
-    vit = by_name["vision.blocks.0.attn.wqkv.weight"]
+    assert by_name["model.layers.0.attn.wq_b.weight"]["num_heads"] == 4
+    vit = by_name["model.vision.blocks.0.attn.wqkv.weight"]
     assert vit["num_heads"] == (4, 4, 1) and vit["split_sizes"] == (64, 64, 64)
-    assert not any(".indexer." in n or n.endswith(("gate.bias", "gate.bias_vl")) for n in by_name)
-    assert by_name["layers.0.attn.wq_a.weight"]["weight_decay"] == 0.1
-    assert by_name["norm.weight"]["weight_decay"] == 0.0
+    # each expert's w1 and w3 rows are orthogonalized apart, as when they were separate matrices
+    experts = by_name["model.layers.0.ffn.experts.gate_up_proj"]
+    assert experts["num_heads"] == (1, 1) and experts["split_sizes"] == (32, 32)
+    assert not any(".indexer." in n for n in by_name)
+    assert by_name["model.layers.0.attn.wq_a.weight"]["weight_decay"] == 0.1
+    assert by_name["model.norm.weight"]["weight_decay"] == 0.0
     # freezing for real gives the same groups; the policy itself never touches requires_grad
     assert all(p.requires_grad for p in tiny_model.parameters())
     frozen = freeze_default_parameters(tiny_model)
     assert frozen and all(_spec_kind(n) == "frozen" for n in frozen)
     assert [g["param_names"] for g in build_param_groups(tiny_model, lr=1e-3)] == [g["param_names"] for g in groups]
     # a config that *is* the text config
-    tiny_model.config = SimpleNamespace(num_attention_heads=4, vision_config=tiny_model.config.vision_config)
+    tiny_model.config = SimpleNamespace(
+        num_attention_heads=4, moe_intermediate_size=32, vision_config=tiny_model.config.vision_config
+    )
     assert build_param_groups(tiny_model, lr=1e-3)[0]["param_names"] == groups[0]["param_names"]
 
 
 def test_policy_overrides_and_hparams(tiny_model):
     overrides = {
         r"engram\.embed": "adamw",
-        r"^aligner\.": "frozen",
-        r"(^|\.)head\.weight$": {"kind": "sinkhorn", "lr": 5.0},
+        r"^model\.aligner\.": "frozen",
+        r"(^|\.)lm_head\.weight$": {"kind": "sinkhorn", "lr": 5.0},
     }
     groups = build_param_groups(tiny_model, lr=1e-3, overrides=overrides, adamw={"betas": (0.9, 0.99)})
     by_name = {name: g for g in groups for name in g["param_names"]}
-    assert by_name["layers.0.engram.embed.weight"]["kind"] == "adamw"
-    assert by_name["layers.0.engram.embed.weight"]["betas"] == (0.9, 0.99)
-    assert not any(n.startswith("aligner.") for n in by_name)
-    assert by_name["head.weight"]["lr"] == 5.0 and by_name["embed.weight"]["lr"] == 1e-3
+    assert by_name["model.layers.0.engram.embed.weight"]["kind"] == "adamw"
+    assert by_name["model.layers.0.engram.embed.weight"]["betas"] == (0.9, 0.99)
+    assert not any(n.startswith("model.aligner.") for n in by_name)
+    assert by_name["lm_head.weight"]["lr"] == 5.0 and by_name["model.embed.weight"]["lr"] == 1e-3
     with pytest.raises(ValueError, match="override kind"):
         build_param_groups(tiny_model, lr=1e-3, overrides={"x": "sgd"})
     with pytest.raises(ValueError, match="unknown keys"):
         build_param_groups(tiny_model, lr=1e-3, overrides={"x": {"kind": "adamw", "momentum": 0.9}})
 
 
-def test_policy_rejects_unknown_matrices_and_supports_stacked_experts(tiny_model):
-    tiny_model.layers.get_submodule("0").register_parameter("mystery", nn.Parameter(torch.zeros(3, 3)))
+def test_policy_rejects_unknown_matrices(tiny_model):
+    layer = tiny_model.model.layers.get_submodule("0")
+    layer.register_parameter("mystery", nn.Parameter(torch.zeros(3, 3)))
     with pytest.raises(ValueError, match="layers.0.mystery"):
         build_param_groups(tiny_model, lr=1e-3)
-    del tiny_model.layers.get_submodule("0").mystery
-    experts = tiny_model.layers.get_submodule("0.ffn.experts")
-    for name in ("w1", "w2", "w3"):  # stacked layout: layers.0.ffn.experts.w{1,2,3} [E, out, in]
-        stacked = torch.stack([experts.get_submodule(f"{e}.{name}").weight.detach() for e in range(4)])
-        experts.register_parameter(name, nn.Parameter(stacked))
-    for e in range(4):
-        delattr(experts, str(e))
+
+
+def test_policy_fused_experts_update_like_separate_expert_matrices(tiny_model):
+    """gate_up_proj [E, 2·I, D] takes head-wise Muon with splits (I, I): each expert's w1 and w3 are orthogonalized
+    apart, exactly as the separate per-expert matrices were; down_proj [E, D, I] takes Muon per expert."""
+    experts = tiny_model.model.layers.get_submodule("0.ffn.experts")
     kinds = assign_kinds(tiny_model)
-    assert kinds["layers.0.ffn.experts.w2"] == "muon"
-    opt = MixedOptimizer(build_param_groups(tiny_model, lr=1e-3))
-    _fake_grads(tiny_model, 0)
-    opt.step()
-    assert opt.state[experts.w2]["momentum_buffer"].shape == (4, 64, 32)
+    assert kinds["model.layers.0.ffn.experts.down_proj"] == "muon"
+    groups = build_param_groups(tiny_model, lr=LR)
+    group = next(g for g in groups if "model.layers.0.ffn.experts.gate_up_proj" in g["param_names"])
+    hparams = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    fused = nn.Parameter(experts.gate_up_proj.detach().clone())
+    inter = fused.shape[1] // 2
+    separate = [nn.Parameter(m.clone()) for e in fused.detach() for m in e.split(inter)]  # w1, w3 of each expert
+    grads = [_grads([fused.shape], step) for step in range(3)]
+    _run(MixedOptimizer([{**hparams, "params": [fused]}], lr=LR), [fused], grads)
+    plain = {**hparams, "kind": "muon", "params": separate}
+    del plain["num_heads"], plain["split_sizes"]
+    _run(MixedOptimizer([plain], lr=LR), separate, [[m for e in g for m in e.split(inter)] for (g,) in grads])
+    atol = 3 * LR * 0.18 * math.sqrt(fused.shape[-1]) * BF16_ULP  # batched vs single bf16 matmuls, as above
+    rebuilt = torch.stack([torch.cat([w1.detach(), w3.detach()]) for w1, w3 in zip(separate[::2], separate[1::2])])
+    torch.testing.assert_close(fused.detach(), rebuilt, rtol=0, atol=atol)
 
 
 def test_policy_on_peft_model(tiny_model):
@@ -489,13 +509,13 @@ def test_policy_on_peft_model(tiny_model):
     assert names and all(".lora_" in n for n in names)
     assert {g["kind"] for g in groups} == {"adamw"}
     kinds = assign_kinds(model)
-    assert kinds["base_model.model.layers.0.attn.wq_a.base_layer.weight"] == "frozen"
+    assert kinds["base_model.model.model.layers.0.attn.wq_a.base_layer.weight"] == "frozen"
     # unfrozen base weights keep their SPEC kind through PEFT's decorations
-    model.base_model.model.embed.weight.requires_grad_(True)
-    model.get_parameter("base_model.model.layers.0.attn.wq_a.base_layer.weight").requires_grad_(True)
+    model.base_model.model.model.embed.weight.requires_grad_(True)
+    model.get_parameter("base_model.model.model.layers.0.attn.wq_a.base_layer.weight").requires_grad_(True)
     kinds = assign_kinds(model)
-    assert kinds["base_model.model.embed.weight"] == "sinkhorn"
-    assert kinds["base_model.model.layers.0.attn.wq_a.base_layer.weight"] == "muon"
+    assert kinds["base_model.model.model.embed.weight"] == "sinkhorn"
+    assert kinds["base_model.model.model.layers.0.attn.wq_a.base_layer.weight"] == "muon"
 
 
 # ----------------------------------------------------------------------------- ecosystem
@@ -571,7 +591,7 @@ def test_transformers_scheduler_clipping_and_accelerate(tiny_model):
 
 
 def test_policy_and_a_training_step_on_the_real_tiny_model(fixtures_dir):
-    """The released-name policy on our model class, then one text+image training step in the reference dtypes."""
+    """The policy on our model class, then one text+image training step in the reference dtypes."""
     from reference_fixture import reference_inputs, reference_model
 
     model = reference_model(fixtures_dir, "dense", emulate_quantization=False)

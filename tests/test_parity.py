@@ -18,7 +18,7 @@ from reference_fixture import reference_inputs, reference_model
 def run(fixtures_dir, variant, mode):
     model = reference_model(fixtures_dir, variant, emulate_quantization=(mode == "qdq"))
     captured = {}
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.model.layers):
         layer.attn.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(f"layers.{i}.attn_out", out[0]))
         layer.ffn.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(f"layers.{i}.ffn_out", out[0]))
     with torch.no_grad():
@@ -65,8 +65,8 @@ def test_layer0_attention_from_the_captured_input_is_bit_exact(fixtures_dir):
 
     captures = load_file(fixtures_dir / "v41_tiny_vl/dense/captures_noqdq.safetensors")
     model = reference_model(fixtures_dir, "dense", emulate_quantization=False)
-    attn, x = model.layers[0].attn, captures["layers.0.attn_in"].unsqueeze(0)
-    rotation = model.window_rotary(torch.arange(x.shape[1]))
+    attn, x = model.model.layers[0].attn, captures["layers.0.attn_in"].unsqueeze(0)
+    rotation = model.model.window_rotary(torch.arange(x.shape[1]))
     with torch.no_grad(), reference_numerics():
         assert torch.equal(attn._window_kv(x, rotation.unsqueeze(0))[0], captures["layers.0.window_kv"])
         assert torch.equal(attn(x, rotation, CompressedContext())[0], captures["layers.0.attn_out"])

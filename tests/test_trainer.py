@@ -46,7 +46,7 @@ def tiny_model(seed: int = 0) -> DeepseekV41ForCausalLM:
     torch.manual_seed(seed)
     model = DeepseekV41ForCausalLM(config)
     text = config.text_config
-    model.engram_hasher.token_map.copy_(torch.arange(text.vocab_size) % text.engram_compressed_vocab_size)
+    model.model.engram_hasher.token_map.copy_(torch.arange(text.vocab_size) % text.engram_compressed_vocab_size)
     return model
 
 
@@ -152,10 +152,12 @@ def test_create_optimizer_builds_the_mixed_optimizer_and_logs_the_table_once(tmp
     muon = next(g for g in optimizer.param_groups if g["kind"] == "muon")
     assert muon["weight_decay"] == 0.05 and muon["lr"] == args.learning_rate
 
-    # frozen at construction and left out of the optimizer: balancing biases and the indexer
+    # frozen at construction and left out of the optimizer: the indexer; the balancing biases are buffers
     optimized = {n for g in optimizer.param_groups for n in g["param_names"]}
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    assert any(n.endswith("gate.bias_vl") for n in frozen) and any(".indexer." in n for n in frozen)
+    assert any(".indexer." in n for n in frozen)
+    assert not any(".gate.bias" in n for n, _ in model.named_parameters())
+    assert any(n.endswith("gate.bias_vl") for n, _ in model.named_buffers())
     assert not optimized & frozen
     assert optimized | frozen == {n for n, _ in model.named_parameters()}
 
@@ -174,7 +176,7 @@ def test_kind_kwargs_overrides_and_lora_factors(tmp_path):
     groups = trainer.create_optimizer().param_groups
     assert next(g for g in groups if g["kind"] == "sinkhorn")["lr"] == 0.5  # JSON string parsed like Trainer's dicts
     adamw = next(g for g in groups if g["kind"] == "adamw")["param_names"]
-    assert "layers.0.attn.wo_b.weight" in adamw
+    assert "model.layers.0.attn.wo_b.weight" in adamw
 
     model = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules=["wq_a", "wo_b"]))
     trainer = DeepseekV41Trainer(model=model, args=training_args(tmp_path))
@@ -204,7 +206,7 @@ def test_bias_update_is_speed_times_sign_of_mean_minus_load():
 def test_each_bias_moves_only_from_its_own_modality_and_padding_is_ignored():
     model = tiny_model().eval()
     speed = SPEED
-    for layer in model.layers:  # steer the choice: text tokens pick experts {0, 1}, image tokens {2, 3}
+    for layer in model.model.layers:  # steer the choice: text tokens pick experts {0, 1}, image tokens {2, 3}
         layer.ffn.gate.bias.data = torch.tensor([64.0, 64.0, 0.0, 0.0])
         layer.ffn.gate.bias_vl.data = torch.tensor([0.0, 0.0, 64.0, 64.0])
     ids = torch.randint(3, 500, (3, SEQ), generator=torch.Generator().manual_seed(0))
@@ -262,7 +264,7 @@ def test_a_skipped_optimizer_step_moves_no_bias():
         model(input_ids=ids, use_cache=False)
     callback.record(model, None, None)
     callback.on_optimizer_step(None, None, None, optimizer=SimpleNamespace(step_was_skipped=False))
-    assert not torch.equal(model.layers[0].ffn.gate.bias, before["layers.0.ffn.gate.bias"])
+    assert not torch.equal(model.model.layers[0].ffn.gate.bias, before["model.layers.0.ffn.gate.bias"])
 
 
 def test_gradient_accumulation_counts_the_whole_step(tmp_path):
@@ -327,7 +329,7 @@ def test_gradient_checkpointing_and_bf16_autocast(tmp_path):
     counts = CountsPerStep(trainer)
     trainer.add_callback(counts)
     dtypes = set()
-    model.layers[0].attn.wq_a.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
+    model.model.layers[0].attn.wq_a.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
     trainer.train()
 
     assert model.is_gradient_checkpointing and dtypes == {torch.bfloat16}  # fp32 weights, bf16 autocast
@@ -338,11 +340,11 @@ def test_gradient_checkpointing_and_bf16_autocast(tmp_path):
         assert counts.counts[step][:, TEXT].sum(-1).tolist() == [TOP_K * n_text] * 2
         assert counts.counts[step][:, IMAGE].sum(-1).tolist() == [TOP_K * n_image] * 2
     after = snapshot(model)
-    assert not torch.equal(after["layers.0.attn.wq_a.weight"], before["layers.0.attn.wq_a.weight"])
+    assert not torch.equal(after["model.layers.0.attn.wq_a.weight"], before["model.layers.0.attn.wq_a.weight"])
     for layer in range(2):  # each bias is the sum of the rule's steps over its own modality's counts
         for bias, modality in (("bias", TEXT), ("bias_vl", IMAGE)):
             moved = sum(bias_update(step_counts[layer, modality], SPEED) for step_counts in counts.counts)
-            assert torch.equal(after[f"layers.{layer}.ffn.gate.{bias}"], moved)
+            assert torch.equal(after[f"model.layers.{layer}.ffn.gate.{bias}"], moved)
 
     trainer.evaluate(eval_dataset=data)  # evaluation forwards are not counted
     assert not trainer.router_balancing.balancer.counts.any()

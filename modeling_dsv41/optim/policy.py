@@ -1,14 +1,16 @@
-"""Which parameter gets which optimizer (SPEC §6), decided by the released parameter *names*.
+"""Which parameter gets which optimizer (SPEC §6), decided by the parameter *names*.
 
-- Muon: backbone matrices (attention ``wq_a``, ``wkv``, ``wo_a``, ``wo_b``, compressor, MoE gate, routed and
-  shared experts, mHC ``hc_*_fn``), the Engram projection ``wkv``, ViT matrices and the aligner.
-- Head-wise Muon: the query up-projection ``attn.wq_b`` (one block per attention head) and the ViT's fused
-  ``attn.wqkv`` (q and k per head, v whole).
-- Sinkhorn-balanced: Engram tables, ``embed``, ``head``.
+- Muon: backbone matrices (attention ``wq_a``, ``wkv``, ``wo_a``, ``wo_b``, compressor, MoE gate, routed experts'
+  ``down_proj`` (each expert's ``w2`` on its own) and shared experts, mHC ``hc_*_fn``), the Engram projection
+  ``wkv``, ViT matrices and the aligner.
+- Head-wise Muon: the query up-projection ``attn.wq_b`` (one block per attention head), the ViT's fused
+  ``attn.wqkv`` (q and k per head, v whole) and the routed experts' fused ``gate_up_proj`` (each expert's ``w1``
+  and ``w3`` orthogonalized apart, as when they were separate matrices).
+- Sinkhorn-balanced: Engram tables, ``embed``, ``lm_head``.
 - AdamW: norms, biases, ``attn_sink``, ``hc_*_base``/``hc_*_scale``, Engram ``q_weight``/``k_weight``, the
   image delimiter vectors, any other 0-/1-D parameter, and LoRA factors.
-- Frozen by default (left out of the optimizer): the indexer (its discrete top-k passes no gradient) and
-  the MoE balancing biases ``gate.bias``/``gate.bias_vl`` (moved by the balancing rule, not by gradients).
+- Frozen by default (left out of the optimizer): the indexer (its discrete top-k passes no gradient). The MoE
+  balancing biases ``gate.bias``/``gate.bias_vl`` are buffers, not parameters: the balancing rule moves them.
   :func:`build_param_groups` never changes ``requires_grad``; :func:`freeze_default_parameters` does, for
   code that needs it (e.g. DDP, which insists that every trainable parameter receives a gradient).
 
@@ -33,11 +35,11 @@ FROZEN = "frozen"
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     (r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.", "adamw"),
     (r"(^|\.)attn\.indexer\.", FROZEN),
-    (r"(^|\.)ffn\.gate\.bias(_vl)?$", FROZEN),
     (r"(^|\.)engram\.embed\.weight$", "sinkhorn"),
-    (r"(^|\.)(embed|head)\.weight$", "sinkhorn"),
+    (r"(^|\.)(embed|lm_head)\.weight$", "sinkhorn"),
     (r"(^|\.)attn\.wq_b\.weight$", "muon_headwise"),
     (r"(^|\.)vision\.blocks\.\d+\.attn\.wqkv\.weight$", "muon_headwise"),
+    (r"(^|\.)ffn\.experts\.gate_up_proj$", "muon_headwise"),
     (r"\.bias$", "adamw"),
     (r"norm\d?\.weight$", "adamw"),
     (r"(^|\.)attn\.attn_sink$", "adamw"),
@@ -47,8 +49,8 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     (r"(^|\.)attn\.(wq_a|wkv|wo_a|wo_b)\.weight$", "muon"),
     (r"(^|\.)attn\.compressor\.(wkv|wgate)\.weight$", "muon"),
     (r"(^|\.)ffn\.gate\.weight$", "muon"),
-    (r"(^|\.)ffn\.(shared_experts|experts\.\d+)\.w[123]\.weight$", "muon"),
-    (r"(^|\.)ffn\.experts\.w[123]$", "muon"),  # experts stacked as one [E, out, in] parameter
+    (r"(^|\.)ffn\.shared_experts\.w[123]\.weight$", "muon"),
+    (r"(^|\.)ffn\.experts\.down_proj$", "muon"),  # [E, D, I]: each expert's matrix on its own
     (r"(^|\.)hc_(attn|ffn)_fn$", "muon"),
     (r"(^|\.)engram\.wkv\.weight$", "muon"),
     (r"(^|\.)vision\.patch_embed\.proj\.weight$", "muon"),
@@ -120,7 +122,7 @@ def build_param_groups(
 
 
 def freeze_default_parameters(model: nn.Module) -> list[str]:
-    """Set ``requires_grad=False`` on what SPEC §6 freezes (indexer, balancing biases); returns their names."""
+    """Set ``requires_grad=False`` on what SPEC §6 freezes (the indexer); returns their names."""
     frozen = []
     for name, p in model.named_parameters():
         if any(pattern.search(canonical_name(name)) for pattern in _DEFAULT_FROZEN):
@@ -230,4 +232,10 @@ def _head_layout(model: nn.Module, name: str) -> dict[str, Any]:
         if heads is None:
             raise ValueError(f"{name} is head-wise but the model config has no num_attention_heads")
         return {"num_heads": heads}
+    if re.search(r"(^|\.)ffn\.experts\.gate_up_proj$", canonical):
+        text = getattr(config, "text_config", None)
+        intermediate = getattr(config if text is None else text, "moe_intermediate_size", None)
+        if intermediate is None:
+            raise ValueError(f"{name} is head-wise but the model config has no moe_intermediate_size")
+        return {"num_heads": (1, 1), "split_sizes": (intermediate, intermediate)}  # w1 rows, then w3 rows
     raise ValueError(f"{name}: give num_heads in its override to use muon_headwise")

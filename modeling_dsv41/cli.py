@@ -105,6 +105,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# `report["timings_s"]` keys → the stage names the summary prints
+STAGE_NAMES = {"build_and_baseline_s": "build + baseline", "train_s": "fine-tuning", "lora_s": "LoRA",
+               "export_s": "export", "reload_s": "reload check"}
+
+
 def _cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -147,6 +152,9 @@ def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
         f"Also written: {Path(settings['output']) / 'loss.png'}, {Path(settings['output']) / 'report.json'}",
         f"Time {seconds / 60:.1f} min, peak memory {report['peak_memory_bytes'] / 2**20:.0f} MiB, "
         f"{report['threads']} threads",
+        "Wall time per stage: " + ", ".join(
+            f"{STAGE_NAMES.get(key, key)} {value:.1f} s" for key, value in report["timings_s"].items()
+        ),
     ]
     return "\n".join(lines)
 

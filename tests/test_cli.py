@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,11 +65,21 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     assert "Optimizer assignment" in captured.out and "muon_headwise" in captured.out
     baseline = json.loads((out / "run.json").read_text())["before"]
 
+    # what a kill during a later save leaves: a staging folder, or (saves before they were atomic) a checkpoint
+    # without trainer_state.json; the rerun must resume from checkpoint-2 all the same
+    checkpoints = out / "checkpoints" / "full"
+    shutil.copytree(checkpoints / "checkpoint-2", checkpoints / "checkpoint-3")
+    (checkpoints / "checkpoint-3" / "trainer_state.json").unlink()
+    (checkpoints / "tmp-checkpoint-4" / "checkpoint-4").mkdir(parents=True)
+
     monkeypatch.setattr(demo_module._LossOnProgressBar, "on_step_end", original_step_end)
     assert main(["demo", "--output", str(out), "--steps", "4"]) == 0
     captured = capsys.readouterr()
-    assert "Resuming from" in captured.out and "checkpoint-2" in captured.out
+    assert f"Resuming from {checkpoints / 'checkpoint-2'}" in captured.out
     assert "caption exact match" in captured.out and "generations equal" in captured.out
+    stages = re.search(r"Wall time per stage: build \+ baseline [\d.]+ s, fine-tuning [\d.]+ s, export [\d.]+ s, "
+                       r"reload check [\d.]+ s", captured.out)
+    assert stages, captured.out
 
     report = json.loads((out / "report.json").read_text())
     assert report["before"] == baseline  # measured once, before any training

@@ -174,10 +174,13 @@ def load_config(target: str):
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
         try:
-            config_dict = json.loads(config_file.read_text())
-        except json.JSONDecodeError as error:
+            config_dict = json.loads(config_file.read_bytes())
+        except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
             raise ValueError(f"{config_file} is not valid JSON: {error}") from None
-        return DeepseekV41Config.from_dict(config_dict)
+        try:
+            return DeepseekV41Config.from_dict(config_dict)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{config_file} is not a DeepSeek-V4.1 config: {error}") from None
     if target in PRESETS:
         return DeepseekV41Config.from_preset(target)
     raise FileNotFoundError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path")
@@ -197,11 +200,28 @@ def _run_inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and write a probe file, so a read-only destination fails before any work."""
+    probe = folder / ".dsv41-write-test"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise OSError(f"cannot write to {folder}: {error.strerror or error}") from None
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     import torch
 
     from .conversion import convert_released_checkpoint
+    from .validation import check_safetensors_folder
 
+    destination = args.destination
+    if args.source.is_dir():  # fail on a truncated shard or a read-only destination before converting anything
+        check_safetensors_folder(args.source)
+        if not destination.exists() or (destination.is_dir() and not any(destination.iterdir())):
+            _check_writable(destination)
     written = convert_released_checkpoint(args.source, args.destination, dtype=getattr(torch, args.dtype))
     print(f"Wrote {written['tensors']:,} tensors ({written['bytes'] / 2**30:.2f} GiB) to {args.destination}; "
           f"load with DeepseekV41ForCausalLM.from_pretrained({str(args.destination)!r})")

@@ -222,6 +222,24 @@ def test_inspect_errors_are_one_line(tmp_path, capsys):
     _one_line_error(capsys.readouterr().err, "inspect")
 
 
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"[1, 2, 3]", "is not a DeepSeek-V4.1 config: a DeepSeek-V4.1 config must be a JSON object, got list"),
+        (b'{"model_type": "llama", "hidden_size": 4096}', "is not a DeepSeek-V4.1 config: the config is missing 'text_config'"),
+        (b'{"text_config": {"vocab_size": 100}}', "is not a DeepSeek-V4.1 config: the config's text_config is missing 'hidden_size'"),
+        (b'{"a": 1', "is not valid JSON"),
+        (b"\xff\xfe{}", "is not valid JSON"),
+    ],
+)
+def test_inspect_of_a_json_that_is_not_a_config_is_a_one_line_error(tmp_path, capsys, content, message):
+    """No "748B" report for someone else's JSON: exit 2 naming the file."""
+    path = tmp_path / "other.json"
+    path.write_bytes(content)
+    assert main(["inspect", str(path)]) == 2
+    assert f"{path} {message}" in _one_line_error(capsys.readouterr().err, "inspect")
+
+
 def test_format_inspection_of_a_text_only_config():
     text_only = DeepseekV41Config.from_preset("tiny", vision_config=None)
     report = format_inspection(inspect_config(text_only))
@@ -277,6 +295,40 @@ def test_convert_errors_are_one_line(released_checkpoint, tmp_path, monkeypatch,
     monkeypatch.setattr(conversion.shutil, "disk_usage", lambda path: DiskUsage(2**40, 2**40, 1000))
     assert main(["convert", str(released_checkpoint), str(tmp_path / "full")]) == 2
     assert "not enough disk space" in _one_line_error(capsys.readouterr().err, "convert")
+
+
+def _read_only_empty_folder(tmp_path: Path) -> Path:
+    """An empty folder this process cannot write to: a 0o555 one, or, for root (who writes anyway), an empty
+    sysfs folder."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    candidates = [folder, *sorted(Path("/sys/kernel").iterdir())] if Path("/sys/kernel").is_dir() else [folder]
+    for candidate in candidates:
+        try:
+            if candidate.is_dir() and not any(candidate.iterdir()):
+                (candidate / ".probe").write_bytes(b"")
+                (candidate / ".probe").unlink()
+        except OSError:
+            return candidate
+    pytest.fail("found no read-only folder to convert into")
+
+
+def test_convert_to_a_read_only_destination_is_a_one_line_error(released_checkpoint, tmp_path, capsys):
+    destination = _read_only_empty_folder(tmp_path)
+    assert main(["convert", str(released_checkpoint), str(destination)]) == 2
+    assert f"cannot write to {destination}" in _one_line_error(capsys.readouterr().err, "convert")
+
+
+def test_convert_of_a_truncated_shard_is_a_one_line_error(released_checkpoint, tmp_path, capsys):
+    source = tmp_path / "source"
+    shutil.copytree(released_checkpoint, source)
+    shard = sorted(source.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    destination = tmp_path / "out"
+    assert main(["convert", str(source), str(destination)]) == 2
+    assert f"{shard} is truncated" in _one_line_error(capsys.readouterr().err, "convert")
+    assert not destination.exists()  # nothing was written
 
 
 # ---------------------------------------------------------------------------------------------------------------

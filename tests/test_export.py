@@ -167,6 +167,18 @@ def test_model_card_metadata_architecture_and_results(exported, tiny):
     assert len(usage_snippets(text)) == 2  # text chat, and image chat with the processor
 
 
+def test_card_image_snippet_starts_with_one_bos(exported, tiny, tmp_path, monkeypatch):
+    """The chat template writes BOS; the snippet's processor call must not add a second one (as the README's)."""
+    _, processor = tiny
+    image_snippet = usage_snippets((exported / "README.md").read_text())[1]
+    monkeypatch.chdir(tmp_path)
+    sample_image().save(tmp_path / "photo.jpg")
+    namespace = {}
+    exec(compile(image_snippet.split("output = model.generate")[0], "README.md", "exec"), namespace)
+    ids = namespace["inputs"]["input_ids"][0].tolist()
+    assert ids[0] == processor.tokenizer.bos_token_id and ids.count(processor.tokenizer.bos_token_id) == 1
+
+
 def test_model_only_export_has_a_runnable_snippet_and_no_results(tiny, tmp_path):
     model, _ = tiny
     text = (export_for_hub(model, tmp_path / "repo") / "README.md").read_text()

@@ -151,7 +151,7 @@ def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
         f"Hub-ready folder: {report['export_dir']}",
         f"Also written: {Path(settings['output']) / 'loss.png'}, {Path(settings['output']) / 'report.json'}",
         f"Time {seconds / 60:.1f} min, peak memory {report['peak_memory_bytes'] / 2**20:.0f} MiB, "
-        f"{report['threads']} threads",
+        f"{report['threads']} threads on {report['cpu']}",
         "Wall time per stage: " + ", ".join(
             f"{STAGE_NAMES.get(key, key)} {value:.1f} s" for key, value in report["timings_s"].items()
         ),

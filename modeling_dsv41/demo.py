@@ -381,6 +381,17 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def _cpu_name() -> str:
+    """The CPU model, for the timings to say what they were measured on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _peak_memory_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if platform.system() == "Darwin" else peak * 1024  # bytes on macOS, KiB on Linux
@@ -490,6 +501,7 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "threads": torch.get_num_threads(),
+        "cpu": _cpu_name(),
         "num_parameters": model.num_parameters(),
         "chance_exact_match": 1 / len(CAPTIONS),
         "final_train_loss": curves["train"][-1][1] if curves["train"] else None,

@@ -80,6 +80,7 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     stages = re.search(r"Wall time per stage: build \+ baseline [\d.]+ s, fine-tuning [\d.]+ s, export [\d.]+ s, "
                        r"reload check [\d.]+ s", captured.out)
     assert stages, captured.out
+    assert re.search(rf"\d+ threads on {re.escape(demo_module._cpu_name())}\n", captured.out)
 
     report = json.loads((out / "report.json").read_text())
     assert report["before"] == baseline  # measured once, before any training

@@ -5,6 +5,9 @@
 - ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see :mod:`.conversion`).
 
 Errors are one line on stderr (``dsv41 <command>: error: …``) with exit status 2; Ctrl-C exits with 130.
+
+This module imports only the standard library at the top: torch, transformers and the model load inside the
+command that needs them, so ``dsv41 --help`` and usage errors answer in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    from . import register
     from .demo import DemoInterrupted, DemoSettings, run_demo
+
+    register()  # the export writes the Auto classes registered for the model into config.json
 
     settings = DemoSettings(output=args.output, lora=args.lora, seed=args.seed)
     if args.steps is not None:

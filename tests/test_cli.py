@@ -345,6 +345,37 @@ def test_console_script_is_declared_and_runs():
     assert result.returncode == 0 and "without allocating the weights" in result.stdout
 
 
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--steps", "0"]])
+def test_help_and_usage_errors_import_neither_torch_nor_the_model(tmp_path, how, argv):
+    """``dsv41 --help`` must answer at once: importing torch, transformers and the model takes seconds (tens on a
+    slow disk). -X importtime lists every module the process imported."""
+    if how == "console script":  # what pip writes into bin/dsv41
+        script = tmp_path / "dsv41"
+        script.write_text("import sys\nfrom modeling_dsv41.cli import main\nsys.exit(main())\n")
+        command = [sys.executable, "-X", "importtime", str(script), *argv]
+    else:
+        command = [sys.executable, "-X", "importtime", "-m", "modeling_dsv41.cli", *argv]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == (0 if argv == ["--help"] else 2), result.stderr[-2000:]
+    assert "usage: dsv41" in result.stdout or "dsv41 demo: error: argument --steps" in result.stderr
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "argparse" in imported  # the listing works
+    assert not imported & {"torch", "transformers", "numpy", "PIL", "configuration", "processing"}, imported
+
+
+def test_the_package_still_registers_the_auto_classes_on_import():
+    code = ("import modeling_dsv41\nfrom transformers import AutoConfig, AutoModelForCausalLM\n"
+            "config = AutoConfig.for_model('deepseek_v41')\n"
+            "print(AutoModelForCausalLM._model_mapping[type(config)].__name__, modeling_dsv41.DeepseekV41Trainer.__name__)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["DeepseekV41ForCausalLM", "DeepseekV41Trainer"]
+
+
 @pytest.mark.slow
 def test_full_demo_meets_the_acceptance_criteria(tmp_path):
     """The README's first command, in process: exact match ≥ 0.5 and ≥ 3× the untrained model's, and the reloaded

@@ -398,6 +398,20 @@ def test_an_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     assert (run / "checkpoint-2" / "trainer_state.json").is_file() and not (run / "tmp-checkpoint-3").exists()
 
 
+def test_best_model_checkpoint_names_the_final_folder(tmp_path):
+    """Trainer records the best checkpoint while the save runs in the staging folder: the state points to the
+    renamed one."""
+    run = tmp_path / "run"
+    args = training_args(run, max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                         load_best_model_at_end=True, metric_for_best_model="loss", save_total_limit=1)
+    trainer = DeepseekV41Trainer(model=tiny_model(), args=args, train_dataset=Rows(4), eval_dataset=Rows(2))
+    trainer.train()
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.parent == run and best.name in ("checkpoint-1", "checkpoint-2") and best.is_dir()
+    saved = json.loads((best / "trainer_state.json").read_text())
+    assert saved["best_model_checkpoint"] == str(best)
+
+
 KILLED_SAVE_STEP, FAULT_STEPS = 2, 3
 
 

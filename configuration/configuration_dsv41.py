@@ -348,6 +348,37 @@ def is_reference_config(config_dict: dict[str, Any]) -> bool:
     return _REFERENCE_MARKER_KEYS <= set(config_dict) and "text_config" not in config_dict
 
 
+# keys a config.json must name: without them the defaults (the released 749B sizes) would silently build a model
+# that matches no checkpoint but the released one
+_REQUIRED_TEXT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_REQUIRED_REFERENCE_KEYS = (*sorted(_REFERENCE_MARKER_KEYS), "vocab_size")
+
+
+def check_required_keys(config_dict: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` naming the first size key missing from a config dict (either layout)."""
+    if not isinstance(config_dict, dict):
+        raise ValueError(f"a DeepSeek-V4.1 config must be a JSON object, got {type(config_dict).__name__}")
+    if "text_config" not in config_dict:
+        if _REFERENCE_MARKER_KEYS & set(config_dict):  # the flat reference layout
+            missing = [key for key in _REQUIRED_REFERENCE_KEYS if key not in config_dict]
+            if missing:
+                raise ValueError(
+                    f"the flat reference config is missing {missing[0]!r} (it needs {list(_REQUIRED_REFERENCE_KEYS)})"
+                )
+            return
+        raise ValueError(
+            "the config is missing 'text_config' (and is not the flat reference layout with 'dim', 'n_layers', "
+            "'n_heads'): not a DeepSeek-V4.1 config"
+        )
+    text = config_dict["text_config"]
+    if isinstance(text, dict):
+        missing = [key for key in _REQUIRED_TEXT_KEYS if key not in text]
+        if missing:
+            raise ValueError(f"the config's text_config is missing {missing[0]!r} (it needs {list(_REQUIRED_TEXT_KEYS)})")
+    elif not isinstance(text, PreTrainedConfig):
+        raise ValueError(f"text_config must be a JSON object, got {type(text).__name__}")
+
+
 def reference_to_config_dict(ref: dict[str, Any]) -> dict[str, Any]:
     """Translate the flat reference config into our nested layout (unknown keys are kept verbatim)."""
     text: dict[str, Any] = {}
@@ -429,7 +460,9 @@ class DeepseekV41Config(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
-        """Accepts our nested layout and the flat reference ``inference/config.json`` layout."""
+        """Accepts our nested layout and the flat reference ``inference/config.json`` layout. The size keys must be
+        present (see :func:`check_required_keys`)."""
+        check_required_keys(config_dict)
         if is_reference_config(config_dict):
             config_dict = reference_to_config_dict(config_dict)
         return super().from_dict(config_dict, **kwargs)
@@ -451,4 +484,4 @@ class DeepseekV41Config(PreTrainedConfig):
         return cls.from_dict(config_dict)
 
 
-__all__ = ["DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig", "PRESETS_DIR"]
+__all__ = ["DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig", "PRESETS_DIR", "check_required_keys"]

@@ -30,6 +30,7 @@ import itertools
 import math
 import os
 import urllib.parse
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -260,13 +261,31 @@ def _apply_exif_orientation(image: Image.Image) -> Image.Image:
     return image if orientation in (1, None) else ImageOps.exif_transpose(image)
 
 
+# PIL modes whose values exceed 0–255 (16-bit PNGs open as "I;16*"): `convert("RGB")` clips them, mostly to white
+HIGH_BIT_DEPTH_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+
+
+@lru_cache(maxsize=None)
+def _warn_high_bit_depth(mode: str) -> None:
+    """Warns once per mode: the reference's result is kept (bit-exactness), but it is rarely what the caller meant."""
+    warnings.warn(
+        f"an image of PIL mode {mode!r} (e.g. a 16-bit PNG) is converted like the reference, with "
+        'convert("RGB"), which clips values above 255 (a 16-bit image turns mostly white); scale it to 8 bits '
+        "first (e.g. Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))) to keep its contrast",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def pil_to_rgb(image: Image.Image, apply_exif_orientation: bool = False) -> Image.Image:
     """``convert("RGB")``: alpha is dropped and palette transparency ignored, like the reference; optionally
-    EXIF-upright first."""
+    EXIF-upright first. High-bit-depth modes are clipped, as in the reference, with a warning (once per mode)."""
     if image.width == 0 or image.height == 0:
         raise ValueError(f"empty image ({image.width}×{image.height})")
     if apply_exif_orientation:
         image = _apply_exif_orientation(image)
+    if image.mode in HIGH_BIT_DEPTH_MODES:
+        _warn_high_bit_depth(image.mode)
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

@@ -180,6 +180,27 @@ def test_modes_convert_like_pil(mode):
         assert torch.equal(backend(**TINY)(image)["pixel_values"], expected), (backend.__name__, mode)
 
 
+def test_16_bit_png_keeps_the_reference_result_and_warns_once(tmp_path):
+    """A 16-bit PNG clips to mostly white under the reference's convert("RGB"): same pixels, one warning."""
+    import warnings
+
+    from processing import image_processing_dsv41
+
+    values = np.random.default_rng(8).integers(0, 2**16, (23, 37)).astype(np.uint16)
+    Image.fromarray(values).save(tmp_path / "deep.png")
+    image = Image.open(tmp_path / "deep.png")
+    assert image.mode == "I;16"
+    expected = reference_patches(image, **TINY)
+    image_processing_dsv41._warn_high_bit_depth.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for backend in (*BACKENDS, *BACKENDS):
+            assert torch.equal(backend(**TINY)(image)["pixel_values"], expected), backend.__name__
+        DeepseekV41ImageProcessor(**TINY)(random_image(37, 23, 8))  # 8-bit: no warning
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 1 and "'I;16'" in messages[0] and "clips values above 255" in messages[0], messages
+
+
 def test_alpha_and_palette_transparency_are_dropped_not_composited():
     rgba = random_image(30, 20, 6, "RGBA")
     rgba.putalpha(0)

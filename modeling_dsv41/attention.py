@@ -17,7 +17,9 @@ Per layer ``i`` with ``compress_ratios[i] = r``:
 Each query attends over a list of *slots* (rows of the concatenated [window K=V; compressed K=V], -1 for none)
 laid out as the reference lays them out: its window positions oldest first, then its selected compressed rows in
 position order. :func:`sink_attention` reduces them in the reference kernel's blocks of 64 slots, so that the
-float rounding, and with it the logits, follow the reference's.
+float rounding, and with it the logits, follow the reference's. A full pass runs the indexer and the attention
+over ``query_chunk_size`` queries at a time, by the same per-query ops, so that its memory grows linearly with the
+sequence length.
 
 What a source hands to its consumers within one forward lives in :class:`CompressedContext`; what decoding
 carries from one forward to the next lives in :class:`~.cache.DeepseekV41Cache`.

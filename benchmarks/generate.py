@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-
-from forward import SIZES, build_ours, build_transformers_v4
 from torch import nn
 from transformers.utils import logging as hf_logging
 
 from modeling_dsv41 import DeepseekV41ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling forward.py, however this script is run
+from forward import SIZES, build_ours, build_transformers_v4  # noqa: E402
 
 
 def build(size: str, device: str, dtype: torch.dtype) -> tuple[DeepseekV41ForCausalLM, nn.Module]:

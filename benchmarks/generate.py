@@ -9,9 +9,9 @@ length N it reports, from one run:
 - recompute: median time of one full forward over N tokens (what each new token costs without a cache);
 - the speed-up of the first over the second, and the cache's size at N;
 - greedy decoding through ``generate`` at ``--batch`` rows, ours and transformers' ``DeepseekV4ForCausalLM``
-  built at the same sizes (each with its own cache): decode tokens/s per row, from the time of ``--steps`` + 1
-  new tokens less that of 1 (the prefill and first token), medians of round-robin repeats, and ours ÷ V4 in
-  time per token;
+  built at the same sizes (each with its own cache): decode tokens/s per row, from the median interval between
+  consecutive tokens of ``--steps`` + 1 (the prefill excluded) over round-robin repeats, and ours ÷ V4 in time
+  per token;
 
 and how much the per-token decode time grows from the shortest to the longest context. By design a decode step
 costs the window (fixed) plus work over the compressed rows (∝ N / ratio: the indexer scores all of them,
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.utils import logging as hf_logging
 
 from modeling_dsv41 import DeepseekV41ForCausalLM
@@ -87,31 +88,41 @@ def measure(
     }
 
 
+class StepClock(LogitsProcessor):
+    """Records the (device-synchronized) time each generated token's logits arrive; leaves them unchanged."""
+
+    def __init__(self, device: str):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.times.append(synchronized(self.device))
+        return scores
+
+
 @torch.no_grad()
 def greedy_decode_seconds(
     models: dict[str, nn.Module], context: int, batch: int, steps: int, reps: int, device: str
 ) -> dict[str, float]:
-    """Seconds per decoded token (per row) of each model's ``generate``: the time of ``steps`` + 1 new tokens less
-    that of 1, medians over repeats timed round-robin."""
+    """Seconds per decoded token (per row) of each model's ``generate``: the median interval between consecutive
+    tokens' logits (the prefill, before the first, excluded), over ``reps`` calls timed round-robin."""
     vocab = min(m.config.get_text_config().vocab_size for m in models.values())
     ids = torch.randint(3, vocab - 16, (batch, context), generator=torch.Generator().manual_seed(context)).to(device)
 
-    def generate(model: nn.Module, new_tokens: int) -> float:
-        start = synchronized(device)
+    def step_intervals(model: nn.Module, new_tokens: int) -> list[float]:
+        clock = StepClock(device)
         model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=0,
+            do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
         )
-        return synchronized(device) - start
+        return [b - a for a, b in zip(clock.times, clock.times[1:])]
 
     for model in models.values():
-        generate(model, 2)  # warm-up
-    times = {name: ([], []) for name in models}
+        step_intervals(model, 2)  # warm-up
+    intervals: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(reps):
         for name, model in models.items():
-            times[name][0].append(generate(model, 1))
-            times[name][1].append(generate(model, steps + 1))
-    return {name: (statistics.median(long) - statistics.median(short)) / steps for name, (short, long) in times.items()}
+            intervals[name] += step_intervals(model, steps + 1)
+    return {name: statistics.median(times) for name, times in intervals.items()}
 
 
 def main() -> None:

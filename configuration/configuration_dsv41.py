@@ -49,6 +49,11 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         emulate_quantization (`bool`): reproduce the reference's FP8 window-KV, FP4 compressed-KV and FP4
             indexer q/k quantize-dequantize steps bit-for-bit (straight-through gradients in training).
             ``False`` skips them.
+        query_chunk_size (`int`): queries per chunk of a full (prefill or training) pass: the indexer's scores
+            and top-k and the sparse attention run on this many queries at a time, so that peak memory grows
+            linearly with the sequence length instead of holding [S, index heads, S / ratio] scores. Each query is
+            computed by the same ops whatever the chunk size; lower it for very long contexts (the scores of one
+            chunk take ``4 · batch · query_chunk_size · index_n_heads · S / ratio`` bytes).
         engram_table_dtype (`str`): ``"float"`` keeps Engram tables in the model dtype; ``"fp8"`` keeps them
             as stored in the released checkpoint (e4m3 + per-32 scales), dequantized on lookup.
     """
@@ -94,6 +99,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     candidate_source_layer_id: int = 20
     candidate_topk_blocks: int = 2048
     candidate_block_size: int = 8
+    query_chunk_size: int = 2048
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -147,7 +153,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             o_groups=self.o_groups, n_routed_experts=self.n_routed_experts,
             num_experts_per_tok=self.num_experts_per_tok, sliding_window=self.sliding_window,
             index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim, index_topk=self.index_topk,
-            hc_mult=self.hc_mult, hc_sinkhorn_iters=self.hc_sinkhorn_iters,
+            query_chunk_size=self.query_chunk_size, hc_mult=self.hc_mult, hc_sinkhorn_iters=self.hc_sinkhorn_iters,
         )
         if self.num_key_value_heads != 1:
             raise ValueError("DeepSeek-V4.1 shares one K=V vector per token: num_key_value_heads must be 1")

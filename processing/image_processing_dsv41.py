@@ -615,8 +615,9 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
                 f"{type(self).__name__} resamples with {names}, got {resample!r}"
                 + ("; DeepseekV41ImageProcessorPil takes every PIL filter" if self.backend == "torch" else "")
             )
-        if do_rescale and not (rescale_factor and rescale_factor > 0):
-            raise ValueError(f"rescale_factor must be positive, got {rescale_factor!r}")
+        if do_rescale and not (isinstance(rescale_factor, (int, float)) and math.isfinite(rescale_factor) and rescale_factor):
+            # a negative factor is plain arithmetic (transformers' processor tests flip images with -1)
+            raise ValueError(f"rescale_factor must be a finite non-zero number, got {rescale_factor!r}")
         if do_normalize:
             for name, value in (("image_mean", image_mean), ("image_std", image_std)):
                 if len(np.atleast_1d(value)) not in (1, 3):

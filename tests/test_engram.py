@@ -154,6 +154,16 @@ def test_without_a_tokenizer_the_default_map_is_used_with_a_warning(tiny, caplog
     assert not torch.equal(hashes, make_hasher(config, engram["token_map"])(inputs["input_ids"]))
 
 
+def test_default_map_covers_ids_added_by_a_resize(tiny):
+    config, engram, _, _ = tiny
+    hasher = DeepseekV41NgramHasher(config)
+    ids = torch.tensor([[5, config.vocab_size + 3, 7]])  # an id beyond the map, as after resize_token_embeddings
+    folded = ids % config.engram_compressed_vocab_size
+    assert torch.equal(hasher(ids), hasher(folded))
+    with pytest.raises(ValueError, match=rf"input ids \[{config.vocab_size + 3}\]"):
+        make_hasher(config, engram["token_map"])(ids)  # a tokenizer's map knows nothing of new tokens
+
+
 def test_model_from_config_trains_saves_and_reloads_without_a_tokenizer(tmp_path):
     from modeling_dsv41 import DeepseekV41ForCausalLM
 

@@ -262,12 +262,13 @@ class DeepseekV41NgramHasher(nn.Module):
                 "their tokenizer (`model.engram_hasher.load_tokenizer(tokenizer)`, or from_pretrained with "
                 "`engram_tokenizer=`)"
             )
-        if self.uses_default_token_map:  # the default map is arithmetic: it also covers ids added by a resize
-            in_range = input_ids >= 0
-            compressed = input_ids.where(in_range, 0) % self.compressed_vocab_size
-        else:
-            in_range = (input_ids >= 0) & (input_ids < self.token_map.numel())
-            compressed = self.token_map[input_ids.where(in_range, 0)]
+        vocab = self.token_map.numel()
+        in_range = (input_ids >= 0) & (input_ids < vocab)
+        compressed = self.token_map[input_ids.where(in_range, 0)]
+        if self.uses_default_token_map:  # the default map is arithmetic: ids a resize added beyond it fold alike
+            beyond = input_ids >= vocab
+            compressed = torch.where(beyond, input_ids % self.compressed_vocab_size, compressed)
+            in_range = in_range | beyond
         invalid = ~dead & (~in_range | (compressed < 0))
         if not torch.compiler.is_compiling() and invalid.any():
             bad = input_ids[invalid].unique()[:8].tolist()

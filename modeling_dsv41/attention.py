@@ -74,9 +74,12 @@ class DeepseekV41Compressor(nn.Module):
     def __init__(self, config, ratio: int):
         super().__init__()
         self.ratio = ratio
-        linear = DeepseekV41Fp32Linear if ratio > 1 else nn.Linear
-        self.wkv = linear(config.hidden_size, config.head_dim, bias=False)
-        self.wgate = linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        if ratio > 1:  # created fp32 whatever the default dtype, as from_pretrained keeps them (reference dtypes)
+            self.wkv = DeepseekV41Fp32Linear(config.hidden_size, config.head_dim, bias=False, dtype=torch.float32)
+            self.wgate = DeepseekV41Fp32Linear(config.hidden_size, config.head_dim, bias=False, dtype=torch.float32)
+        else:
+            self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+            self.wgate = None
         self.norm = DeepseekV41RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

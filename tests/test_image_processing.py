@@ -405,3 +405,25 @@ def test_a_plan_that_shrinks_to_an_empty_canvas_is_a_clear_error():
     """With downsample_ratio 1 and a tight budget the reference's float arithmetic reaches a 0-pixel side."""
     with pytest.raises(ValueError, match="empty 0×140 canvas"):
         plan_image_grid(220, 2235, downsample_ratio=1, max_image_tokens=20, min_pixels=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_size_is_transformers_view_of_min_pixels(backend):
+    processor = backend(size={"shortest_edge": 3000}, max_image_tokens=64)
+    assert processor.min_pixels == 3000 and processor.size == {"shortest_edge": 3000}
+    processor.min_pixels = 20000
+    assert processor.size == {"shortest_edge": 20000}
+    assert backend.from_dict(processor.to_dict()).min_pixels == 20000
+    with pytest.raises(ValueError, match="only 'shortest_edge'"):
+        backend(size={"height": 28, "width": 28})
+    image = random_image(40, 30, seed=0)
+    with pytest.raises(ValueError, match="pass min_pixels="):  # never silently ignored in a call
+        processor(image, size={"shortest_edge": 5000})
+    smaller = processor(image, min_pixels=3000, return_tensors="pt").pixel_values
+    assert smaller.shape[0] < processor(image, return_tensors="pt").pixel_values.shape[0]
+
+
+def test_kwargs_class_is_exposed_by_both_backend_modules():
+    import processing.image_processing_pil_dsv41 as pil_module
+
+    assert pil_module.DeepseekV41ImageProcessorKwargs is DeepseekV41ImageProcessorPil.valid_kwargs

@@ -28,7 +28,7 @@ from configuration.configuration_dsv41 import DeepseekV41Config
 
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
 from .cache import CacheStep, DeepseekV41Cache
-from .checkpoint_loading import DeepseekV41CheckpointLoadingMixin
+from .hub.checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear

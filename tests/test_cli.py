@@ -23,10 +23,10 @@ from safetensors import safe_open
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41 import demo as demo_module
-from modeling_dsv41.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
 from modeling_dsv41.cli import main
-from modeling_dsv41.demo_data import CAPTIONS, ShapesDataset, build_demo_tokenizer
-from modeling_dsv41.inspection import format_inspection, inspect_config
+from modeling_dsv41.cli.demo_data import CAPTIONS, ShapesDataset, build_demo_tokenizer
+from modeling_dsv41.cli.inspection import format_inspection, inspect_config
 from modeling_dsv41.optim import assignment_table
 
 DiskUsage = namedtuple("DiskUsage", "total used free")

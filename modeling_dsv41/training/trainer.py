@@ -35,7 +35,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.training_args import OptimizerNames
 
-from .optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
+from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
 from .router_balancing import RouterBiasBalancer
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class DeepseekV41Trainer(Trainer):
 
     Takes :class:`DeepseekV41TrainingArguments`. With ``freeze_default_parameters`` (default) the indexer is frozen
     at construction (the balancing biases are buffers, moved only by the balancing rule). The assignment table (tensors, parameters and optimizer-state
-    bytes per kind) is logged at INFO by ``modeling_dsv41.trainer`` and kept in ``self.assignment_table``.
+    bytes per kind) is logged at INFO by ``modeling_dsv41.training.trainer`` and kept in ``self.assignment_table``.
     """
 
     args: DeepseekV41TrainingArguments

@@ -2,7 +2,7 @@
 
 - ``dsv41 demo``: build, measure, fine-tune, publish, reload and caption a tiny DeepSeek-V4.1 (see :mod:`.demo`).
 - ``dsv41 inspect [PRESET|PATH]``: parameters, optimizer state and image token budgets, on the meta device.
-- ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see :mod:`.conversion`).
+- ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see :mod:`modeling_dsv41.hub.conversion`).
 
 Errors are one line on stderr (``dsv41 <command>: error: …``) with exit status 2; Ctrl-C exits with 130.
 
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from . import register
+    from .. import register
     from .demo import DemoInterrupted, DemoSettings, run_demo
 
     register()  # the export writes the Auto classes registered for the model into config.json
@@ -220,8 +220,8 @@ def _check_writable(folder: Path) -> None:
 def _run_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from .conversion import convert_released_checkpoint
-    from .validation import check_safetensors_folder
+    from ..hub.conversion import convert_released_checkpoint
+    from ..validation import check_safetensors_folder
 
     destination = args.destination
     if args.source.is_dir():  # fail on a truncated shard or a read-only destination before converting anything
@@ -251,6 +251,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prefix}: error: {message}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,2 @@
+"""Training: :class:`~.trainer.DeepseekV41Trainer` (the mixed optimizer of :mod:`modeling_dsv41.optim` and
+per-modality router balancing, :mod:`.router_balancing`). Loaded on first use: inference does not need it."""

@@ -169,11 +169,11 @@ def test_longer_prompts_match_reference(fixtures_dir, variant, prompt):
 # queries), made as LONG was: DeepSeek's reference code (the fixtures' CPU port, verbatim) on the fixture weights,
 # under torch 2.13.0 inside ``modeling_dsv41.numerics.reference_numerics()``, on the fixture's own inputs (57 ids and
 # the image) and on LONG's two prompts (their ids stored again here). The same bits under the ISA limits of
-# test_numerics. The same recipe with the CPU's native bf16 Linears (only the bf16 einsums and the ViT's attention
-# computed as the fixtures' torch 2.14 does) reproduces all four shipped fixture logits, qdq and noqdq, bit for bit on
-# an AVX-512-BF16 CPU; in reference numerics its noqdq logits are the shipped ones and LONG's. Our logits equal these
-# exactly (max|Δ| 0.000): the shipped QDQ fixtures' 0.039 (dense) and 0.35 (sparse) are the native GEMMs' rounding,
-# not a difference of ours. The bound is the issue's 0.02.
+# test_numerics. The same recipe with the CPU's native bf16 products (only the ViT's fused attention computed as the
+# fixtures' torch 2.14 kernel does: numerics.portable_attention) reproduces all four shipped fixture logits, qdq and
+# noqdq, bit for bit on an AVX-512-BF16 CPU; in reference numerics its noqdq logits are the shipped ones and LONG's.
+# Our logits equal these exactly (max|Δ| 0.000): the shipped QDQ fixtures' 0.039 (dense) and 0.35 (sparse) are the
+# native GEMMs' rounding, not a difference of ours. The bound is the issue's 0.02.
 REFERENCE_QDQ = "data/reference_qdq.safetensors"
 
 

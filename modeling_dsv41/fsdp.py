@@ -18,6 +18,8 @@ FSDP2 averages the sharded ones.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -77,7 +79,9 @@ def shard_model(
         fully_shard(unit, mp_policy=fp32_policy, **kwargs)
     for unit in fsdp_units(model):
         fully_shard(unit, mp_policy=mp_policy, ignored_params=replicated, **kwargs)
-    fully_shard(model, mp_policy=mp_policy, ignored_params=replicated, **kwargs)
+    # the root's output is the model's: fp32 loss and logits (the LM head is fp32), whatever `output_dtype` says
+    root_policy = dataclasses.replace(mp_policy, output_dtype=None)
+    fully_shard(model, mp_policy=root_policy, ignored_params=replicated, **kwargs)
     group = None if mesh is None else mesh.get_group()
     for param in replicated:
         param.register_post_accumulate_grad_hook(lambda p: _average_over_ranks(p.grad, group))

@@ -7,8 +7,13 @@ an earlier layer published, the case a finer FSDP wrapping gets wrong) with the 
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import shlex
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -23,6 +28,7 @@ from modeling_dsv41.numerics import reference_numerics
 from modeling_dsv41.optim import MixedOptimizer, assign_kinds, build_param_groups, freeze_default_parameters
 from modeling_dsv41.router_balancing import RouterBiasBalancer
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 TIMEOUT_S = 120
 STEPS = 3
@@ -281,3 +287,143 @@ def test_fsdp2_three_steps_match_one_process_per_kind_biases_agree_and_resume_is
 
 def test_bf16_mixed_precision_keeps_fp32_modules_fp32(tmp_path):
     spawn("_bf16_policy_keeps_fp32_modules_fp32", tmp_path)
+
+
+# ----------------------------------------------------------------------------- accelerate launch (README)
+
+
+def readme_blocks(language: str) -> list[str]:
+    readme = (REPO_ROOT / "README.md").read_text()
+    return [code for lang, code in re.findall(r"```(\w*)\n(.*?)```", readme, re.DOTALL) if lang == language]
+
+
+def readme_launch_command() -> tuple[str, dict[str, str]]:
+    """The README's ``accelerate launch`` line: its config file and the script's flags."""
+    lines = [line for block in readme_blocks("bash") for line in block.splitlines() if line.startswith("accelerate launch")]
+    assert len(lines) == 1, lines
+    argv = shlex.split(lines[0])
+    assert argv[:3] == ["accelerate", "launch", "--config_file"] and argv[4] == "examples/finetune.py", argv
+    flags = argv[5:]
+    return argv[3], dict(zip(flags[::2], flags[1::2]))
+
+
+def accelerate_launch(config: str, flags: dict[str, str], report: Path) -> None:
+    """``accelerate launch --config_file config examples/finetune.py flags`` on 2 CPU processes, through
+    tests/accelerate_cpu.py (accelerate's FSDP plugin is GPU-only without it; see there)."""
+    report.mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO_ROOT / config),
+        "--main_process_port", str(port), str(REPO_ROOT / "tests" / "accelerate_cpu.py"), str(report),
+        *(item for pair in flags.items() for item in pair),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a Trainer checkpoint holds (sharded DCP folders read whole), by file and key."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    tensors = {}
+
+    def add(prefix: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                add(f"{prefix}/{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for key, item in enumerate(value):
+                add(f"{prefix}/{key}", item)
+
+    for path in sorted(folder.iterdir()):
+        if path.is_dir():  # pytorch_model_fsdp_0/, optimizer_0/: torch.distributed.checkpoint shards
+            dcp_to_torch_save(path, folder / f"{path.name}.whole.pt")
+            add(path.name, torch.load(folder / f"{path.name}.whole.pt", weights_only=False))
+        elif path.suffix == ".safetensors":
+            add(path.name, load_file(path))
+        elif path.name.startswith(("optimizer", "pytorch_model")) and path.suffix in (".pt", ".bin"):
+            add(path.name, torch.load(path, weights_only=False))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> Path:
+    """An untrained demo model and its processor in a folder, as `dsv41 demo` leaves it (README's --model)."""
+    from modeling_dsv41 import export_for_hub
+    from modeling_dsv41.demo import build_demo_model, build_demo_processor, demo_config
+    from modeling_dsv41.demo_data import build_demo_tokenizer
+
+    folder = tmp_path_factory.mktemp("demo") / "model"
+    tokenizer = build_demo_tokenizer()
+    config = demo_config(tokenizer)
+    export_for_hub(build_demo_model(config, tokenizer, seed=0), folder, build_demo_processor(config, tokenizer))
+    return folder
+
+
+def readme_config_matches_the_file(config: str) -> None:
+    """The README's excerpt of the config file is in the file, line for line."""
+    (excerpt,) = readme_blocks("yaml")
+    lines = {line.rstrip() for line in (REPO_ROOT / config).read_text().splitlines()}
+    assert all(line in lines for line in excerpt.splitlines()), excerpt
+
+
+def run_readme_command_then_resume(config: str, tmp: Path, demo: Path) -> tuple[list[dict], Path, Path]:
+    """The README's command, shortened to 3 steps (a checkpoint after 2), then a second run resumed from step 2
+    without gradient checkpointing; returns the first run's per-rank reports and both runs' last checkpoints."""
+    _, flags = readme_launch_command()
+    flags.update({"--model": str(demo), "--max_steps": "3", "--save_steps": "2", "--per_device_train_batch_size": "2",
+                  "--train_samples": "12", "--logging_steps": "1", "--dataloader_num_workers": "0"})
+    assert flags.get("--gradient_checkpointing") == "true"  # the README's run checkpoints activations
+    first, second = tmp / "first", tmp / "second"
+    accelerate_launch(config, {**flags, "--output_dir": str(first)}, tmp / "first-report")
+    resumed = {**flags, "--output_dir": str(second), "--gradient_checkpointing": "false",
+               "--resume_from_checkpoint": str(first / "checkpoint-2")}
+    accelerate_launch(config, resumed, tmp / "second-report")
+    reports = [torch.load(tmp / "first-report" / f"rank{rank}.pt") for rank in range(WORLD)]
+    return reports, first / "checkpoint-3", second / "checkpoint-3"
+
+
+def assert_same_checkpoint(actual: Path, expected: Path) -> None:
+    tensors, reference = checkpoint_tensors(actual), checkpoint_tensors(expected)
+    assert tensors.keys() == reference.keys() and tensors
+    for key, value in reference.items():
+        assert torch.equal(tensors[key], value), f"{key} differs after resuming"
+
+
+def test_readme_fsdp2_launch_trains_saves_sharded_checkpoints_and_resumes_exactly(tmp_path, demo_model):
+    """accelerate's FSDP2 plugin with bf16 mixed precision: the Trainer's sharding keeps the fp32 modules fp32,
+    checkpoints are sharded, a resumed run (without gradient checkpointing) ends bit-identical to the run that
+    went on (with it): both compute the same gradients, and every parameter, the ViT's included, resumes its state."""
+    config, _ = readme_launch_command()
+    assert config == "examples/accelerate/fsdp2.yaml"
+    readme_config_matches_the_file(config)
+    reports, last, resumed = run_readme_command_then_resume(config, tmp_path, demo_model)
+
+    assert {path.name for path in last.iterdir()} >= {"pytorch_model_fsdp_0", "optimizer_0"}
+    assert len(list((last / "pytorch_model_fsdp_0").glob("*.distcp"))) == WORLD  # one shard file per process
+    assert_same_checkpoint(resumed, last)
+    for report in reports:
+        assert report["dtypes"] == {
+            "lm_head": torch.float32, "hc_attn_fn": torch.float32, "attn_sink": torch.float32, "wq_a": torch.bfloat16,
+        }, report["dtypes"]
+        assert len(report["losses"]) == 3 and all(math.isfinite(loss) for loss in report["losses"])
+    assert any(bias.any() for bias in reports[0]["biases"].values())
+    for name, bias in reports[0]["biases"].items():
+        assert torch.equal(bias, reports[1]["biases"][name]), name
+
+
+@pytest.mark.slow
+def test_ddp_config_launch_trains_and_resumes_exactly(tmp_path, demo_model):
+    """The README's command with examples/accelerate/ddp.yaml: DDP (bf16 autocast keeps every weight fp32)."""
+    reports, last, resumed = run_readme_command_then_resume("examples/accelerate/ddp.yaml", tmp_path, demo_model)
+    assert (last / "model.safetensors").is_file()
+    assert_same_checkpoint(resumed, last)
+    for name, bias in reports[0]["biases"].items():
+        assert torch.equal(bias, reports[1]["biases"][name]), name
+    assert all(math.isfinite(loss) for report in reports for loss in report["losses"])

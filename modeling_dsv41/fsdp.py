@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 try:
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 except ImportError:  # torch built without distributed
-    FSDPModule = MixedPrecisionPolicy = fully_shard = None
+    FSDPModule = MixedPrecisionPolicy = OffloadPolicy = fully_shard = None
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -57,6 +57,7 @@ def shard_model(
     mesh=None,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
     """``fully_shard`` the decoder layers and ViT blocks, then the whole model, in place; returns ``model``.
 
@@ -65,12 +66,13 @@ def shard_model(
         mesh: the 1-D data-parallel ``DeviceMesh`` (default: every rank of the default group).
         mp_policy: FSDP2 mixed precision; with a ``param_dtype`` other than fp32 the fp32-kept parameters stay
             fp32 and replicated (see the module docstring).
-        reshard_after_forward: as in ``fully_shard``.
+        reshard_after_forward, offload_policy: as in ``fully_shard`` (``CPUOffloadPolicy()`` keeps the shards,
+            their gradients and the optimizer step on the CPU).
     """
     if fully_shard is None or not dist.is_initialized():
         raise ValueError("shard_model needs torch.distributed initialized (init_process_group) before sharding")
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy()}
     fp32_units, replicated = [], set()
     if mp_policy.param_dtype not in (None, torch.float32):
         fp32_units, replicated = _split_fp32(model)

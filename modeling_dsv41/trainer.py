@@ -251,6 +251,12 @@ class DeepseekV41Trainer(Trainer):
                 "gradient_checkpointing=True (TrainingArguments) instead"
             )
         plugin.set_auto_wrap_policy(self.model)  # resolved on the unsharded classes, as accelerate expects
+        units = set(getattr(self.model, "_no_split_modules", None) or ())
+        if set(plugin.transformer_cls_names_to_wrap or units) != units or plugin.min_num_params:
+            logger.warning(
+                "DeepseekV41Trainer shards %s as FSDP2 units; the configured wrap policy (%s) is not used",
+                sorted(units), plugin.transformer_cls_names_to_wrap or f"min_num_params={plugin.min_num_params}",
+            )
         policy = plugin.mixed_precision_policy
         if policy is not None and policy.param_dtype not in (None, torch.float32):
             for param in self.model.parameters():  # fp32 masters, as accelerate's FSDP2 preparation makes them
@@ -259,7 +265,10 @@ class DeepseekV41Trainer(Trainer):
         mesh = getattr(self.accelerator, "torch_device_mesh", None)
         if mesh is not None:
             mesh = mesh[tuple(self.accelerator.parallelism_config.fsdp_dim_names)]
-        shard_model(self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=plugin.reshard_after_forward)
+        shard_model(
+            self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=plugin.reshard_after_forward,
+            offload_policy=plugin.cpu_offload,
+        )
 
     def compute_loss(
         self,

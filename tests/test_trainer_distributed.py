@@ -11,17 +11,14 @@ import math
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_processes import TIMEOUT_S, WORLD, free_port, spawn
 
 from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from modeling_dsv41.numerics import reference_numerics
@@ -29,8 +26,6 @@ from modeling_dsv41.optim import MixedOptimizer, assign_kinds, build_param_group
 from modeling_dsv41.router_balancing import RouterBiasBalancer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-WORLD = 2
-TIMEOUT_S = 120
 STEPS = 3
 SEQ = 16
 LR = 1e-2
@@ -239,54 +234,13 @@ def _bf16_policy_keeps_fp32_modules_fp32(rank: int, tmp: Path) -> None:
             assert torch.equal(gathered[0], gathered[1]), f"replicated {name} differs across ranks"
 
 
-# ----------------------------------------------------------------------------- spawning
-
-
-def _worker(rank: int, fn_name: str, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        globals()[fn_name](rank, Path(tmp))
-    except BaseException:
-        (Path(tmp) / f"failure_{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn_name: str, tmp: Path) -> None:
-    """Run ``fn_name(rank, tmp)`` on 2 gloo processes; fail (not hang) after TIMEOUT_S."""
-    context = mp.start_processes(
-        _worker, args=(fn_name, free_port(), str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{fn_name} did not finish within {TIMEOUT_S} s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException):
-        failures = sorted(tmp.glob("failure_*.txt"))
-        pytest.fail("\n".join(f.read_text() for f in failures) or "a worker failed")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-
-
 def test_fsdp2_three_steps_match_one_process_per_kind_biases_agree_and_resume_is_exact(tmp_path):
-    spawn("_fsdp2_matches_one_process_and_resumes", tmp_path)
+    spawn(_fsdp2_matches_one_process_and_resumes, tmp_path)
     print((tmp_path / "errors.txt").read_text())
 
 
 def test_bf16_mixed_precision_keeps_fp32_modules_fp32(tmp_path):
-    spawn("_bf16_policy_keeps_fp32_modules_fp32", tmp_path)
+    spawn(_bf16_policy_keeps_fp32_modules_fp32, tmp_path)
 
 
 # ----------------------------------------------------------------------------- accelerate launch (README)
@@ -311,12 +265,9 @@ def accelerate_launch(config: str, flags: dict[str, str], report: Path) -> None:
     """``accelerate launch --config_file config examples/finetune.py flags`` on 2 CPU processes, through
     tests/accelerate_cpu.py (accelerate's FSDP plugin is GPU-only without it; see there)."""
     report.mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO_ROOT / config),
-        "--main_process_port", str(port), str(REPO_ROOT / "tests" / "accelerate_cpu.py"), str(report),
+        "--main_process_port", str(free_port()), str(REPO_ROOT / "tests" / "accelerate_cpu.py"), str(report),
         *(item for pair in flags.items() for item in pair),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}

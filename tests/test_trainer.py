@@ -362,7 +362,7 @@ def test_gradient_checkpointing_and_bf16_autocast(tmp_path):
 def test_a_nan_loss_is_logged_as_nan_not_zero(tmp_path):
     model = tiny_model()
     with torch.no_grad():
-        model.head.weight[0] = float("nan")  # every logit row holds a NaN: the loss is NaN from the first step
+        model.lm_head.weight[0] = float("nan")  # every logit row holds a NaN: the loss is NaN from the first step
     args = training_args(tmp_path, max_steps=1, logging_strategy="steps", logging_steps=1, bias_update_speed=0)
     trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=Rows(2))
     trainer.train()

@@ -72,7 +72,9 @@ def shard_model(
     if fully_shard is None or not dist.is_initialized():
         raise ValueError("shard_model needs torch.distributed initialized (init_process_group) before sharding")
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy()}
+    kwargs = {
+        "mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy(),
+    }
     fp32_units, replicated = [], set()
     if mp_policy.param_dtype not in (None, torch.float32):
         fp32_units, replicated = _split_fp32(model)

@@ -39,7 +39,9 @@ def free_port() -> int:
 
 def spawn(fn: Callable[[int, Path], None], tmp: Path, timeout_s: float = TIMEOUT_S) -> None:
     """Run ``fn(rank, tmp)`` (a module-level function) on 2 gloo processes; fail, not hang, after ``timeout_s``."""
-    context = mp.start_processes(_worker, args=(fn, free_port(), str(tmp)), nprocs=WORLD, join=False, start_method="spawn")
+    context = mp.start_processes(
+        _worker, args=(fn, free_port(), str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=1):

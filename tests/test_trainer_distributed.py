@@ -254,7 +254,8 @@ def readme_blocks(language: str) -> list[str]:
 
 def readme_launch_command() -> tuple[str, dict[str, str]]:
     """The README's ``accelerate launch`` line: its config file and the script's flags."""
-    lines = [line for block in readme_blocks("bash") for line in block.splitlines() if line.startswith("accelerate launch")]
+    lines = [line for block in readme_blocks("bash") for line in block.splitlines()]
+    lines = [line for line in lines if line.startswith("accelerate launch")]
     assert len(lines) == 1, lines
     argv = shlex.split(lines[0])
     assert argv[:3] == ["accelerate", "launch", "--config_file"] and argv[4] == "examples/finetune.py", argv
@@ -271,7 +272,8 @@ def accelerate_launch(config: str, flags: dict[str, str], report: Path) -> None:
         "--main_process_port", str(free_port()), str(REPO_ROOT / "tests" / "accelerate_cpu.py"), str(report),
         *(item for pair in flags.items() for item in pair),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
 

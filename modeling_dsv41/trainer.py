@@ -13,6 +13,10 @@ complete, so a process killed mid-save leaves no ``checkpoint-N`` that resuming 
 skips, with a warning, any ``checkpoint-N`` without ``trainer_state.json`` (written last; left by older saves).
 NaN / inf losses are logged as they are (``logging_nan_inf_filter`` defaults to ``False``).
 
+Under accelerate's FSDP2 plugin (``fsdp_version: 2``) it shards the model itself with :func:`~.fsdp.shard_model`
+before accelerate prepares it, so that the units are the ones that keep the forward exact and the fp32 modules stay
+fp32 under bf16 mixed precision.
+
 Everything else (gradient accumulation, bf16 autocast, gradient checkpointing, DDP, checkpoints and resuming) is
 ``Trainer``'s own: the biases are persistent model buffers, so checkpoints carry them, and the counts are empty whenever
 a checkpoint is written (right after an optimizer step).

@@ -145,7 +145,7 @@ def _fsdp2_matches_one_process_and_resumes(rank: int, tmp: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from modeling_dsv41.fsdp import shard_model
+    from modeling_dsv41.training.fsdp import shard_model
 
     data = rows()
     halves = [collate(data[:2]), collate(data[2:])]  # FSDP2 averages the two ranks' gradients
@@ -203,7 +203,7 @@ def _fsdp2_matches_one_process_and_resumes(rank: int, tmp: Path) -> None:
 def _bf16_policy_keeps_fp32_modules_fp32(rank: int, tmp: Path) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from modeling_dsv41.fsdp import fp32_parameters, shard_model
+    from modeling_dsv41.training.fsdp import fp32_parameters, shard_model
 
     model = tiny_model()
     kept = {id(p) for p in fp32_parameters(model)}

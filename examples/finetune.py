@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoProcessor, HfArgumentParser
 import modeling_dsv41  # noqa: F401  registers the model classes with the Auto classes
 import processing  # noqa: F401  registers the processor
 from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
-from modeling_dsv41.demo import CaptionCollator
+from modeling_dsv41.cli.demo import CaptionCollator
 from modeling_dsv41.demo_data import ShapesDataset
 
 

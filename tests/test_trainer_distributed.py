@@ -23,7 +23,7 @@ from gloo_processes import TIMEOUT_S, WORLD, free_port, spawn
 from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from modeling_dsv41.numerics import reference_numerics
 from modeling_dsv41.optim import MixedOptimizer, assign_kinds, build_param_groups, freeze_default_parameters
-from modeling_dsv41.router_balancing import RouterBiasBalancer
+from modeling_dsv41.training.router_balancing import RouterBiasBalancer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -310,7 +310,7 @@ def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def demo_model(tmp_path_factory) -> Path:
     """An untrained demo model and its processor in a folder, as `dsv41 demo` leaves it (README's --model)."""
     from modeling_dsv41 import export_for_hub
-    from modeling_dsv41.demo import build_demo_model, build_demo_processor, demo_config
+    from modeling_dsv41.cli.demo import build_demo_model, build_demo_processor, demo_config
     from modeling_dsv41.demo_data import build_demo_tokenizer
 
     folder = tmp_path_factory.mktemp("demo") / "model"

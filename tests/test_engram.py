@@ -171,10 +171,10 @@ def test_model_from_config_trains_saves_and_reloads_without_a_tokenizer(tmp_path
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny"))
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
-    assert all(table.weight.grad is not None for table in (layer.engram.embed for layer in model.layers if layer.engram))
+    assert all(table.weight.grad is not None for table in (layer.engram.embed for layer in model.model.layers if layer.engram))
     model.eval().save_pretrained(tmp_path)  # no tokenizer.json beside the weights
     reloaded = DeepseekV41ForCausalLM.from_pretrained(tmp_path).eval()
-    assert reloaded.engram_hasher.has_token_map  # the saved default map counts as the checkpoint's own
+    assert reloaded.model.engram_hasher.has_token_map  # the saved default map counts as the checkpoint's own
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 

@@ -36,6 +36,7 @@ from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
+from .placement import DeepseekV41PlacementMixin
 from .rotary import DeepseekV41RotaryEmbedding
 from .validation import check_pixel_values, check_text_inputs
 from .vision import (
@@ -112,7 +113,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         return x, ffn_pre, ctx
 
 
-class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
+class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
     config_class = DeepseekV41Config
     config: DeepseekV41Config
     base_model_prefix = "model"
@@ -120,6 +121,9 @@ class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedMo
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
+    # The Engram tables are not bound to their layer's device: a planned device_map may leave them off the map, in
+    # host memory (see placement.py); this also tells accelerate's dispatch not to require them on the map.
+    _no_placement_params = ["engram.embed.weight", "engram.embed.scale"]
     # fp32 in the reference whatever the model dtype: mHC, sinks, router biases, LM head, ViT norms (and, per
     # instance, the ratio-2 compressors: see post_init). Names are matched with and without the `model.` prefix.
     _keep_in_fp32_modules_strict = [

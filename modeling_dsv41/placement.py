@@ -19,8 +19,10 @@ the tables with their layers (they go to accelerators when everything fits there
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import mmap
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -105,20 +107,6 @@ class DevicePlan:
     def fits(self) -> bool:
         """Every weight on an accelerator (the tables may be in host memory: they are read row by row)."""
         return all(device not in ("cpu", "disk") for device in self.device_map.values())
-
-
-def parse_devices(text: str) -> dict[int, int]:
-    """``"8x141GiB"`` (or ``"2x80GB,1x40GiB"``) → ``{0: bytes, 1: bytes, ...}``."""
-    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-             "tib": 2**40}
-    devices: dict[int, int] = {}
-    for part in text.replace(" ", "").split(","):
-        match = re.fullmatch(r"(?:(\d+)[x×*])?(\d+(?:\.\d+)?)([kmgt]i?b|b)", part.lower())
-        if match is None or int(match.group(1) or 1) < 1 or float(match.group(2)) <= 0:
-            raise ValueError(f"cannot read devices {text!r}: expected COUNTxSIZE such as 8x141GiB, comma-separated")
-        for _ in range(int(match.group(1) or 1)):
-            devices[len(devices)] = int(float(match.group(2)) * units[match.group(3)])
-    return devices
 
 
 def _expand_without(device_map: dict, model: nn.Module, excluded: str) -> dict:
@@ -309,34 +297,58 @@ def place_engram_tables(model: nn.Module, where: str | torch.device) -> None:
                 param.data = param.data.to(where)
 
 
-def memory_map_engram_tables(model: nn.Module, checkpoint: str | Path) -> None:
-    """Replace every Engram table of ``model`` by a read-only memory map of the checkpoint folder ``checkpoint``
-    (safetensors, ours or the release's names): its pages are read from disk, through the page cache, only when
-    the hash ids address them. The table must be stored as the model holds it (plain weights in our checkpoints;
-    FP8 with scales for a released one loaded with ``engram_table_dtype="fp8"``)."""
-    from safetensors import safe_open
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+}
 
-    files = {}
+
+def _safetensors_header(path: Path) -> tuple[int, dict]:
+    """(byte offset of the data, header) of a safetensors file: an 8-byte little-endian length, then JSON."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        return 8 + length, json.loads(handle.read(length))
+
+
+def _mapped_tensor(path: Path, data_start: int, entry: dict) -> torch.Tensor:
+    """A tensor of a safetensors file backed by a private memory map, advised for random access: a lookup reads the
+    pages of its rows and no read-ahead around them."""
+    begin, end = entry["data_offsets"]
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable, never written
+    if hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_RANDOM)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
+    return raw.view(_SAFETENSORS_DTYPES[entry["dtype"]]).view(entry["shape"])  # keeps `mapping` alive
+
+
+def memory_map_engram_tables(model: nn.Module, checkpoint: str | Path) -> None:
+    """Replace every Engram table of ``model`` by a memory map of the checkpoint folder ``checkpoint`` (safetensors,
+    ours or the release's names): pages are read from disk only where hash ids point, and stay reclaimable page
+    cache. The table must be stored as the model holds it (plain weights in our checkpoints; FP8 with scales for a
+    released one loaded with ``engram_table_dtype="fp8"``)."""
+    entries = {}
     for path in sorted(Path(checkpoint).glob("*.safetensors")):
-        with safe_open(path, "pt") as handle:
-            files.update(dict.fromkeys(handle.keys(), path))
+        data_start, header = _safetensors_header(path)
+        entries.update({name: (path, data_start, entry) for name, entry in header.items() if name != "__metadata__"})
     base = getattr(model, "base_model", model)
     for layer in base.layers:
         if layer.engram is None:
             continue
         for part, param in layer.engram.embed.named_parameters():
             candidates = [f"{prefix}layers.{layer.layer_id}.engram.embed.{part}" for prefix in ("model.", "")]
-            key = next((k for k in candidates if k in files), None)
+            key = next((k for k in candidates if k in entries), None)
             if key is None:
                 raise ValueError(f"{checkpoint} holds no {candidates[0]}: cannot memory-map that Engram table")
-            with safe_open(files[key], "pt") as handle:
-                stored = handle.get_tensor(key)  # a view of the memory-mapped file: nothing is read yet
-            if stored.shape != param.shape or stored.dtype != param.dtype:
+            path, data_start, entry = entries[key]
+            dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            if tuple(entry["shape"]) != tuple(param.shape) or dtype != param.dtype:
                 raise ValueError(
-                    f"{key} is stored as {stored.dtype} {tuple(stored.shape)} but the model holds "
+                    f"{key} is stored as {dtype or entry['dtype']} {tuple(entry['shape'])} but the model holds "
                     f"{param.dtype} {tuple(param.shape)}: only a table stored as it is held can be memory-mapped"
                 )
-            param.data = stored
+            param.data = _mapped_tensor(path, data_start, entry)
 
 
 def _hook_split_layers(model: nn.Module) -> None:
@@ -445,7 +457,6 @@ __all__ = [
     "engram_tables_off_map",
     "format_plan",
     "memory_map_engram_tables",
-    "parse_devices",
     "place_engram_tables",
     "plan_device_map",
     "released_storage_bytes",

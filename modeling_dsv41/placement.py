@@ -289,6 +289,8 @@ def _engram_blocks(model: nn.Module):
 def place_engram_tables(model: nn.Module, where: str | torch.device) -> None:
     """Move every Engram table to ``where``: a device, ``"cpu"`` or ``"pinned"`` (page-locked host memory, whose
     gathered rows copy to an accelerator asynchronously). The rest of the model stays put."""
+    if where == "pinned" and not torch.accelerator.is_available():
+        raise ValueError("engram_tables='pinned' needs an accelerator to copy to; use 'cpu' on this machine")
     for engram in _engram_blocks(model):
         for param in engram.embed.parameters():
             if where == "pinned":

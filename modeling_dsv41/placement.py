@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from configuration import DeepseekV41Config
+from configuration.configuration_dsv41 import DeepseekV41Config
 
 # the tables, as module names (the checkpoint keeps them inside their layers: layers.{i}.engram.embed.*)
 ENGRAM_TABLE = re.compile(r"(^|\.)layers\.\d+\.engram\.embed$")
@@ -169,6 +169,22 @@ def _infer_device_map(model, max_memory, sizes: TensorSizes, strategy: str) -> d
     return infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, hf_quantizer=sizes)
 
 
+def _meta_model(config: DeepseekV41Config, cls: type | None = None, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """``cls`` (the causal LM by default) with every tensor on the meta device: modules kept in fp32 stay fp32, the
+    rest take ``dtype``."""
+    from transformers import initialization as init
+
+    if cls is None:
+        from .modeling_dsv41 import DeepseekV41ForCausalLM as cls
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"), init.no_init_weights():
+            return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def plan_device_map(
     model_or_config: nn.Module | DeepseekV41Config,
     max_memory: dict[int | str, int] | None = None,
@@ -181,14 +197,10 @@ def plan_device_map(
 
     ``engram_tables``: ``"auto"`` counts the tables with their layers and keeps them there if every weight then fits
     an accelerator, else plans again with the tables in host memory; ``"host"`` (or ``"cpu"``/``"pinned"``/``"mmap"``)
-    leaves them off the map; a device puts them on it. ``native`` counts released storage bytes.
+    leaves them off the map; a device puts them on it, on top of what ``max_memory`` grants that device. ``native``
+    counts released storage bytes.
     """
-    if isinstance(model_or_config, DeepseekV41Config):
-        from .inspection import build_meta_model
-
-        model = build_meta_model(model_or_config)
-    else:
-        model = model_or_config
+    model = _meta_model(model_or_config) if isinstance(model_or_config, DeepseekV41Config) else model_or_config
     if strategy not in PLANNED_DEVICE_MAPS:
         raise ValueError(f"strategy must be one of {PLANNED_DEVICE_MAPS}, got {strategy!r}")
     if engram_tables == "auto":
@@ -358,7 +370,7 @@ def _hook_split_layers(model: nn.Module) -> None:
     bring its inputs to its device: give it one (its parts all sit on one device)."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
-    if len(set(getattr(model, "hf_device_map", {}).values())) < 2:
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) < 2:
         return  # not dispatched: no hooks anywhere
     base = getattr(model, "base_model", model)
     for layer in base.layers:
@@ -423,7 +435,6 @@ class DeepseekV41PlacementMixin:
         """The device map to load with: planned, or the caller's with the tables moved off it (host) or onto
         ``placement`` (a device)."""
         from transformers import PreTrainedConfig
-        from transformers import initialization as init
         from transformers.integrations.accelerate import check_and_set_device_map
 
         config = kwargs.get("config")
@@ -431,22 +442,16 @@ class DeepseekV41PlacementMixin:
             hub = {k: kwargs[k] for k in ("cache_dir", "revision", "subfolder", "token", "local_files_only") if k in kwargs}
             config = cls.config_class.from_pretrained(config or source, **hub)
         dtype = kwargs.get("dtype")
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
-        try:
-            with torch.device("meta"), init.no_init_weights():
-                probe = cls(config)
-        finally:
-            torch.set_default_dtype(previous)
+        probe = _meta_model(config, cls, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
         device_map = check_and_set_device_map(kwargs["device_map"])
-        tables = "auto" if placement == "auto" else "host" if placement in HOST_PLACEMENTS else placement
+        tables = "auto" if placement == "auto" else "host" if placement in HOST_PLACEMENTS else str(placement)
         if isinstance(device_map, str):
             return plan_device_map(probe, kwargs.get("max_memory"), tables, strategy=device_map).device_map
         if placement == "auto":
             return device_map
         device_map = engram_tables_off_map(device_map, probe)
         if tables != "host":
-            device_map.update({name: placement for name, _ in probe.named_modules() if ENGRAM_TABLE.search(name)})
+            device_map.update({name: tables for name, _ in probe.named_modules() if ENGRAM_TABLE.search(name)})
         return device_map
 
 

@@ -61,8 +61,8 @@ def test_rows_are_gathered_up_front_and_equal_the_layer_lookup(tiny_model, monke
     assert torch.equal(gathered, in_layer)
 
 
-def test_a_table_lives_apart_from_its_layer(tiny_model):
-    """The lookup never moves the table, and rows are what move: a table in another dtype/place gives the same rows."""
+def test_lookup_returns_the_addressed_rows_and_leaves_the_table_in_place(tiny_model):
+    """Only the addressed rows come back; the table object itself is not moved or copied."""
     engram = next(layer.engram for layer in tiny_model.model.layers if layer.engram is not None)
     hash_ids = tiny_model.model.engram_hasher(_ids())[:, :, engram.hash_index]
     table = engram.embed.weight

@@ -425,7 +425,7 @@ class DeepseekV41Engram(nn.Module):
 
         The rows are gathered where the table lives (an accelerator, host memory, pinned or memory-mapped) and only
         they travel to ``device``: the table itself never moves. From a pinned table they are gathered into pinned
-        memory and copied asynchronously.
+        memory and copied without blocking the host.
         """
         device = torch.device(device)
         ids = hash_ids.to(self.table_device)

@@ -299,8 +299,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
         The hash ids follow from the input ids alone, so all the lookups are issued up front, each from wherever
         its table lives (an accelerator, host memory, pinned host memory or a memory-mapped checkpoint: see
-        :mod:`.placement`) to the device its layer runs on. Only the addressed rows move, and a copy from a pinned
-        table runs asynchronously while the layers before it compute. Cost: the rows of every Engram layer are held
+        :mod:`.placement`) to the device its layer runs on. Only the addressed rows move; from a pinned table the copy
+        is asynchronous for the host, which goes on to launch the layers (it is queued on the current stream, ahead of
+        them: no side stream). Cost: the rows of every Engram layer are held
         at once, ``n_engram_layers × n_cols × engram_head_dim`` values per token (24 KiB per token in bf16 for
         DeepSeek-V4.1-Flash). A table that accelerate offloads (its weights on the meta device until its layer
         runs) is looked up by its layer instead.

@@ -121,8 +121,9 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
-    # The Engram tables are not bound to their layer's device: a planned device_map may leave them off the map, in
-    # host memory (see placement.py); this also tells accelerate's dispatch not to require them on the map.
+    # The Engram tables are not bound to their layer's device: our planned device maps may leave them off the map, in
+    # host memory (placement.py), and accelerate's dispatch then must not require them on it. When transformers plans
+    # the map itself (device_map="auto" with a quantization_config), a table that fits no fresh accelerator stays off.
     _no_placement_params = ["engram.embed.weight", "engram.embed.scale"]
     # fp32 in the reference whatever the model dtype: mHC, sinks, router biases, LM head, ViT norms (and, per
     # instance, the ratio-2 compressors: see post_init). Names are matched with and without the `model.` prefix.
@@ -301,10 +302,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         its table lives (an accelerator, host memory, pinned host memory or a memory-mapped checkpoint: see
         :mod:`.placement`) to the device its layer runs on. Only the addressed rows move; from a pinned table the copy
         is asynchronous for the host, which goes on to launch the layers (it is queued on the current stream, ahead of
-        them: no side stream). Cost: the rows of every Engram layer are held
-        at once, ``n_engram_layers × n_cols × engram_head_dim`` values per token (24 KiB per token in bf16 for
-        DeepSeek-V4.1-Flash). A table that accelerate offloads (its weights on the meta device until its layer
-        runs) is looked up by its layer instead.
+        them: no side stream). Cost: the rows of every Engram layer are held at once, ``n_engram_layers × n_cols ×
+        engram_head_dim`` values per token (24 KiB per token in bf16 for DeepSeek-V4.1-Flash). A table that
+        accelerate offloads (its weights on the meta device until its layer runs) is looked up by its layer instead.
         """
         if hash_ids is None:
             return {}

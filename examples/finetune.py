@@ -20,7 +20,7 @@ import modeling_dsv41  # noqa: F401  registers the model classes with the Auto c
 import processing  # noqa: F401  registers the processor
 from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
 from modeling_dsv41.cli.demo import CaptionCollator
-from modeling_dsv41.demo_data import ShapesDataset
+from modeling_dsv41.cli.demo_data import ShapesDataset
 
 
 @dataclass

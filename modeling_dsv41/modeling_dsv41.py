@@ -36,6 +36,7 @@ from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
+from .placement import DeepseekV41PlacementMixin
 from .rotary import DeepseekV41RotaryEmbedding
 from .validation import check_pixel_values, check_text_inputs
 from .vision import (
@@ -85,14 +86,18 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         engram_mask: torch.Tensor | None = None,
         cache: DeepseekV41Cache | None = None,
         step: CacheStep | None = None,
+        engram_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, CompressedContext]:
         """hidden_states [B,S,hc,D], pre_mix [B,S,hc] → (hidden_states, this FFN's pre, what this layer publishes).
 
+        An Engram layer takes its table rows already gathered (``engram_rows``, see
+        :meth:`DeepseekV41Model.gather_engram_rows`) or gathers them from ``engram_hash_ids`` [B,S,n_layers,n_cols].
         With a ``cache``, attention reads and extends this layer's decode state (see :class:`DeepseekV41Cache`).
         """
         x = hidden_states
         if self.engram is not None:
-            x = self.engram(x, engram_hash_ids[:, :, self.engram.hash_index], engram_mask)
+            hash_ids = None if engram_hash_ids is None else engram_hash_ids[:, :, self.engram.hash_index]
+            x = self.engram(x, hash_ids, engram_mask, rows=engram_rows)
         ctx = replace(ctx)  # a private copy: recomputation under gradient checkpointing sees the same inputs
 
         residual = x
@@ -108,7 +113,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         return x, ffn_pre, ctx
 
 
-class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
+class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
     config_class = DeepseekV41Config
     config: DeepseekV41Config
     base_model_prefix = "model"
@@ -116,6 +121,10 @@ class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedMo
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
+    # The Engram tables are not bound to their layer's device: our planned device maps may leave them off the map, in
+    # host memory (placement.py), and accelerate's dispatch then must not require them on it. When transformers plans
+    # the map itself (device_map="auto" with a quantization_config), a table that fits no fresh accelerator stays off.
+    _no_placement_params = ["engram.embed.weight", "engram.embed.scale"]
     # fp32 in the reference whatever the model dtype: mHC, sinks, router biases, LM head, ViT norms (and, per
     # instance, the ratio-2 compressors: see post_init). Names are matched with and without the `model.` prefix.
     _keep_in_fp32_modules_strict = [
@@ -286,6 +295,27 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         cache.update_engram_history(compressed, step.lengths - step.past, hasher.history_size)
         return hash_ids
 
+    def gather_engram_rows(self, hash_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        """The rows every Engram layer reads, gathered before the first layer runs: layer id → ``[B, S, n_cols·d]``.
+
+        The hash ids follow from the input ids alone, so all the lookups are issued up front, each from wherever
+        its table lives (an accelerator, host memory, pinned host memory or a memory-mapped checkpoint: see
+        :mod:`.placement`) to the device its layer runs on. Only the addressed rows move; from a pinned table the copy
+        is asynchronous for the host, which goes on to launch the layers (it is queued on the current stream, ahead of
+        them: no side stream). Cost: the rows of every Engram layer are held at once, ``n_engram_layers × n_cols ×
+        engram_head_dim`` values per token (24 KiB per token in bf16 for DeepSeek-V4.1-Flash). A table that
+        accelerate offloads (its weights on the meta device until its layer runs) is looked up by its layer instead.
+        """
+        if hash_ids is None:
+            return {}
+        rows = {}
+        for layer in self.layers:
+            engram = layer.engram
+            if engram is None or engram.table_device.type == "meta":
+                continue
+            rows[layer.layer_id] = engram.lookup(hash_ids[:, :, engram.hash_index], _execution_device(layer, hash_ids))
+        return rows
+
     # ---- forward --------------------------------------------------------------------------------------
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -408,6 +438,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         self, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, cache, step
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         text = self.text_config
+        engram_rows = self.gather_engram_rows(hash_ids)
         hidden = embeds.unsqueeze(2).repeat(1, 1, text.hc_mult, 1)  # [B, S, hc, D]
         pre_mix = identity_pre_mix(hidden, text.hc_mult)
         ctx = CompressedContext()
@@ -415,7 +446,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         for layer in self.layers:
             rotation = rotations[text.compress_ratios[layer.layer_id] > 0]
             hidden, pre_mix, ctx = layer(
-                hidden, pre_mix, rotation, ctx, image_mask, hash_ids, engram_mask, cache=cache, step=step
+                hidden, pre_mix, rotation, ctx, image_mask, hash_ids, engram_mask, cache=cache, step=step,
+                engram_rows=engram_rows.get(layer.layer_id),
             )
             if output_hidden_states:
                 all_hidden.append(hidden)
@@ -550,6 +582,16 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         )
         model_kwargs.update({key: value for key, value in images.items() if value is not None})
         return input_ids, model_kwargs
+
+
+def _execution_device(layer: nn.Module, fallback: torch.Tensor) -> torch.device:
+    """Where ``layer`` computes: accelerate's execution device when it dispatched the model, else the device of the
+    layer's weights outside its Engram table (the table may live elsewhere)."""
+    hook = getattr(layer, "_hf_hook", None)
+    if getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)  # an int names an accelerator index
+    device = layer.hc_attn_fn.device
+    return fallback.device if device.type == "meta" else device
 
 
 def _real_tokens_per_row(attention_mask: torch.Tensor | None, embeds: torch.Tensor) -> torch.Tensor:

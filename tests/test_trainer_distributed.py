@@ -311,7 +311,7 @@ def demo_model(tmp_path_factory) -> Path:
     """An untrained demo model and its processor in a folder, as `dsv41 demo` leaves it (README's --model)."""
     from modeling_dsv41 import export_for_hub
     from modeling_dsv41.cli.demo import build_demo_model, build_demo_processor, demo_config
-    from modeling_dsv41.demo_data import build_demo_tokenizer
+    from modeling_dsv41.cli.demo_data import build_demo_tokenizer
 
     folder = tmp_path_factory.mktemp("demo") / "model"
     tokenizer = build_demo_tokenizer()

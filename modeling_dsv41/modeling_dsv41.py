@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.generation import GenerationMode
@@ -303,15 +304,16 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         :mod:`.placement`) to the device its layer runs on. Only the addressed rows move; from a pinned table the copy
         is asynchronous for the host, which goes on to launch the layers (it is queued on the current stream, ahead of
         them: no side stream). Cost: the rows of every Engram layer are held at once, ``n_engram_layers × n_cols ×
-        engram_head_dim`` values per token (24 KiB per token in bf16 for DeepSeek-V4.1-Flash). A table that
-        accelerate offloads (its weights on the meta device until its layer runs) is looked up by its layer instead.
+        engram_head_dim`` values per token (24 KiB per token in bf16 for DeepSeek-V4.1-Flash). A table whose weights
+        exist whole only while its layer runs is looked up by its layer instead: offloaded by accelerate (on the
+        meta device until then) or sharded by FSDP2 (a DTensor shard until the layer's pre-forward all-gather).
         """
         if hash_ids is None:
             return {}
         rows = {}
         for layer in self.layers:
             engram = layer.engram
-            if engram is None or engram.table_device.type == "meta":
+            if engram is None or engram.table_device.type == "meta" or isinstance(engram.embed.weight, DTensor):
                 continue
             rows[layer.layer_id] = engram.lookup(hash_ids[:, :, engram.hash_index], _execution_device(layer, hash_ids))
         return rows

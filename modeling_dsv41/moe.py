@@ -115,9 +115,11 @@ class DeepseekV41Experts(nn.Module):
         counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
         tokens, weights = (order // top_k).split(counts), top_k_weights.flatten()[order].split(counts)
         out = hidden_states.new_zeros(num_tokens, self.hidden_dim, dtype=torch.float32)
-        inter = self.intermediate_dim
         gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # read once (a PEFT parametrization computes it)
-        for expert, (token, weight) in enumerate(zip(tokens, weights)):  # fixed order: the fp32 sum is reproducible
+        inter = gate_up_proj.shape[1] // 2  # this rank's I/tp under tensor parallelism (`packed_colwise`)
+        # expert parallelism routes other ranks' slots to id `num_experts` (local count), weight 0: sorted last, skipped
+        groups = zip(tokens[: self.num_experts], weights[: self.num_experts])
+        for expert, (token, weight) in enumerate(groups):  # fixed order: the fp32 sum is reproducible
             if token.numel() == 0:
                 continue
             # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter

@@ -1,12 +1,18 @@
 """Benchmark our DeepseekV41ForCausalLM against transformers' DeepseekV4ForCausalLM, and show where our time goes.
 
-Both models are built at the same width, depth and expert count (our ``tiny`` preset: 6 layers, width 64,
-4 heads of 64, 4 routed experts top-2 + 1 shared, mHC ×4, window 16, vocab 512) in fp32 on CPU, with
-``torch.set_num_threads`` as on CI (2 by default). From one run it reports:
+Both models are built at the same width, depth and expert count, on ``--device`` (cpu or cuda) in ``--dtype``,
+with ``torch.set_num_threads`` as on CI (2 by default). ``--size``:
 
-- forward (eval, no_grad) and forward+backward (train, loss on the inputs) time of each model and their
-  ratio. The models are timed round-robin after a warm-up and each figure is the median of the repeats,
-  so a busy machine slows both alike;
+- ``tiny`` (default): our ``tiny`` preset: 6 layers, width 64, 4 heads of 64, 4 routed experts top-2 + 1 shared,
+  mHC ×4, window 16, vocab 512;
+- ``medium``: issue 15's GPU configuration, about 510M parameters: width 1024, 8 layers, 16 heads of 128,
+  32 experts top-6 (intermediate 512), window 128, index_topk 512, vocab 24576, no Engram.
+
+From one run it reports:
+
+- forward (eval, no_grad) and forward+backward (train, loss on the inputs) time and tokens/s of each model and
+  ours ÷ transformers' time. The models are timed round-robin after a warm-up and each figure is the median
+  of the repeats, so a busy machine slows both alike;
 - our forward time split by component (attention incl. compressor/indexer, MoE, mHC mixes/collapse/expand,
   RMSNorms, Engram incl. hashing, vision incl. aligner, the rest) and transformers' split for comparison;
 - a torch.profiler table of our top ops over one forward+backward;
@@ -19,7 +25,8 @@ every one, ours has V4.1's ratios 2 and 1 with shared KV/index sources; V4 has n
 our default run keeps Engram (pass ``--no-engram`` to drop it) and sends text only (``--image`` adds one
 image per row to the breakdown, ours only).
 
-Usage: ``python benchmarks/forward.py [--batch 2] [--seq 256] [--reps 7] [--threads 2] [--no-engram] [--image]``
+Usage: ``python benchmarks/forward.py [--size tiny|medium] [--device cpu|cuda] [--dtype float32|bfloat16]
+[--batch 2] [--seq 256] [--reps 7] [--threads 2] [--no-engram] [--image]``
 """
 
 from __future__ import annotations
@@ -27,10 +34,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,12 +56,28 @@ from modeling_dsv41 import DeepseekV41ForCausalLM
 IMAGE_VIT_GRID = (9, 13)
 IMAGE_SPAN_TYPES = [0] + ([1] * 5 + [2]) * 3 + [3]
 
+NO_ENGRAM = {"engram_layer_ids": [], "engram_num_embeddings": []}
+# text_config overrides of the tiny preset (its small ViT stays: it is only run with --image)
+SIZES = {
+    "tiny": {},
+    "medium": NO_ENGRAM | {
+        "vocab_size": 24576, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "head_dim": 128,
+        "qk_rope_head_dim": 64, "q_lora_rank": 512, "o_groups": 4, "o_lora_rank": 512, "moe_intermediate_size": 512,
+        "n_routed_experts": 32, "num_experts_per_tok": 6, "sliding_window": 128,
+        "compress_ratios": [0, 2, 2, 2, 1, 1, 1, 0], "kv_source_layer_ids": [1, 4], "index_source_layer_ids": [1, 4, 6],
+        "index_n_heads": 16, "index_head_dim": 64, "index_topk": 512, "candidate_source_layer_id": 4,
+        "candidate_topk_blocks": 256, "candidate_block_size": 8,
+        "compress_rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
+                                  "original_max_position_embeddings": 4096},
+    },
+}
 
-def build_ours(engram: bool) -> DeepseekV41ForCausalLM:
+
+def build_ours(engram: bool, size: str = "tiny") -> DeepseekV41ForCausalLM:
+    overrides = SIZES[size] | ({} if engram else NO_ENGRAM)
     config = DeepseekV41Config.from_preset("tiny")
-    if not engram:
-        text = config.text_config.to_dict() | {"engram_layer_ids": [], "engram_num_embeddings": []}
-        config = DeepseekV41Config.from_preset("tiny", text_config=text)
+    if overrides:
+        config = DeepseekV41Config.from_preset("tiny", text_config=config.text_config.to_dict() | overrides)
     model = DeepseekV41ForCausalLM(config)
     if model.model.engram_hasher is not None:
         # a stand-in for the tokenizer's compressed map (the fixture's stub tokenizer has id // 2)
@@ -58,7 +85,7 @@ def build_ours(engram: bool) -> DeepseekV41ForCausalLM:
     return model
 
 
-def build_transformers_v4(ours: DeepseekV41ForCausalLM) -> DeepseekV4ForCausalLM:
+def build_transformers_v4(ours: DeepseekV41ForCausalLM, use_cache: bool = False) -> DeepseekV4ForCausalLM:
     """transformers' V4 at our width, depth, heads and experts; compressed layers become its CSA (ratio 4)."""
     t = ours.config.text_config
     config = DeepseekV4Config(
@@ -74,7 +101,7 @@ def build_transformers_v4(ours: DeepseekV41ForCausalLM) -> DeepseekV4ForCausalLM
         mlp_layer_types=["moe"] * t.num_hidden_layers,  # no hash routing: ours has none either
         rope_theta=t.rope_theta, compress_rope_theta=t.compress_rope_theta,
         rope_parameters=dict(t.compress_rope_scaling), num_nextn_predict_layers=0, pad_token_id=t.pad_token_id,
-        use_cache=False,
+        use_cache=use_cache,
     )
     return DeepseekV4ForCausalLM(config)
 
@@ -112,8 +139,21 @@ def forward_backward(model: nn.Module, inputs: dict) -> None:
     model(**inputs, labels=inputs["input_ids"]).loss.backward()
 
 
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """``time.perf_counter`` after the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
+
+
 def median_times(
-    models: dict[str, nn.Module], inputs: dict[str, dict], step: Callable, warmup: int, reps: int
+    models: dict[str, nn.Module], inputs: dict[str, dict], step: Callable, warmup: int, reps: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Median seconds per ``step`` for each model, timed round-robin so machine noise hits all alike."""
     for _ in range(warmup):
@@ -122,14 +162,16 @@ def median_times(
     samples: dict[str, list[float]] = defaultdict(list)
     for _ in range(reps):
         for name, model in models.items():
-            start = time.perf_counter()
+            start = clock()
             step(model, inputs[name])
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(clock() - start)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
 @contextlib.contextmanager
-def timed_calls(targets: dict[str, list[tuple[object, str]]]) -> Iterator[dict[str, float]]:
+def timed_calls(
+    targets: dict[str, list[tuple[object, str]]], clock: Callable[[], float] = time.perf_counter
+) -> Iterator[dict[str, float]]:
     """Wrap each ``getattr(obj, attr)`` so its wall time adds to its component's total (targets must not nest)."""
     totals: dict[str, float] = defaultdict(float)
     patched = []
@@ -137,11 +179,11 @@ def timed_calls(targets: dict[str, list[tuple[object, str]]]) -> Iterator[dict[s
     def wrap(component: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                totals[component] += time.perf_counter() - start
+                totals[component] += clock() - start
 
         return timed
 
@@ -164,8 +206,8 @@ def peak_rss_added(step: Callable[[], None]) -> int:
     the high-water mark through /proc/self/clear_refs, then reads VmHWM)."""
 
     def status_kib(field: str) -> int:
-        line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
-        return int(line.split()[1])
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
     before = status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as handle:
@@ -174,22 +216,68 @@ def peak_rss_added(step: Callable[[], None]) -> int:
     return (status_kib("VmHWM") - before) * 1024
 
 
-def reference_numerics_cost(model: DeepseekV41ForCausalLM, inputs: dict, warmup: int, reps: int) -> None:
-    """Forward time and peak memory of ``model`` in bf16 with reference numerics on ÷ off."""
+def numerics_peak_in_this_process(reference: bool, size: str, engram: bool, batch: int, seq: int) -> int:
+    """Peak RSS added by one bf16 CPU forward of ours, reference numerics ``reference``, after a warm-up."""
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    model = build_ours(engram, size).to(torch.bfloat16).eval()
+    model.config.reference_numerics = reference
+    inputs = make_inputs(model, batch, seq, image=False) | {"use_cache": False}
+    forward_only(model, inputs)
+    return peak_rss_added(lambda: forward_only(model, inputs))
+
+
+def numerics_peak_bytes(reference: bool, size: str, engram: bool, batch: int, seq: int) -> int:
+    """:func:`numerics_peak_in_this_process` in a fresh interpreter with glibc's mmap threshold at 64 KiB, so that
+    every large tensor is its own mapping, returned when freed: the peak is that of live tensors, not of what an
+    earlier measurement left in the heap."""
+    repo = Path(__file__).resolve().parents[1]
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(repo)}
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from forward import "
+            f"numerics_peak_in_this_process as m; print(m({reference}, {size!r}, {engram}, {batch}, {seq}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
+
+
+def reference_numerics_cost(model: DeepseekV41ForCausalLM, inputs: dict, args: argparse.Namespace) -> None:
+    """Forward time and peak memory of ``model`` in bf16 with reference numerics on ÷ off.
+
+    Time: round-robin medians on ``model`` itself. Memory: on CUDA, torch's peak allocation; on CPU, the peak RSS
+    rise in a fresh process per mode (median of 3), since an in-process high-water mark sees heap reuse."""
     model = model.to(torch.bfloat16).eval()
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items() if torch.is_tensor(v)}
+    inputs["use_cache"] = False
     modes = {"off": False, "on": True}
 
     def forward(mode: str) -> None:
         model.config.reference_numerics = modes[mode]
         forward_only(model, inputs)
 
-    times = median_times({m: m for m in modes}, {m: None for m in modes}, lambda m, _: forward(m), warmup, reps)
-    peaks = {mode: statistics.median(peak_rss_added(lambda: forward(mode)) for _ in range(3)) for mode in modes}
+    times = median_times({m: m for m in modes}, {m: None for m in modes}, lambda m, _: forward(m), args.warmup, args.reps)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        peaks = {}
+        for mode in modes:
+            forward(mode)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            forward(mode)
+            peaks[mode] = torch.cuda.max_memory_allocated(device) - base
+        where = "CUDA peak allocation"
+    else:
+        peaks = {
+            mode: statistics.median(
+                numerics_peak_bytes(on, args.size, not args.no_engram, args.batch, args.seq) for _ in range(3)
+            )
+            for mode, on in modes.items()
+        }
+        where = "peak RSS rise, fresh process per mode, median of 3"
     model.config.reference_numerics = False
     print("\n## Reference numerics (bf16 forward): on ÷ off")
     print(f"time: {times['on'] * 1e3:.1f} ms ÷ {times['off'] * 1e3:.1f} ms = {times['on'] / times['off']:.2f}×")
-    print(f"peak memory added by the forward: {peaks['on'] / 2**20:.1f} MiB ÷ {peaks['off'] / 2**20:.1f} MiB = "
-          f"{peaks['on'] / max(peaks['off'], 1):.2f}×")
+    print(f"peak memory added by the forward ({where}): {peaks['on'] / 2**20:.1f} MiB ÷ "
+          f"{peaks['off'] / 2**20:.1f} MiB = {peaks['on'] / max(peaks['off'], 1):.2f}×")
 
 
 def our_components(model: DeepseekV41ForCausalLM) -> dict[str, list[tuple[object, str]]]:
@@ -223,16 +311,18 @@ def v4_components(model: DeepseekV4ForCausalLM) -> dict[str, list[tuple[object, 
 REST = "rest (embed, rotary, hash/pad prep, final norm, head)"
 
 
-def component_times(model: nn.Module, inputs: dict, targets: dict, reps: int) -> tuple[dict[str, float], float]:
+def component_times(
+    model: nn.Module, inputs: dict, targets: dict, reps: int, clock: Callable[[], float] = time.perf_counter
+) -> tuple[dict[str, float], float]:
     """Median forward seconds per component, of the rest and of the whole forward (eval mode, no_grad)."""
     samples: dict[str, list[float]] = defaultdict(list)
     totals = []
     forward_only(model, inputs)  # warm-up
     for _ in range(reps):
-        with timed_calls(targets) as spent:
-            start = time.perf_counter()
+        with timed_calls(targets, clock) as spent:
+            start = clock()
             forward_only(model, inputs)
-            totals.append(time.perf_counter() - start)
+            totals.append(clock() - start)
         for component in targets:
             samples[component].append(spent[component])
         samples[REST].append(totals[-1] - sum(spent.values()))
@@ -247,57 +337,78 @@ def print_components(label: str, parts: dict[str, float], total: float) -> None:
     print(f"{'total':<56}{total * 1e3:>9.1f}")
 
 
+def to_device(inputs: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """Inputs on ``device``; floating ones (pixels) in the models' ``dtype``."""
+    return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads; CI uses 2")
-    parser.add_argument("--no-engram", action="store_true", help="drop Engram from ours (V4 has none)")
+    parser.add_argument("--no-engram", action="store_true", help="drop Engram from ours (V4 has none; medium has none)")
     parser.add_argument("--image", action="store_true", help="one image per row in our breakdown (ours only)")
     parser.add_argument("--profile-rows", type=int, default=20)
     args = parser.parse_args()
 
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    clock = device_clock(device)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()  # V4's YaRN check warns about the tiny original_max_position_embeddings
-    ours = build_ours(engram=not args.no_engram)
+    ours = build_ours(engram=not args.no_engram, size=args.size)
     theirs = build_transformers_v4(ours)
-    text_inputs = make_inputs(ours, args.batch, args.seq, image=False)
+    ours, theirs = ours.to(device, dtype), theirs.to(device, dtype)
+    text_inputs = to_device(make_inputs(ours, args.batch, args.seq, image=False), device, dtype)
     models = {"ours (DeepseekV41ForCausalLM)": ours, "transformers DeepseekV4ForCausalLM": theirs}
     no_cache = text_inputs | {"use_cache": False}  # full-sequence forwards: neither model builds a decode cache
     inputs = {"ours (DeepseekV41ForCausalLM)": no_cache, "transformers DeepseekV4ForCausalLM": no_cache}
     n_params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
 
-    print(f"# Forward benchmark: batch {args.batch} × {args.seq} tokens, fp32, CPU, torch.set_num_threads("
-          f"{torch.get_num_threads()}), torch {torch.__version__}; median of {args.reps} round-robin repeats "
-          f"after {args.warmup} warm-up; ours with Engram: {ours.model.engram_hasher is not None}")
+    where = f"CUDA ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else (
+        f"CPU, torch.set_num_threads({torch.get_num_threads()})"
+    )
+    print(f"# Forward benchmark, size {args.size}: batch {args.batch} × {args.seq} tokens, {args.dtype}, {where}, "
+          f"torch {torch.__version__}; median of {args.reps} round-robin repeats after {args.warmup} warm-up; "
+          f"ours with Engram: {ours.model.engram_hasher is not None}")
     results = {
-        "forward": median_times(models, inputs, forward_only, args.warmup, args.reps),
-        "forward+backward": median_times(models, inputs, forward_backward, args.warmup, args.reps),
+        "forward": median_times(models, inputs, forward_only, args.warmup, args.reps, clock),
+        "forward+backward": median_times(models, inputs, forward_backward, args.warmup, args.reps, clock),
     }
     ours_name, theirs_name = models
-    print(f"\n{'model':<38}{'params':>10}{'fwd ms':>10}{'fwd+bwd ms':>12}")
+    tokens = args.batch * args.seq
+    print(f"\n{'model':<38}{'params':>13}{'fwd ms':>10}{'fwd tok/s':>11}{'fwd+bwd ms':>12}{'fwd+bwd tok/s':>15}")
     for name in models:
-        print(f"{name:<38}{n_params[name]:>10,}{results['forward'][name] * 1e3:>10.1f}"
-              f"{results['forward+backward'][name] * 1e3:>12.1f}")
+        fwd, both = results["forward"][name], results["forward+backward"][name]
+        print(f"{name:<38}{n_params[name]:>13,}{fwd * 1e3:>10.1f}{tokens / fwd:>11,.0f}{both * 1e3:>12.1f}"
+              f"{tokens / both:>15,.0f}")
     for kind, times in results.items():
-        print(f"{kind}: ours / transformers = {times[ours_name] / times[theirs_name]:.2f}")
+        print(f"{kind}: ours ÷ transformers V4 (time) = {times[ours_name] / times[theirs_name]:.2f}×")
 
-    our_inputs = make_inputs(ours, args.batch, args.seq, image=args.image) | {"use_cache": False}
-    parts, total = component_times(ours, our_inputs, our_components(ours), args.reps)
+    our_inputs = to_device(make_inputs(ours, args.batch, args.seq, image=args.image), device, dtype) | {"use_cache": False}
+    parts, total = component_times(ours, our_inputs, our_components(ours), args.reps, clock)
     print_components("ours" + (" (one image per row)" if args.image else ""), parts, total)
-    parts, total = component_times(theirs, inputs[theirs_name], v4_components(theirs), args.reps)
+    parts, total = component_times(theirs, inputs[theirs_name], v4_components(theirs), args.reps, clock)
     print_components("transformers V4", parts, total)
 
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
     forward_backward(ours, our_inputs)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=activities) as prof:
         forward_backward(ours, our_inputs)
-    print("\n## Our top ops over one forward+backward (torch.profiler, self CPU time)")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+        clock()
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n## Our top ops over one forward+backward (torch.profiler, {sort_by})")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile_rows))
 
-    reference_numerics_cost(ours, no_cache, args.warmup, args.reps)
+    reference_numerics_cost(ours, no_cache, args)
 
 
 if __name__ == "__main__":

@@ -1,39 +1,51 @@
-"""Cached decoding (DeepseekV41Cache) vs recomputing the whole prefix for every new token.
+"""Cached decoding (DeepseekV41Cache) vs recomputing the whole prefix, and greedy decoding vs transformers' V4.
 
-Tiny preset (6 layers, width 64, window 16, ratio-2 and ratio-1 compressed layers, index_topk 8, Engram), fp32,
-batch 1, ``torch.set_num_threads`` as on CI (2 by default). For each context length N it reports, from one run:
+``--size tiny`` (default: the tiny preset, 6 layers, width 64, window 16, ratio-2 and ratio-1 compressed layers,
+index_topk 8, Engram) or ``medium`` (issue 15's ~510M configuration, no Engram; see benchmarks/forward.py), on
+``--device`` (cpu or cuda) in ``--dtype``, ``torch.set_num_threads`` as on CI (2 by default). For each context
+length N it reports, from one run:
 
-- cached decode: median time of one ``model(next_token, cache=cache)`` step after an N-token prefill;
+- cached decode: median time of one ``model(next_token, cache=cache)`` step after an N-token prefill (batch 1);
 - recompute: median time of one full forward over N tokens (what each new token costs without a cache);
 - the speed-up of the first over the second, and the cache's size at N;
+- greedy decoding through ``generate`` at ``--batch`` rows, ours and transformers' ``DeepseekV4ForCausalLM``
+  built at the same sizes (each with its own cache): decode tokens/s per row, from the median interval between
+  consecutive tokens of ``--steps`` + 1 (the prefill excluded) over round-robin repeats, and ours ÷ V4 in time
+  per token;
 
-and finally how much the per-token decode time grows from the shortest to the longest context. By design a
-decode step costs the window (fixed) plus work over the compressed rows (∝ N / ratio: the indexer scores all of
-them, attention reads only index_topk), so it should grow far slower than N.
+and how much the per-token decode time grows from the shortest to the longest context. By design a decode step
+costs the window (fixed) plus work over the compressed rows (∝ N / ratio: the indexer scores all of them,
+attention reads only index_topk), so it should grow far slower than N.
 
-Usage: ``python benchmarks/generate.py [--contexts 256 2048] [--steps 32] [--reps 3] [--threads 2] [--device cpu]``
+Usage: ``python benchmarks/generate.py [--size tiny|medium] [--device cpu|cuda] [--dtype float32|bfloat16]
+[--contexts 256 2048] [--steps 32] [--reps 3] [--batch 1] [--threads 2]``
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+from torch import nn
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.utils import logging as hf_logging
 
-import modeling_dsv41  # noqa: F401  (registers the Auto classes)
-from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling forward.py, however this script is run
+from forward import SIZES, build_ours, build_transformers_v4  # noqa: E402
 
-def build(device: str) -> DeepseekV41ForCausalLM:
+
+def build(size: str, device: str, dtype: torch.dtype) -> tuple[DeepseekV41ForCausalLM, nn.Module]:
+    """Ours (with Engram at the tiny size, as before) and transformers' V4 at the same sizes, with a cache."""
     torch.manual_seed(0)
-    config = DeepseekV41Config.from_preset("tiny")
-    model = DeepseekV41ForCausalLM(config).eval().to(device)
-    # a stand-in for the tokenizer's compressed map (the fixture's stub tokenizer has id // 2)
-    model.model.engram_hasher.token_map.copy_(torch.arange(config.text_config.vocab_size, device=device) // 2)
-    return model
+    ours = build_ours(engram=size == "tiny", size=size)
+    theirs = build_transformers_v4(ours, use_cache=True)
+    return ours.eval().to(device, dtype), theirs.eval().to(device, dtype)
 
 
 def synchronized(device: str) -> float:
@@ -76,8 +88,48 @@ def measure(
     }
 
 
+class StepClock(LogitsProcessor):
+    """Records the (device-synchronized) time each generated token's logits arrive; leaves them unchanged."""
+
+    def __init__(self, device: str):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.times.append(synchronized(self.device))
+        return scores
+
+
+@torch.no_grad()
+def greedy_decode_seconds(
+    models: dict[str, nn.Module], context: int, batch: int, steps: int, reps: int, device: str
+) -> dict[str, float]:
+    """Seconds per decoded token (per row) of each model's ``generate``: the median interval between consecutive
+    tokens' logits (the prefill, before the first, excluded), over ``reps`` calls timed round-robin."""
+    vocab = min(m.config.get_text_config().vocab_size for m in models.values())
+    ids = torch.randint(3, vocab - 16, (batch, context), generator=torch.Generator().manual_seed(context)).to(device)
+
+    def step_intervals(model: nn.Module, new_tokens: int) -> list[float]:
+        clock = StepClock(device)
+        model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
+        )
+        return [b - a for a, b in zip(clock.times, clock.times[1:])]
+
+    for model in models.values():
+        step_intervals(model, 2)  # warm-up
+    intervals: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(reps):
+        for name, model in models.items():
+            intervals[name] += step_intervals(model, steps + 1)
+    return {name: statistics.median(times) for name, times in intervals.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--batch", type=int, default=1, help="rows of the greedy generate comparison")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--steps", type=int, default=32, help="cached decode steps timed per context")
     parser.add_argument("--reps", type=int, default=3, help="full forwards timed per context")
@@ -85,10 +137,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = build(args.device)
+    hf_logging.set_verbosity_error()  # V4's YaRN check warns about the small original_max_position_embeddings
+    model, theirs = build(args.size, args.device, getattr(torch, args.dtype))
     measure(model, [32], 4, 1, args.device)  # warm-up
 
-    print(f"tiny preset, fp32, batch 1, {args.device}, {args.threads} threads")
+    print(f"size {args.size}, {args.dtype}, {args.device}, {args.threads} threads, torch {torch.__version__}")
+    print("\n## ours: cached decode step vs recomputing the prefix (batch 1)")
     print(f"{'context':>8} {'cached tok/s':>13} {'recompute tok/s':>16} {'speed-up':>9} {'cache KiB':>10}")
     results = measure(model, args.contexts, args.steps, args.reps, args.device)
     for context, r in results.items():
@@ -99,6 +153,14 @@ def main() -> None:
     short, long = min(args.contexts), max(args.contexts)
     growth = results[long]["decode_s"] / results[short]["decode_s"]
     print(f"per-token decode time at {long} vs {short}: {growth:.2f}× (context ×{long / short:.0f})")
+
+    models = {"ours": model, "transformers V4": theirs}
+    print(f"\n## greedy generate, batch {args.batch}, {args.steps} decoded tokens: tokens/s per row")
+    print(f"{'context':>8} {'ours tok/s':>11} {'V4 tok/s':>10} {'ours ÷ V4 (time)':>17}")
+    for context in args.contexts:
+        seconds = greedy_decode_seconds(models, context, args.batch, args.steps, args.reps, args.device)
+        print(f"{context:>8} {1 / seconds['ours']:>11.1f} {1 / seconds['transformers V4']:>10.1f} "
+              f"{seconds['ours'] / seconds['transformers V4']:>16.2f}×")
 
 
 if __name__ == "__main__":

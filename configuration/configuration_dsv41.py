@@ -49,6 +49,11 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         emulate_quantization (`bool`): reproduce the reference's FP8 window-KV, FP4 compressed-KV and FP4
             indexer q/k quantize-dequantize steps bit-for-bit (straight-through gradients in training).
             ``False`` skips them.
+        query_chunk_size (`int`): queries per chunk of a full (prefill or training) pass: the indexer's scores
+            and top-k and the sparse attention run on this many queries at a time, so that peak memory grows
+            linearly with the sequence length instead of holding [S, index heads, S / ratio] scores. Each query is
+            computed by the same ops whatever the chunk size; lower it for very long contexts (the scores of one
+            chunk take ``4 · batch · query_chunk_size · index_n_heads · S / ratio`` bytes).
         engram_table_dtype (`str`): ``"float"`` keeps Engram tables in the model dtype; ``"fp8"`` keeps them
             as stored in the released checkpoint (e4m3 + per-32 scales), dequantized on lookup.
     """
@@ -120,6 +125,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     candidate_source_layer_id: int = 20
     candidate_topk_blocks: int = 2048
     candidate_block_size: int = 8
+    query_chunk_size: int = 2048
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -173,7 +179,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             o_groups=self.o_groups, n_routed_experts=self.n_routed_experts,
             num_experts_per_tok=self.num_experts_per_tok, sliding_window=self.sliding_window,
             index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim, index_topk=self.index_topk,
-            hc_mult=self.hc_mult, hc_sinkhorn_iters=self.hc_sinkhorn_iters,
+            query_chunk_size=self.query_chunk_size, hc_mult=self.hc_mult, hc_sinkhorn_iters=self.hc_sinkhorn_iters,
         )
         if self.num_key_value_heads != 1:
             raise ValueError("DeepSeek-V4.1 shares one K=V vector per token: num_key_value_heads must be 1")
@@ -374,6 +380,37 @@ def is_reference_config(config_dict: dict[str, Any]) -> bool:
     return _REFERENCE_MARKER_KEYS <= set(config_dict) and "text_config" not in config_dict
 
 
+# keys a config.json must name: without them the defaults (the released 749B sizes) would silently build a model
+# that matches no checkpoint but the released one
+_REQUIRED_TEXT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_REQUIRED_REFERENCE_KEYS = (*sorted(_REFERENCE_MARKER_KEYS), "vocab_size")
+
+
+def check_required_keys(config_dict: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` naming the first size key missing from a config dict (either layout)."""
+    if not isinstance(config_dict, dict):
+        raise ValueError(f"a DeepSeek-V4.1 config must be a JSON object, got {type(config_dict).__name__}")
+    if "text_config" not in config_dict:
+        if _REFERENCE_MARKER_KEYS & set(config_dict):  # the flat reference layout
+            missing = [key for key in _REQUIRED_REFERENCE_KEYS if key not in config_dict]
+            if missing:
+                raise ValueError(
+                    f"the flat reference config is missing {missing[0]!r} (it needs {list(_REQUIRED_REFERENCE_KEYS)})"
+                )
+            return
+        raise ValueError(
+            "the config is missing 'text_config' (and is not the flat reference layout with 'dim', 'n_layers', "
+            "'n_heads'): not a DeepSeek-V4.1 config"
+        )
+    text = config_dict["text_config"]
+    if isinstance(text, dict):
+        missing = [key for key in _REQUIRED_TEXT_KEYS if key not in text]
+        if missing:
+            raise ValueError(f"the config's text_config is missing {missing[0]!r} (it needs {list(_REQUIRED_TEXT_KEYS)})")
+    elif not isinstance(text, PreTrainedConfig):
+        raise ValueError(f"text_config must be a JSON object, got {type(text).__name__}")
+
+
 def reference_to_config_dict(ref: dict[str, Any]) -> dict[str, Any]:
     """Translate the flat reference config into our nested layout (unknown keys are kept verbatim)."""
     text: dict[str, Any] = {}
@@ -459,7 +496,9 @@ class DeepseekV41Config(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any):
-        """Accepts our nested layout and the flat reference ``inference/config.json`` layout."""
+        """Accepts our nested layout and the flat reference ``inference/config.json`` layout. The size keys must be
+        present (see :func:`check_required_keys`)."""
+        check_required_keys(config_dict)
         if is_reference_config(config_dict):
             config_dict = reference_to_config_dict(config_dict)
         return super().from_dict(config_dict, **kwargs)
@@ -481,4 +520,4 @@ class DeepseekV41Config(PreTrainedConfig):
         return cls.from_dict(config_dict)
 
 
-__all__ = ["DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig", "PRESETS_DIR"]
+__all__ = ["DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig", "PRESETS_DIR", "check_required_keys"]

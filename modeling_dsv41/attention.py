@@ -17,7 +17,9 @@ Per layer ``i`` with ``compress_ratios[i] = r``:
 Each query attends over a list of *slots* (rows of the concatenated [window K=V; compressed K=V], -1 for none)
 laid out as the reference lays them out: its window positions oldest first, then its selected compressed rows in
 position order. :func:`sink_attention` reduces them in the reference kernel's blocks of 64 slots, so that the
-float rounding, and with it the logits, follow the reference's.
+float rounding, and with it the logits, follow the reference's. A full pass runs the indexer and the attention
+over ``query_chunk_size`` queries at a time, by the same per-query ops, so that its memory grows linearly with the
+sequence length.
 
 What a source hands to its consumers within one forward lives in :class:`CompressedContext`; what decoding
 carries from one forward to the next lives in :class:`~.cache.DeepseekV41Cache`.
@@ -50,15 +52,18 @@ class CompressedContext:
 
     compress_kv [B, T, D]: latest KV source's compressed K=V (rotated, quantized as cached).
     index_k [B, T, Di]: latest key owner's index keys. selection [B, S, k] long: latest index source's top-k
-    compressed rows per query, ascending, -1 for none (see :func:`topk_selection`). candidates [B, S, T] bool:
-    the candidate source's blocks.
+    compressed rows per query, ascending, -1 for none (see :func:`topk_selection`). candidates [B, S, n] long:
+    the candidate source's blocks per query, -1 for none (see :func:`candidate_blocks`), kept as block ids
+    rather than a [B, S, T] mask so that the state stays linear in the sequence length. index_scores [B, C, T]:
+    the last index source's masked scores for its last query chunk (every query when S fits one chunk), kept
+    for inspection.
     """
 
     compress_kv: torch.Tensor | None = None
     index_k: torch.Tensor | None = None
     selection: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
-    index_scores: torch.Tensor | None = None  # last index source's masked scores, kept for inspection
+    index_scores: torch.Tensor | None = None
 
 
 class DeepseekV41Compressor(nn.Module):
@@ -69,9 +74,12 @@ class DeepseekV41Compressor(nn.Module):
     def __init__(self, config, ratio: int):
         super().__init__()
         self.ratio = ratio
-        linear = DeepseekV41Fp32Linear if ratio > 1 else nn.Linear
-        self.wkv = linear(config.hidden_size, config.head_dim, bias=False)
-        self.wgate = linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        if ratio > 1:  # created fp32 whatever the default dtype, as from_pretrained keeps them (reference dtypes)
+            self.wkv = DeepseekV41Fp32Linear(config.hidden_size, config.head_dim, bias=False, dtype=torch.float32)
+            self.wgate = DeepseekV41Fp32Linear(config.hidden_size, config.head_dim, bias=False, dtype=torch.float32)
+        else:
+            self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+            self.wgate = None
         self.norm = DeepseekV41RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,13 +100,13 @@ class DeepseekV41Compressor(nn.Module):
         return self.norm((kv * score.softmax(dim=2)).sum(dim=2).to(dtype))
 
 
-def select_candidate_blocks(
+def candidate_blocks(
     scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int, block_size: int
 ) -> torch.Tensor:
-    """Level one of the two-level top-k. scores [..., T] with unreachable positions at -inf; returns a bool
-    mask [..., T] of the positions inside each query's ``topk_blocks`` best blocks (a block scores its best
-    position). The block holding the query's newest reachable position is always kept: it is only partly
-    filled and could otherwise lose to an older full block."""
+    """Level one of the two-level top-k. scores [..., T] with unreachable positions at -inf; returns the ids
+    [..., min(topk_blocks, ⌈T / block_size⌉)] of each query's best blocks (a block scores its best position),
+    -1 where a pick has no reachable position. The block holding the query's newest reachable position is always
+    kept: it is only partly filled and could otherwise lose to an older full block."""
     width = scores.shape[-1]
     blocks = F.pad(scores, (0, -width % block_size), value=-torch.inf)
     blocks = blocks.unflatten(-1, (-1, block_size)).amax(dim=-1)
@@ -106,8 +114,23 @@ def select_candidate_blocks(
     newest = ((compress_lens - 1) // block_size).unsqueeze(-1)
     blocks = blocks.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
     top = blocks.topk(min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+    return top.indices.masked_fill(top.values == -torch.inf, -1)
+
+
+def candidate_mask(blocks: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """bool [..., width]: the compressed positions inside ``blocks`` [..., n] (block ids, -1 for none)."""
+    n_blocks = -(-width // block_size)
+    keep = blocks.new_zeros(*blocks.shape[:-1], n_blocks + 1, dtype=torch.bool)  # the last column takes the -1s
+    keep.scatter_(-1, torch.where(blocks >= 0, blocks, n_blocks), True)
+    return keep[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int, block_size: int
+) -> torch.Tensor:
+    """:func:`candidate_blocks` as a bool mask [..., T] of the positions they hold."""
+    blocks = candidate_blocks(scores, compress_lens, topk_blocks, block_size)
+    return candidate_mask(blocks, scores.shape[-1], block_size)
 
 
 class DeepseekV41Indexer(nn.Module):
@@ -129,6 +152,7 @@ class DeepseekV41Indexer(nn.Module):
         self.candidate_topk_blocks = config.candidate_topk_blocks
         self.candidate_block_size = config.candidate_block_size
         self.emulate_quantization = config.emulate_quantization
+        self.query_chunk_size = config.query_chunk_size
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False) if owns_keys else None
@@ -145,26 +169,45 @@ class DeepseekV41Indexer(nn.Module):
         compress_lens: torch.Tensor,
     ) -> torch.Tensor:
         """x [B,S,D], qr [B,S,q_lora], compress_lens [S] or [B, S] (compressed rows each query may see);
-        returns the selection [B, S, k]: ascending compressed rows, -1 for none (see :func:`topk_selection`)."""
+        returns the selection [B, S, k]: ascending compressed rows, -1 for none (see :func:`topk_selection`).
+
+        Scores and top-k run over ``query_chunk_size`` queries at a time, so that the [B, S, heads, T] scores
+        never exist whole: each query's row is computed by the same ops whatever the chunking.
+        """
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = apply_rotary(q, rotation)
         if self.emulate_quantization:
             q = _fp4_qdq_index(q)
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        index_k = ctx.index_k
-        scores = einsum_rounded_once("bshd,btd->bsht", q, index_k)
-        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)  # [B, S, T], in the activation dtype
-        width = scores.shape[-1]
-        reachable = torch.arange(width, device=x.device) < compress_lens.unsqueeze(-1)  # [S, T]
-        scores = scores.masked_fill(~reachable, -torch.inf)
+        chunk = self.query_chunk_size
+        candidates = ctx.candidates.split(chunk, dim=1) if self.uses_candidates and ctx.candidates is not None else None
+        selections, blocks = [], []
+        for i, (q_chunk, w_chunk, lens) in enumerate(
+            zip(q.split(chunk, dim=1), weights.split(chunk, dim=1), compress_lens.split(chunk, dim=-1))
+        ):
+            scores = self.score(q_chunk, w_chunk, ctx.index_k, lens)
+            if self.is_candidate_source:
+                blocks.append(candidate_blocks(
+                    scores, lens.expand(scores.shape[:2]), self.candidate_topk_blocks, self.candidate_block_size
+                ))
+            elif candidates is not None:
+                allowed = candidate_mask(candidates[i], scores.shape[-1], self.candidate_block_size)
+                scores = scores.masked_fill(~allowed, -torch.inf)
+            selections.append(topk_selection(scores, lens, self.topk))
         if self.is_candidate_source:
-            ctx.candidates = select_candidate_blocks(
-                scores, compress_lens.expand(scores.shape[:2]), self.candidate_topk_blocks, self.candidate_block_size
-            )
-        elif self.uses_candidates and ctx.candidates is not None:
-            scores = scores.masked_fill(~ctx.candidates, -torch.inf)
+            ctx.candidates = torch.cat(blocks, dim=1)
         ctx.index_scores = scores
-        return topk_selection(scores, compress_lens, self.topk)
+        return torch.cat(selections, dim=1)
+
+    def score(
+        self, q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, compress_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Index scores [B, C, T] of queries q [B, C, heads, Di] (head weights [B, C, heads]) against the index
+        keys [B, T, Di], -inf past each query's compressed length (compress_lens [C] or [B, C])."""
+        scores = einsum_rounded_once("bshd,btd->bsht", q, index_k)
+        scores = (scores.relu() * weights.unsqueeze(-1)).sum(dim=2)  # [B, C, T], in the activation dtype
+        reachable = torch.arange(scores.shape[-1], device=q.device) < compress_lens.unsqueeze(-1)
+        return scores.masked_fill(~reachable, -torch.inf)
 
 
 def topk_selection(scores: torch.Tensor, compress_lens: torch.Tensor, topk: int) -> torch.Tensor:
@@ -174,6 +217,20 @@ def topk_selection(scores: torch.Tensor, compress_lens: torch.Tensor, topk: int)
     k = min(topk, scores.shape[-1])
     picked = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
     return picked.masked_fill(picked >= compress_lens.unsqueeze(-1), -1)
+
+
+def gather_slots(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The K=V rows [B, S, k, D] that ``slots`` [B, S, k] pick from kv [B, N, D]; an empty slot (-1) reads row 0,
+    for the caller to mask.
+
+    An ``index_select`` on the flattened rows rather than advanced indexing: its backward is an ``index_add_``
+    (atomic adds on GPU) instead of the deterministic ``index_put_`` that advanced indexing's backward sorts
+    its indices for, which dominated a GPU training step. The forward is the same copy of the same rows.
+    """
+    bsz, n_rows, dim = kv.shape
+    offsets = torch.arange(bsz, device=slots.device).view(-1, 1, 1) * n_rows
+    flat = (slots.clamp_min(0) + offsets).flatten()
+    return kv.reshape(bsz * n_rows, dim).index_select(0, flat).view(*slots.shape, dim)
 
 
 def sink_attention(
@@ -189,14 +246,13 @@ def sink_attention(
     """
     bsz, seq_len, n_heads, dim = q.shape
     qf, kvf = q.float(), kv.float()
-    rows = torch.arange(bsz, device=q.device).view(-1, 1, 1)
     peak = qf.new_full((bsz, seq_len, n_heads), -1e30)  # finite, so a block of empty slots gives exp(-inf) = 0
     denom = qf.new_zeros(bsz, seq_len, n_heads)
     acc = qf.new_zeros(bsz, seq_len, n_heads, dim)
     for start in range(0, slots.shape[-1], SPARSE_ATTENTION_BLOCK):
         block = slots[..., start : start + SPARSE_ATTENTION_BLOCK]
         filled = block >= 0
-        keys = kvf[rows, block.clamp_min(0)] * filled.unsqueeze(-1)  # [B, S, k, D]
+        keys = gather_slots(kvf, block) * filled.unsqueeze(-1)  # [B, S, k, D]
         scores = torch.einsum("bshd,bskd->bshk", qf, keys)
         scores = torch.where(filled.unsqueeze(2), scores, -torch.inf) * scale
         new_peak = torch.maximum(peak, scores.amax(dim=-1))
@@ -207,6 +263,19 @@ def sink_attention(
         peak = new_peak
     denom = denom + torch.exp(sink.float() - peak)
     return (acc / denom.unsqueeze(-1)).to(q.dtype)
+
+
+def sink_attention_probs(
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The attention map of :func:`sink_attention`: each head's probability on each of its query's slots
+    [B, H, S, K] (same arguments), in the activation dtype. An empty slot gets 0; a row sums to less than one,
+    the rest going to the sink."""
+    keys = gather_slots(kv.float(), slots)
+    logits = torch.einsum("bshd,bskd->bhsk", q.float(), keys) * scale
+    logits = logits.masked_fill((slots < 0).unsqueeze(1), -torch.inf)
+    sinks = sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    return torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1].to(q.dtype)
 
 
 def prefill_window_slots(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -245,6 +314,7 @@ class DeepseekV41Attention(nn.Module):
         self.is_kv_source = layer_id in config.kv_source_layer_ids and self.ratio > 0
         self.is_index_source = layer_id in config.index_source_layer_ids and self.ratio > 0
         self.emulate_quantization = config.emulate_quantization
+        self.query_chunk_size = config.query_chunk_size
         self.scale = self.head_dim**-0.5
 
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
@@ -266,8 +336,16 @@ class DeepseekV41Attention(nn.Module):
         ctx: CompressedContext,
         layer_cache: DeepseekV41LayerCache | None = None,
         step: CacheStep | None = None,
-    ) -> torch.Tensor:
+        output_attentions: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x [B,S,D] (positions 0..S-1), rotation [S, R] complex for this layer's rope kind → [B,S,D].
+
+        ``output_attentions`` also returns DeepSeek-V4.1's attention map, ``(out, (probs, slot_index))``: a query
+        attends over its own list of slots rather than over all keys, so the map is probs [B, H, S, K], each
+        head's softmax probability on each slot (the sink takes the rest of the row), with slot_index [B, S, K]
+        saying what each slot is: its first ``min(S, sliding_window)`` slots (``sliding_window`` when decoding)
+        are key positions of the window, oldest first; on compressed layers the rest are the selected compressed
+        rows, ascending (row t pools positions t·r … t·r + r - 1 for ``r = compress_ratios[layer]``); -1 is empty.
 
         Padding needs no mask: the model aligns every row to start at 0, so padding only follows a row's real
         tokens, outside their windows and compressed lengths.
@@ -276,7 +354,7 @@ class DeepseekV41Attention(nn.Module):
         steps x holds only the new tokens (at ``step.positions``, rotation [B, S, R]) and attends over the cache.
         """
         if layer_cache is not None and not step.prefill:
-            return self._forward_incremental(x, rotation, ctx, layer_cache, step)
+            return self._forward_incremental(x, rotation, ctx, layer_cache, step, output_attentions)
         bsz, seq_len, _ = x.shape
         rot = rotation.unsqueeze(0).expand(bsz, -1, -1)
         qr = self.q_norm(self.wq_a(x))
@@ -285,12 +363,14 @@ class DeepseekV41Attention(nn.Module):
         kv = self._window_kv(x, rot)
         if layer_cache is not None:
             layer_cache.store_window(kv, step.lengths)
-        slots = prefill_window_slots(seq_len, self.window, x.device).expand(bsz, -1, -1)
+        slots = slot_index = prefill_window_slots(seq_len, self.window, x.device).expand(bsz, -1, -1)
         if self.ratio:
             compress_kv, selection = self._compressed(x, qr, rot, ctx, layer_cache, step)
             kv = torch.cat([kv, compress_kv], dim=1)
             slots = torch.cat([slots, _shifted(selection, seq_len)], dim=-1)
-        return self._attend(q, kv, slots, rot)
+            slot_index = torch.cat([slot_index, selection], dim=-1)
+        out = self._attend(q, kv, slots, rot)
+        return (out, (self._slot_probs(q, kv, slots), slot_index)) if output_attentions else out
 
     def _window_kv(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         """Each token's shared K=V [B,S,D], rotated (and FP8 quantize-dequantized, as cached by the reference)."""
@@ -298,11 +378,25 @@ class DeepseekV41Attention(nn.Module):
         return _fp8_qdq(kv) if self.emulate_quantization else kv
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """Sink attention over ``query_chunk_size`` queries at a time (each query's row by the same ops whatever
+        the chunking), then the output projections over all of them."""
         bsz, seq_len = q.shape[:2]
-        out = sink_attention(q, kv, slots, self.attn_sink, self.scale)
+        chunk = self.query_chunk_size
+        out = torch.cat([
+            sink_attention(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
+            for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
+        ], dim=1)
         out = apply_rotary(out, rot, inverse=True)
         out = out.view(bsz, seq_len, self.n_groups, -1)
         return self.wo_b(self.wo_a(out).flatten(2))
+
+    def _slot_probs(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The attention map [B, H, S, K] (see :func:`sink_attention_probs`), ``query_chunk_size`` queries at a time."""
+        chunk = self.query_chunk_size
+        return torch.cat([
+            sink_attention_probs(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
+            for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
+        ], dim=2)
 
     def _compressed(
         self,
@@ -355,18 +449,21 @@ class DeepseekV41Attention(nn.Module):
 
     def _forward_incremental(
         self, x: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, layer_cache: DeepseekV41LayerCache,
-        step: CacheStep,
-    ) -> torch.Tensor:
+        step: CacheStep, output_attentions: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """New tokens x [B,S,D] at ``step.positions`` [B,S] (rot [B,S,R]) against the cached state."""
         qr = self.q_norm(self.wq_a(x))
         q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
         kv = layer_cache.extend_window(self._window_kv(x, rot))  # positions past - W … past + S - 1
         slots = decode_window_slots(step.past, x.shape[1], self.window)
+        slot_index = torch.where(slots >= 0, slots + (step.past - self.window).view(-1, 1, 1), -1)  # key positions
         if self.ratio:
             compress_kv, selection = self._compressed_incremental(x, qr, rot, ctx, layer_cache, step)
             slots = torch.cat([slots, _shifted(selection, kv.shape[1])], dim=-1)
+            slot_index = torch.cat([slot_index, selection], dim=-1)
             kv = torch.cat([kv, compress_kv], dim=1)
-        return self._attend(q, kv, slots, rot)
+        out = self._attend(q, kv, slots, rot)
+        return (out, (self._slot_probs(q, kv, slots), slot_index)) if output_attentions else out
 
     def _compressed_incremental(
         self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext,

@@ -63,6 +63,7 @@ from .quantization import (
     dequantize_fp8_rows,
     unpack_fp4,
 )
+from .validation import check_safetensors_folder
 
 logger = logging.get_logger(__name__)
 
@@ -425,6 +426,8 @@ class DeepseekV41CheckpointLoadingMixin:
         tensors have no natural "auto" dtype).
         """
         hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        if pretrained_model_name_or_path is not None:  # a truncated local file: an error naming it
+            check_safetensors_folder(Path(pretrained_model_name_or_path, hub_kwargs.get("subfolder") or ""))
         quantization_config = kwargs.get("quantization_config")
         if isinstance(quantization_config, BitsAndBytesConfig):
             kwargs["quantization_config"] = _with_high_precision_modules(

@@ -5,6 +5,9 @@
 - ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see :mod:`.conversion`).
 
 Errors are one line on stderr (``dsv41 <command>: error: …``) with exit status 2; Ctrl-C exits with 130.
+
+This module imports only the standard library at the top: torch, transformers and the model load inside the
+command that needs them, so ``dsv41 --help`` and usage errors answer in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    from . import register
     from .demo import DemoInterrupted, DemoSettings, run_demo
+
+    register()  # the export writes the Auto classes registered for the model into config.json
 
     settings = DemoSettings(output=args.output, lora=args.lora, seed=args.seed)
     if args.steps is not None:
@@ -103,6 +109,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 130
     print(format_demo_summary(report, time.perf_counter() - start))
     return 0
+
+
+# `report["timings_s"]` keys → the stage names the summary prints
+STAGE_NAMES = {"build_and_baseline_s": "build + baseline", "train_s": "fine-tuning", "lora_s": "LoRA",
+               "export_s": "export", "reload_s": "reload check"}
 
 
 def _cell(value: float | None) -> str:
@@ -146,7 +157,10 @@ def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
         f"Hub-ready folder: {report['export_dir']}",
         f"Also written: {Path(settings['output']) / 'loss.png'}, {Path(settings['output']) / 'report.json'}",
         f"Time {seconds / 60:.1f} min, peak memory {report['peak_memory_bytes'] / 2**20:.0f} MiB, "
-        f"{report['threads']} threads",
+        f"{report['threads']} threads on {report['cpu']}",
+        "Wall time per stage: " + ", ".join(
+            f"{STAGE_NAMES.get(key, key)} {value:.1f} s" for key, value in report["timings_s"].items()
+        ),
     ]
     return "\n".join(lines)
 
@@ -166,10 +180,13 @@ def load_config(target: str):
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
         try:
-            config_dict = json.loads(config_file.read_text())
-        except json.JSONDecodeError as error:
+            config_dict = json.loads(config_file.read_bytes())
+        except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
             raise ValueError(f"{config_file} is not valid JSON: {error}") from None
-        return DeepseekV41Config.from_dict(config_dict)
+        try:
+            return DeepseekV41Config.from_dict(config_dict)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{config_file} is not a DeepSeek-V4.1 config: {error}") from None
     if target in PRESETS:
         return DeepseekV41Config.from_preset(target)
     raise FileNotFoundError(f"{target!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path")
@@ -189,11 +206,28 @@ def _run_inspect(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and write a probe file, so a read-only destination fails before any work."""
+    probe = folder / ".dsv41-write-test"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise OSError(f"cannot write to {folder}: {error.strerror or error}") from None
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     import torch
 
     from .conversion import convert_released_checkpoint
+    from .validation import check_safetensors_folder
 
+    destination = args.destination
+    if args.source.is_dir():  # fail on a truncated shard or a read-only destination before converting anything
+        check_safetensors_folder(args.source)
+        if not destination.exists() or (destination.is_dir() and not any(destination.iterdir())):
+            _check_writable(destination)
     written = convert_released_checkpoint(args.source, args.destination, dtype=getattr(torch, args.dtype))
     print(f"Wrote {written['tensors']:,} tensors ({written['bytes'] / 2**30:.2f} GiB) to {args.destination}; "
           f"load with DeepseekV41ForCausalLM.from_pretrained({str(args.destination)!r})")

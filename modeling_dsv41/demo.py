@@ -37,7 +37,6 @@ import transformers
 from PIL import Image, ImageDraw
 from transformers import GenerationConfig, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 from configuration import DeepseekV41Config
 from processing import IMAGE_TOKEN, DeepseekV41ImageProcessor, DeepseekV41Processor
@@ -47,7 +46,7 @@ from .demo_data import CAPTIONS, IMAGE_SIZE, PROMPT, ShapesDataset, build_demo_t
 from .engram import build_compressed_token_map
 from .export import export_for_hub
 from .modeling_dsv41 import DeepseekV41ForCausalLM
-from .trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+from .trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments, last_complete_checkpoint
 
 # LoRA on the language model's attention and shared-expert matrices, by released name (the block-diagonal `wo_a`
 # cannot take one), and per expert on the fused routed experts; the LM head trains in full, as new words need their
@@ -258,7 +257,7 @@ def fine_tune(
     print_fn=print,
 ) -> DeepseekV41Trainer:
     """Train on ``style`` captions with DeepseekV41Trainer, in ``<output>/checkpoints/<stage>`` (resuming from the
-    latest checkpoint there, if any)."""
+    latest complete checkpoint there, if any: a run killed while saving resumes from the one before)."""
     output_dir = settings.output / "checkpoints" / stage
     trainer = DeepseekV41Trainer(
         model=model,
@@ -274,12 +273,12 @@ def fine_tune(
     trainer.create_optimizer()
     print_fn(f"Optimizer assignment ({stage} stage; MixedOptimizer, one group per kind):")
     print_fn(str(trainer.assignment_table))
-    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    checkpoint = last_complete_checkpoint(output_dir)
     if checkpoint:
         print_fn(f"Resuming from {checkpoint}")
     trainer.train(resume_from_checkpoint=checkpoint)
     if interrupt.interrupted:
-        raise DemoInterrupted(get_last_checkpoint(str(output_dir)))
+        raise DemoInterrupted(last_complete_checkpoint(output_dir))
     return trainer
 
 
@@ -386,6 +385,17 @@ def _cpu_seconds() -> float:
     """CPU time of this process and its finished children (the reload check): on a busy machine, the honest cost."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _cpu_name() -> str:
+    """The CPU model, for the timings to say what they were measured on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _peak_memory_bytes() -> int:
@@ -497,6 +507,7 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "threads": torch.get_num_threads(),
+        "cpu": _cpu_name(),
         "num_parameters": model.num_parameters(),
         "chance_exact_match": 1 / len(CAPTIONS),
         "final_train_loss": curves["train"][-1][1] if curves["train"] else None,

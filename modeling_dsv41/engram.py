@@ -21,6 +21,9 @@ import torch
 from sympy import isprime
 from torch import nn
 from transformers import initialization as init
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 # Compressed id of a position that takes no part in any n-gram (image spans, padding). Look-back stops there.
 DEAD = -1
@@ -82,6 +85,15 @@ def build_compressed_token_map(tokenizer) -> tuple[list[int], int]:
     return lookup, len(key_to_id)
 
 
+def default_compressed_token_map(vocab_size: int, compressed_vocab_size: int) -> torch.LongTensor:
+    """The map a model built from a config starts with: token id → ``id % compressed_vocab_size``.
+
+    It lets such a model run, train, save and reload with no tokenizer. It is not the map any released table was
+    trained with: loading released weights builds the map from their tokenizer (``load_tokenizer``).
+    """
+    return torch.arange(vocab_size, dtype=torch.long, device="cpu") % compressed_vocab_size
+
+
 # ----------------------------------------------------------------------------------------------------
 # Hash constants
 # ----------------------------------------------------------------------------------------------------
@@ -126,7 +138,8 @@ class DeepseekV41NgramHasher(nn.Module):
 
     Buffers:
         token_map (`[vocab_size]` int64, persistent): token id → compressed id, ``-1`` where unknown. It
-            comes from the tokenizer (:meth:`load_tokenizer`) or from a saved state dict.
+            comes from the tokenizer (:meth:`load_tokenizer`) or from a saved state dict; until then it holds
+            :func:`default_compressed_token_map` (``uses_default_token_map``; the first forward pass warns).
         multipliers (`[n_layers, max_ngram]`), primes (`[n_layers, max_ngram-1, n_heads]`), offsets
             (`[n_layers, n_cols]`): int64, derived from the config alone, hence not saved.
 
@@ -155,7 +168,8 @@ class DeepseekV41NgramHasher(nn.Module):
                 raise ValueError(
                     f"Engram layer {layer_id}: engram_num_embeddings is {rows} but its hash buckets need {needed} rows"
                 )
-        self.register_buffer("token_map", torch.full((config.vocab_size,), DEAD, dtype=torch.long))
+        self.register_buffer("token_map", default_compressed_token_map(config.vocab_size, self.compressed_vocab_size))
+        self.uses_default_token_map = True
         self.register_buffer("multipliers", multipliers, persistent=False)
         self.register_buffer("primes", primes, persistent=False)
         self.register_buffer("offsets", offsets, persistent=False)
@@ -172,15 +186,23 @@ class DeepseekV41NgramHasher(nn.Module):
         return primes, multipliers, offsets
 
     def init_buffers(self) -> None:
-        """(Re)compute the derived buffers and mark ``token_map`` unfilled unless it was loaded.
+        """(Re)compute the derived buffers, and put the default map in ``token_map`` unless it was loaded.
 
-        For ``_init_weights``: transformers allocates non-persistent buffers empty when loading a checkpoint.
+        For ``_init_weights``: transformers allocates non-persistent buffers empty when loading a checkpoint. A
+        checkpoint without ``token_map`` (the released one) thus leaves ``has_token_map`` False, and
+        ``from_pretrained`` builds the map from the tokenizer.
         """
         primes, multipliers, offsets = self._hash_constants()
         init.copy_(self.primes, primes)
         init.copy_(self.multipliers, multipliers)
         init.copy_(self.offsets, offsets)
-        init.constant_(self.token_map, DEAD)
+        self.uses_default_token_map = not getattr(self.token_map, "_is_hf_initialized", False)
+        init.copy_(self.token_map, default_compressed_token_map(self.token_map.numel(), self.compressed_vocab_size))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "token_map" in state_dict:
+            self.uses_default_token_map = False
 
     @property
     def history_size(self) -> int:
@@ -189,7 +211,8 @@ class DeepseekV41NgramHasher(nn.Module):
 
     @property
     def has_token_map(self) -> bool:
-        return bool((self.token_map >= 0).any())
+        """Whether ``token_map`` came from a tokenizer or a checkpoint (not the default map)."""
+        return not self.uses_default_token_map and bool((self.token_map >= 0).any())
 
     @torch.no_grad()
     def load_tokenizer(self, tokenizer) -> None:
@@ -210,6 +233,7 @@ class DeepseekV41NgramHasher(nn.Module):
             )
         self.token_map.fill_(DEAD)
         self.token_map[: len(lookup)] = torch.tensor(lookup, dtype=torch.long, device=self.token_map.device)
+        self.uses_default_token_map = False
 
     def compress(
         self,
@@ -231,16 +255,22 @@ class DeepseekV41NgramHasher(nn.Module):
             dead |= image_mask.bool()
         if attention_mask is not None:
             dead |= ~attention_mask.bool()
+        if self.uses_default_token_map and not torch.compiler.is_compiling():
+            logger.warning_once(
+                "Engram hashes with the default compressed token map (token id mod engram_compressed_vocab_size): "
+                "fine for a model trained from scratch, wrong for released Engram tables, which need the map of "
+                "their tokenizer (`model.engram_hasher.load_tokenizer(tokenizer)`, or from_pretrained with "
+                "`engram_tokenizer=`)"
+            )
         vocab = self.token_map.numel()
         in_range = (input_ids >= 0) & (input_ids < vocab)
         compressed = self.token_map[input_ids.where(in_range, 0)]
+        if self.uses_default_token_map:  # the default map is arithmetic: ids a resize added beyond it fold alike
+            beyond = input_ids >= vocab
+            compressed = torch.where(beyond, input_ids % self.compressed_vocab_size, compressed)
+            in_range = in_range | beyond
         invalid = ~dead & (~in_range | (compressed < 0))
         if not torch.compiler.is_compiling() and invalid.any():
-            if not self.has_token_map:
-                raise ValueError(
-                    "Engram needs the compressed token map: call `load_tokenizer(tokenizer)` on the hasher "
-                    "(or load a state dict that holds `token_map`) before the forward pass"
-                )
             bad = input_ids[invalid].unique()[:8].tolist()
             raise ValueError(f"input ids {bad} have no compressed Engram id (outside the tokenizer the map was built from)")
         return compressed.masked_fill(dead, DEAD)
@@ -405,6 +435,7 @@ __all__ = [
     "DeepseekV41Fp8EngramTable",
     "DeepseekV41NgramHasher",
     "build_compressed_token_map",
+    "default_compressed_token_map",
     "dequantize_engram_table",
     "engram_hash_multipliers",
     "engram_primes",

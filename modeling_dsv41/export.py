@@ -42,6 +42,10 @@ BASE_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 DEFAULT_TAGS = ("custom_code", "deepseek", "deepseek_v41", "moe", "engram", "vision-language", "image-text-to-text")
 
 _IMPORT_HEAD = re.compile(r"from\s+\.*[\w.]*\s+import\b")
+# the files an export wrote, kept next to them (and not published): a later export into the same folder removes
+# exactly those, so nothing stale (old shards, an adapter) is published with the new weights
+EXPORT_MANIFEST = ".dsv41-export.json"
+_NOT_EXPORTED = (".git", ".cache")  # a git clone of the repo, huggingface_hub's local-dir metadata
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -258,6 +262,33 @@ def render_model_card(
 # ----------------------------------------------------------------------------------------------------------------
 # Export and push
 # ----------------------------------------------------------------------------------------------------------------
+def _files_in(directory: Path) -> set[str]:
+    return {
+        path.relative_to(directory).as_posix() for path in directory.rglob("*")
+        if not path.is_dir() and path.relative_to(directory).parts[0] not in _NOT_EXPORTED
+    }
+
+
+def _prepare_export_directory(directory: Path) -> None:
+    """Create ``directory``, or remove a previous export's files from it. A folder holding anything else is
+    refused: ``save_pretrained`` would leave it there, and the published repo would carry it (an old adapter makes
+    the repo load as a PEFT adapter)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    present = _files_in(directory)
+    manifest = directory / EXPORT_MANIFEST
+    owned = set(json.loads(manifest.read_text())) if manifest.is_file() else set()
+    foreign = sorted(present - owned - {EXPORT_MANIFEST})
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(
+            f"{directory} is not empty and holds files no export wrote ({shown}): export into an empty folder "
+            "(or a previous export's), or remove them"
+        )
+    for name in sorted(owned & present):
+        (directory / name).unlink()
+    manifest.unlink(missing_ok=True)
+
+
 def export_for_hub(
     model: Any,
     save_directory: str | Path,
@@ -282,6 +313,9 @@ def export_for_hub(
         card_data: card metadata overriding our defaults (``datasets``, ``language``, extra ``tags`` …).
         results: ``{benchmark: {metric: value}}`` for the card's results table.
         save_kwargs: passed to ``model.save_pretrained`` (``max_shard_size`` …).
+
+    ``save_directory`` must be new, empty or a previous export (whose files are replaced); a folder holding other
+    files is refused with a ``ValueError`` naming them.
     """
     if not isinstance(model, PreTrainedModel) or not _is_project_module(type(model).__module__):
         raise ValueError(
@@ -291,7 +325,7 @@ def export_for_hub(
     if processor is not None and tokenizer is not None:
         raise ValueError("pass either a processor (it saves its own tokenizer) or a tokenizer, not both")
     directory = Path(save_directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    _prepare_export_directory(directory)
     model.save_pretrained(directory, **save_kwargs)
     auto_maps = {("config.json", None): model_auto_map(model)}
     if processor is not None:
@@ -312,6 +346,7 @@ def export_for_hub(
         has_tokenizer=processor is not None or tokenizer is not None, has_processor=processor is not None,
     )
     card.save(directory / "README.md")
+    (directory / EXPORT_MANIFEST).write_text(json.dumps(sorted(_files_in(directory)), indent=1))
     return directory
 
 
@@ -344,7 +379,7 @@ def push_to_hub(
         operations = [
             CommitOperationAdd(path_in_repo=path.relative_to(tmp).as_posix(), path_or_fileobj=str(path))
             for path in sorted(Path(tmp).rglob("*"))
-            if path.is_file()
+            if path.is_file() and path.name != EXPORT_MANIFEST
         ]
         return api.create_commit(
             repo_id, operations, commit_message=commit_message, token=token, revision=revision, create_pr=create_pr
@@ -352,6 +387,7 @@ def push_to_hub(
 
 
 __all__ = [
+    "EXPORT_MANIFEST",
     "export_for_hub",
     "push_to_hub",
     "render_model_card",

@@ -37,6 +37,7 @@ from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
 from .rotary import DeepseekV41RotaryEmbedding
+from .validation import check_pixel_values, check_text_inputs
 from .vision import (
     IMAGE_START,
     DeepseekV41Aligner,
@@ -243,6 +244,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """ViT + aligner: one [h_tok·w_tok, D] tensor per image, rows in reading order."""
         if not self.config.has_vision:
             raise ValueError("images were passed but this DeepSeek-V4.1 config has no vision_config")
+        check_pixel_values(pixel_values, image_grid_hw)
         return self.aligner(self.vision(pixel_values, image_grid_hw), image_grid_hw)
 
     def _embed_inputs(self, input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types):
@@ -324,6 +326,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         cache = self._resolve_cache(cache, use_cache)
+        past_length = 0 if cache is None else cache.get_seq_length()
+        check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
         if cache is not None and cache.get_seq_length() > 0:
             last, all_hidden = self._forward_cached(
                 input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,

@@ -8,11 +8,14 @@ import torch
 
 
 def left_padding_shift(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Per-row count of leading padding [B], or None when no row is left-padded."""
+    """Per-row count of leading padding [B] (zeros when no row is left-padded), or None without a [B, S] mask.
+
+    Never asks whether any row is padded: that would read the mask on the host (a device sync, and a graph break
+    under ``torch.compile``); rolling a row by 0 is an exact no-op.
+    """
     if attention_mask is None or attention_mask.ndim != 2:
         return None
-    leading = (~attention_mask.bool()).int().cumprod(dim=1).sum(dim=1)
-    return leading if bool(leading.any()) else None
+    return (~attention_mask.bool()).int().cumprod(dim=1).sum(dim=1)
 
 
 def roll_rows(t: torch.Tensor | None, shift: torch.Tensor) -> torch.Tensor | None:

@@ -8,6 +8,11 @@
   by the text tokens' expert load and ``gate.bias_vl`` by the image-span tokens' load, counted over the whole
   step (all micro-batches and processes).
 
+It also makes checkpoints atomic: each is written into ``tmp-checkpoint-N/`` and renamed to ``checkpoint-N`` once
+complete, so a process killed mid-save leaves no ``checkpoint-N`` that resuming would pick and crash on; resuming
+skips, with a warning, any ``checkpoint-N`` without ``trainer_state.json`` (written last; left by older saves).
+NaN / inf losses are logged as they are (``logging_nan_inf_filter`` defaults to ``False``).
+
 Everything else (gradient accumulation, bf16 autocast, gradient checkpointing, DDP, checkpoints and resuming) is
 ``Trainer``'s own: the biases are persistent model buffers, so checkpoints carry them, and the counts are empty whenever
 a checkpoint is written (right after an optimizer step).
@@ -16,18 +21,67 @@ a checkpoint is written (right after an optimizer step).
 from __future__ import annotations
 
 import logging
+import os
+import re
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.training_args import OptimizerNames
 
 from .optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
 from .router_balancing import RouterBiasBalancer
 
 logger = logging.getLogger(__name__)
+
+# a checkpoint is written under `tmp-checkpoint-N/checkpoint-N`, then moved to `checkpoint-N`: transformers only
+# considers folders named exactly `checkpoint-N`, so a half-written one is never resumed from nor rotated
+STAGING_PREFIX = "tmp-"
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def is_complete_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a finished Trainer checkpoint: ``trainer_state.json`` is the last file a save writes."""
+    return (Path(path) / TRAINER_STATE_NAME).is_file()
+
+
+def last_complete_checkpoint(folder: str | os.PathLike) -> str | None:
+    """The newest complete ``checkpoint-N`` in ``folder`` (None if there is none).
+
+    Incomplete ones (a save killed before atomic checkpoints, or copied partially) and staging leftovers are
+    skipped with a warning, so a rerun resumes from the last checkpoint that can be resumed from.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    leftovers = sorted(p.name for p in folder.glob(f"{STAGING_PREFIX}{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir())
+    if leftovers:
+        logger.warning("Skipping interrupted checkpoint saves in %s: %s", folder, ", ".join(leftovers))
+    steps = {int(m.group(1)): p for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT_NAME.match(p.name))}
+    for step in sorted(steps, reverse=True):
+        if is_complete_checkpoint(steps[step]):
+            return str(steps[step])
+        logger.warning("Skipping incomplete checkpoint %s (no %s: its save was interrupted)", steps[step],
+                       TRAINER_STATE_NAME)
+    return None
+
+
+def _replace_folder(source: Path, destination: Path) -> None:
+    """Move ``source`` to ``destination``; an existing ``destination`` (the same step saved again) is replaced."""
+    if destination.exists():
+        old = destination.with_name(f"{STAGING_PREFIX}old-{destination.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        destination.rename(old)
+        source.rename(destination)
+        shutil.rmtree(old)
+    else:
+        source.rename(destination)
 
 
 @dataclass
@@ -62,6 +116,13 @@ class DeepseekV41TrainingArguments(TrainingArguments):
     freeze_default_parameters: bool = field(
         default=True,
         metadata={"help": "Freeze the indexer (SPEC §6; DDP needs it)."},
+    )
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace NaN/inf training losses by the running average when logging. Off by default: a "
+            "diverged run must show a NaN loss (with the filter, a first logging window of NaNs reads 0.0)."
+        },
     )
 
     _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "optimizer_kind_kwargs", "optimizer_overrides"]
@@ -129,6 +190,7 @@ class DeepseekV41Trainer(Trainer):
         logger.setLevel(self.args.get_process_log_level())
         self.assignment_table = None
         self.router_balancing = None
+        self._staging_run_dir: str | None = None
         if args.bias_update_speed > 0:
             self.router_balancing = RouterBiasBalancingCallback(args.bias_update_speed)
             self.add_callback(self.router_balancing)
@@ -175,6 +237,49 @@ class DeepseekV41Trainer(Trainer):
             self.router_balancing.record(self.model, attention_mask, image_token_types)
         return result
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint (see
+        :func:`last_complete_checkpoint`), and an incomplete one given by path is a clear error."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no complete checkpoint to resume from in {self.args.output_dir}")
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)) and not is_complete_checkpoint(resume_from_checkpoint):
+            raise ValueError(
+                f"cannot resume from {resume_from_checkpoint}: it holds no {TRAINER_STATE_NAME} (missing, or its save "
+                "was interrupted); resume_from_checkpoint=True picks the newest complete checkpoint"
+            )
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _get_output_dir(self, trial) -> str:
+        # while a checkpoint is saved, Trainer writes `<run dir>/checkpoint-N` into the staging folder instead
+        return self._staging_run_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        """``Trainer._save_checkpoint`` into ``tmp-checkpoint-N/``, then one rename to ``checkpoint-N``."""
+        run_dir = Path(self._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = run_dir / f"{STAGING_PREFIX}{name}"
+        if self.args.should_save:
+            for leftover in run_dir.glob(f"{STAGING_PREFIX}*{PREFIX_CHECKPOINT_DIR}-*"):  # from killed saves
+                shutil.rmtree(leftover)
+        self.accelerator.wait_for_everyone()
+        self._staging_run_dir = str(staging)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_run_dir = None
+        self.accelerator.wait_for_everyone()  # every process has written its files (RNG states)
+        if self.args.should_save:
+            staged, final = staging / name, run_dir / name
+            if self.state.best_model_checkpoint == str(staged):
+                self.state.best_model_checkpoint = str(final)
+                self.state.save_to_json(str(staged / TRAINER_STATE_NAME))
+            _replace_folder(staged, final)
+            staging.rmdir()
+            rotate_checkpoints(str(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
+
     def call_model_init(self, trial=None) -> nn.Module:
         model = super().call_model_init(trial)
         if self.args.freeze_default_parameters:
@@ -182,4 +287,10 @@ class DeepseekV41Trainer(Trainer):
         return model
 
 
-__all__ = ["DeepseekV41Trainer", "DeepseekV41TrainingArguments", "RouterBiasBalancingCallback"]
+__all__ = [
+    "DeepseekV41Trainer",
+    "DeepseekV41TrainingArguments",
+    "RouterBiasBalancingCallback",
+    "is_complete_checkpoint",
+    "last_complete_checkpoint",
+]

@@ -30,6 +30,7 @@ import itertools
 import math
 import os
 import urllib.parse
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -260,13 +261,31 @@ def _apply_exif_orientation(image: Image.Image) -> Image.Image:
     return image if orientation in (1, None) else ImageOps.exif_transpose(image)
 
 
+# PIL modes whose values exceed 0–255 (16-bit PNGs open as "I;16*"): `convert("RGB")` clips them, mostly to white
+HIGH_BIT_DEPTH_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+
+
+@lru_cache(maxsize=None)
+def _warn_high_bit_depth(mode: str) -> None:
+    """Warns once per mode: the reference's result is kept (bit-exactness), but it is rarely what the caller meant."""
+    warnings.warn(
+        f"an image of PIL mode {mode!r} (e.g. a 16-bit PNG) is converted like the reference, with "
+        'convert("RGB"), which clips values above 255 (a 16-bit image turns mostly white); scale it to 8 bits '
+        "first (e.g. Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))) to keep its contrast",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def pil_to_rgb(image: Image.Image, apply_exif_orientation: bool = False) -> Image.Image:
     """``convert("RGB")``: alpha is dropped and palette transparency ignored, like the reference; optionally
-    EXIF-upright first."""
+    EXIF-upright first. High-bit-depth modes are clipped, as in the reference, with a warning (once per mode)."""
     if image.width == 0 or image.height == 0:
         raise ValueError(f"empty image ({image.width}×{image.height})")
     if apply_exif_orientation:
         image = _apply_exif_orientation(image)
+    if image.mode in HIGH_BIT_DEPTH_MODES:
+        _warn_high_bit_depth(image.mode)
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
@@ -531,6 +550,20 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
     def backend(self) -> str:
         return "torch"
 
+    @property
+    def size(self) -> dict[str, int]:
+        """transformers' place for pixel bounds: ``{"shortest_edge": min_pixels}`` (an area, as Qwen2-VL's). A view
+        of ``min_pixels``, the name :class:`DeepseekV41VisionConfig` uses."""
+        return {"shortest_edge": self.min_pixels}
+
+    @size.setter
+    def size(self, value: dict[str, int] | None) -> None:
+        if value is None:
+            return
+        if set(dict(value)) - {"shortest_edge"}:
+            raise ValueError(f"size takes only 'shortest_edge' (the min_pixels area), got {dict(value)}")
+        self.min_pixels = dict(value)["shortest_edge"]
+
     @classmethod
     def from_vision_config(cls, vision_config: Any, **kwargs: Any) -> "DeepseekV41ImageProcessor":
         """Sized like the model: ``patch_size``, ``downsample_ratio``, ``max_image_tokens``, ``min_pixels``,
@@ -580,8 +613,11 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         image_mean: float | tuple[float, ...] | None = None,
         image_std: float | tuple[float, ...] | None = None,
         return_tensors: str | None = None,
+        size: dict[str, int] | None = None,
         **kwargs: Any,
     ) -> None:
+        if size is not None and dict(size) != {"shortest_edge": self.min_pixels}:
+            raise ValueError(f"pass min_pixels=, not size={dict(size)}, to change the minimum area in a call")
         for name, value, least in (
             ("patch_size", patch_size, 1),
             ("downsample_ratio", downsample_ratio, 1),
@@ -598,8 +634,9 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
                 f"{type(self).__name__} resamples with {names}, got {resample!r}"
                 + ("; DeepseekV41ImageProcessorPil takes every PIL filter" if self.backend == "torch" else "")
             )
-        if do_rescale and not (rescale_factor and rescale_factor > 0):
-            raise ValueError(f"rescale_factor must be positive, got {rescale_factor!r}")
+        if do_rescale and not (isinstance(rescale_factor, (int, float)) and math.isfinite(rescale_factor) and rescale_factor):
+            # a negative factor is plain arithmetic (transformers' processor tests flip images with -1)
+            raise ValueError(f"rescale_factor must be a finite non-zero number, got {rescale_factor!r}")
         if do_normalize:
             for name, value in (("image_mean", image_mean), ("image_std", image_std)):
                 if len(np.atleast_1d(value)) not in (1, 3):

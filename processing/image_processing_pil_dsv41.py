@@ -9,7 +9,12 @@ import numpy as np
 from PIL import Image, ImageOps
 from transformers.image_utils import PILImageResampling
 
-from .image_processing_dsv41 import LETTERBOX_FILL, DeepseekV41ImageProcessor, ImageGridPlan
+from .image_processing_dsv41 import (  # noqa: F401  (the kwargs class is exposed here too, as transformers expects)
+    LETTERBOX_FILL,
+    DeepseekV41ImageProcessor,
+    DeepseekV41ImageProcessorKwargs,
+    ImageGridPlan,
+)
 
 
 class DeepseekV41ImageProcessorPil(DeepseekV41ImageProcessor):
@@ -49,4 +54,4 @@ class DeepseekV41ImageProcessorPil(DeepseekV41ImageProcessor):
         return np.asarray(image)
 
 
-__all__ = ["DeepseekV41ImageProcessorPil"]
+__all__ = ["DeepseekV41ImageProcessorKwargs", "DeepseekV41ImageProcessorPil"]

@@ -68,7 +68,8 @@ def build_tiny_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 5
 
     Ids: 0 BOS, 1 EOS, 2 pad, then the 256 byte symbols and learned merges, then (if the corpus ran out of
     merges) ``<｜place▁holder▁no▁k｜>`` fillers, and last ``<｜User｜>``, ``<｜Assistant｜>``, ``<think>``,
-    ``</think>``, ``<｜deepseek_image｜>`` (``vocab_size - 2``) and ``<｜System｜>``. Encoding prepends BOS.
+    ``</think>``, ``<｜deepseek_image｜>`` (``vocab_size - 2``) and ``<｜System｜>``. Encoding prepends BOS;
+    batches pad on the left (for generation; the model aligns left-padded rows, so training is unaffected).
     Training is deterministic, so two calls with the same arguments give the same tokenizer.
     """
     minimum = len(_LEADING_SPECIALS) + _N_BYTES + len(_TRAILING_SPECIALS)
@@ -96,8 +97,9 @@ def build_tiny_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 5
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, 0)]
     )
 
+    # left padding: batched `generate` appends to every row's end, which must be its last real token
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+        tokenizer_object=backend, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="left"
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

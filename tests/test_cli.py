@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,11 +65,22 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     assert "Optimizer assignment" in captured.out and "muon_headwise" in captured.out
     baseline = json.loads((out / "run.json").read_text())["before"]
 
+    # what a kill during a later save leaves: a staging folder, or (saves before they were atomic) a checkpoint
+    # without trainer_state.json; the rerun must resume from checkpoint-2 all the same
+    checkpoints = out / "checkpoints" / "full"
+    shutil.copytree(checkpoints / "checkpoint-2", checkpoints / "checkpoint-3")
+    (checkpoints / "checkpoint-3" / "trainer_state.json").unlink()
+    (checkpoints / "tmp-checkpoint-4" / "checkpoint-4").mkdir(parents=True)
+
     monkeypatch.setattr(demo_module._LossOnProgressBar, "on_step_end", original_step_end)
     assert main(["demo", "--output", str(out), "--steps", "4"]) == 0
     captured = capsys.readouterr()
-    assert "Resuming from" in captured.out and "checkpoint-2" in captured.out
+    assert f"Resuming from {checkpoints / 'checkpoint-2'}" in captured.out
     assert "caption exact match" in captured.out and "generations equal" in captured.out
+    stages = re.search(r"Wall time per stage: build \+ baseline [\d.]+ s, fine-tuning [\d.]+ s, export [\d.]+ s, "
+                       r"reload check [\d.]+ s", captured.out)
+    assert stages, captured.out
+    assert re.search(rf"\d+ threads on {re.escape(demo_module._cpu_name())}\n", captured.out)
 
     report = json.loads((out / "report.json").read_text())
     assert report["before"] == baseline  # measured once, before any training
@@ -212,6 +224,24 @@ def test_inspect_errors_are_one_line(tmp_path, capsys):
     _one_line_error(capsys.readouterr().err, "inspect")
 
 
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"[1, 2, 3]", "is not a DeepSeek-V4.1 config: a DeepSeek-V4.1 config must be a JSON object, got list"),
+        (b'{"model_type": "llama", "hidden_size": 4096}', "is not a DeepSeek-V4.1 config: the config is missing 'text_config'"),
+        (b'{"text_config": {"vocab_size": 100}}', "is not a DeepSeek-V4.1 config: the config's text_config is missing 'hidden_size'"),
+        (b'{"a": 1', "is not valid JSON"),
+        (b"\xff\xfe{}", "is not valid JSON"),
+    ],
+)
+def test_inspect_of_a_json_that_is_not_a_config_is_a_one_line_error(tmp_path, capsys, content, message):
+    """No "748B" report for someone else's JSON: exit 2 naming the file."""
+    path = tmp_path / "other.json"
+    path.write_bytes(content)
+    assert main(["inspect", str(path)]) == 2
+    assert f"{path} {message}" in _one_line_error(capsys.readouterr().err, "inspect")
+
+
 def test_format_inspection_of_a_text_only_config():
     text_only = DeepseekV41Config.from_preset("tiny", vision_config=None)
     report = format_inspection(inspect_config(text_only))
@@ -269,6 +299,40 @@ def test_convert_errors_are_one_line(released_checkpoint, tmp_path, monkeypatch,
     assert "not enough disk space" in _one_line_error(capsys.readouterr().err, "convert")
 
 
+def _read_only_empty_folder(tmp_path: Path) -> Path:
+    """An empty folder this process cannot write to: a 0o555 one, or, for root (who writes anyway), an empty
+    sysfs folder."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    candidates = [folder, *sorted(Path("/sys/kernel").iterdir())] if Path("/sys/kernel").is_dir() else [folder]
+    for candidate in candidates:
+        try:
+            if candidate.is_dir() and not any(candidate.iterdir()):
+                (candidate / ".probe").write_bytes(b"")
+                (candidate / ".probe").unlink()
+        except OSError:
+            return candidate
+    pytest.fail("found no read-only folder to convert into")
+
+
+def test_convert_to_a_read_only_destination_is_a_one_line_error(released_checkpoint, tmp_path, capsys):
+    destination = _read_only_empty_folder(tmp_path)
+    assert main(["convert", str(released_checkpoint), str(destination)]) == 2
+    assert f"cannot write to {destination}" in _one_line_error(capsys.readouterr().err, "convert")
+
+
+def test_convert_of_a_truncated_shard_is_a_one_line_error(released_checkpoint, tmp_path, capsys):
+    source = tmp_path / "source"
+    shutil.copytree(released_checkpoint, source)
+    shard = sorted(source.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    destination = tmp_path / "out"
+    assert main(["convert", str(source), str(destination)]) == 2
+    assert f"{shard} is truncated" in _one_line_error(capsys.readouterr().err, "convert")
+    assert not destination.exists()  # nothing was written
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the installed command
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,6 +344,37 @@ def test_console_script_is_declared_and_runs():
     result = subprocess.run([sys.executable, "-m", "modeling_dsv41.cli", "inspect", "--help"],
                             capture_output=True, text=True)
     assert result.returncode == 0 and "without allocating the weights" in result.stdout
+
+
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--steps", "0"]])
+def test_help_and_usage_errors_import_neither_torch_nor_the_model(tmp_path, how, argv):
+    """``dsv41 --help`` must answer at once: importing torch, transformers and the model takes seconds (tens on a
+    slow disk). -X importtime lists every module the process imported."""
+    if how == "console script":  # what pip writes into bin/dsv41
+        script = tmp_path / "dsv41"
+        script.write_text("import sys\nfrom modeling_dsv41.cli import main\nsys.exit(main())\n")
+        command = [sys.executable, "-X", "importtime", str(script), *argv]
+    else:
+        command = [sys.executable, "-X", "importtime", "-m", "modeling_dsv41.cli", *argv]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == (0 if argv == ["--help"] else 2), result.stderr[-2000:]
+    assert "usage: dsv41" in result.stdout or "dsv41 demo: error: argument --steps" in result.stderr
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "argparse" in imported  # the listing works
+    assert not imported & {"torch", "transformers", "numpy", "PIL", "configuration", "processing"}, imported
+
+
+def test_the_package_still_registers_the_auto_classes_on_import():
+    code = ("import modeling_dsv41\nfrom transformers import AutoConfig, AutoModelForCausalLM\n"
+            "config = AutoConfig.for_model('deepseek_v41')\n"
+            "print(AutoModelForCausalLM._model_mapping[type(config)].__name__, modeling_dsv41.DeepseekV41Trainer.__name__)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["DeepseekV41ForCausalLM", "DeepseekV41Trainer"]
 
 
 @pytest.mark.slow

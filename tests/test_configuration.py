@@ -70,3 +70,37 @@ def test_vision_config_validation():
         DeepseekV41VisionConfig(hidden_size=60, num_attention_heads=6)
     with pytest.raises(ValueError, match="positive integer"):
         DeepseekV41VisionConfig(patch_size=0)
+
+
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        (("text_config",), "missing 'text_config'"),
+        (("text_config", "hidden_size"), "text_config is missing 'hidden_size'"),
+        (("text_config", "vocab_size"), "text_config is missing 'vocab_size'"),
+        (("text_config", "num_hidden_layers"), "text_config is missing 'num_hidden_layers'"),
+    ],
+)
+def test_config_json_missing_a_size_key_is_a_clear_error(tmp_path, drop, message):
+    """Without the key the released defaults (749B) would build silently; from_pretrained names the key instead."""
+    config_dict = DeepseekV41Config.from_preset("tiny").to_dict()
+    owner = config_dict
+    for key in drop[:-1]:
+        owner = owner[key]
+    del owner[drop[-1]]
+    (tmp_path / "config.json").write_text(json.dumps(config_dict))
+    with pytest.raises(ValueError, match=message):
+        DeepseekV41Config.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("key", ["dim", "vocab_size"])
+def test_flat_reference_config_missing_a_size_key_is_a_clear_error(fixtures_dir, key):
+    ref = json.loads((fixtures_dir / "v41_tiny_vl/dense/config.json").read_text())
+    del ref[key]
+    with pytest.raises(ValueError, match=f"flat reference config is missing '{key}'"):
+        DeepseekV41Config.from_dict(ref)
+
+
+def test_a_config_that_is_not_an_object_is_a_clear_error():
+    with pytest.raises(ValueError, match="must be a JSON object, got list"):
+        DeepseekV41Config.from_dict([1, 2])

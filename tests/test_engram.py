@@ -1,6 +1,7 @@
 """Engram: n-gram hasher and gated memory block against DeepSeek's reference (fixtures v41_tiny_vl)."""
 
 import json
+import logging as std_logging
 import re
 import unicodedata
 
@@ -83,9 +84,10 @@ def test_init_buffers_restores_derived_buffers_and_keeps_loaded_map(tiny):
         assert torch.equal(getattr(hasher, name), engram[name]), name
     assert torch.equal(hasher.token_map, engram["token_map"])
 
-    del hasher.token_map._is_hf_initialized  # missing from the checkpoint: back to unfilled
+    del hasher.token_map._is_hf_initialized  # missing from the checkpoint: back to the default map
     hasher.init_buffers()
-    assert not hasher.has_token_map
+    assert not hasher.has_token_map and hasher.uses_default_token_map
+    assert torch.equal(hasher.token_map, torch.arange(config.vocab_size) % config.engram_compressed_vocab_size)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,10 +136,47 @@ def test_left_padding_acts_as_sequence_start(tiny):
     assert not torch.equal(unmasked[0, n_pad], hashes[0, n_pad])
 
 
-def test_unfilled_token_map_raises(tiny):
-    config, _, inputs, _ = tiny
-    with pytest.raises(ValueError, match="Engram needs the compressed token map"):
-        DeepseekV41NgramHasher(config)(inputs["input_ids"])
+def test_without_a_tokenizer_the_default_map_is_used_with_a_warning(tiny, caplog):
+    config, engram, inputs, _ = tiny
+    hasher = DeepseekV41NgramHasher(config)
+    assert hasher.uses_default_token_map and not hasher.has_token_map
+    expected = torch.arange(config.vocab_size) % config.engram_compressed_vocab_size
+    assert torch.equal(hasher.token_map, expected)
+    std_logging.Logger.warning_once.cache_clear()  # transformers' once-only cache, shared by all loggers
+    with caplog.at_level("WARNING", logger="modeling_dsv41.engram"):
+        hashes = hasher(inputs["input_ids"])
+    assert "default compressed token map" in caplog.text
+    # the same ids as a hasher given that map explicitly, which no longer counts as the default
+    explicit = make_hasher(config, expected)
+    assert not explicit.uses_default_token_map and explicit.has_token_map
+    assert torch.equal(hashes, explicit(inputs["input_ids"]))
+    # and not the hashes of the tokenizer-built map released tables need
+    assert not torch.equal(hashes, make_hasher(config, engram["token_map"])(inputs["input_ids"]))
+
+
+def test_default_map_covers_ids_added_by_a_resize(tiny):
+    config, engram, _, _ = tiny
+    hasher = DeepseekV41NgramHasher(config)
+    ids = torch.tensor([[5, config.vocab_size + 3, 7]])  # an id beyond the map, as after resize_token_embeddings
+    folded = ids % config.engram_compressed_vocab_size
+    assert torch.equal(hasher(ids), hasher(folded))
+    with pytest.raises(ValueError, match=rf"input ids \[{config.vocab_size + 3}\]"):
+        make_hasher(config, engram["token_map"])(ids)  # a tokenizer's map knows nothing of new tokens
+
+
+def test_model_from_config_trains_saves_and_reloads_without_a_tokenizer(tmp_path):
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny"))
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(table.weight.grad is not None for table in (layer.engram.embed for layer in model.layers if layer.engram))
+    model.eval().save_pretrained(tmp_path)  # no tokenizer.json beside the weights
+    reloaded = DeepseekV41ForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.engram_hasher.has_token_map  # the saved default map counts as the checkpoint's own
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
 
 def test_ids_outside_the_map_raise(tiny):

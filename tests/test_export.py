@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.engram import build_compressed_token_map
-from modeling_dsv41.export import export_for_hub, flatten_module_source, push_to_hub
+from modeling_dsv41.export import EXPORT_MANIFEST, export_for_hub, flatten_module_source, push_to_hub
 from processing import DeepseekV41ImageProcessor, DeepseekV41Processor, build_tiny_tokenizer  # (registers them)
 
 PROJECT_PACKAGES = {"configuration", "processing", "modeling_dsv41"}
@@ -167,6 +167,18 @@ def test_model_card_metadata_architecture_and_results(exported, tiny):
     assert len(usage_snippets(text)) == 2  # text chat, and image chat with the processor
 
 
+def test_card_image_snippet_starts_with_one_bos(exported, tiny, tmp_path, monkeypatch):
+    """The chat template writes BOS; the snippet's processor call must not add a second one (as the README's)."""
+    _, processor = tiny
+    image_snippet = usage_snippets((exported / "README.md").read_text())[1]
+    monkeypatch.chdir(tmp_path)
+    sample_image().save(tmp_path / "photo.jpg")
+    namespace = {}
+    exec(compile(image_snippet.split("output = model.generate")[0], "README.md", "exec"), namespace)
+    ids = namespace["inputs"]["input_ids"][0].tolist()
+    assert ids[0] == processor.tokenizer.bos_token_id and ids.count(processor.tokenizer.bos_token_id) == 1
+
+
 def test_model_only_export_has_a_runnable_snippet_and_no_results(tiny, tmp_path):
     model, _ = tiny
     text = (export_for_hub(model, tmp_path / "repo") / "README.md").read_text()
@@ -185,6 +197,41 @@ def test_export_refuses_what_it_cannot_publish(tiny, tmp_path):
         export_for_hub(peft_model, tmp_path / "peft")
     with pytest.raises(ValueError, match="not both"):
         export_for_hub(model, tmp_path / "both", processor, processor.tokenizer)
+
+
+def test_export_refuses_a_folder_holding_other_files(tiny, tmp_path):
+    """An old LoRA adapter left in the folder would be published with the model (and make it load as an adapter)."""
+    model, processor = tiny
+    folder = tmp_path / "repo"
+    get_peft_model(DeepseekV41ForCausalLM(model.config), LoraConfig(r=2, target_modules=["wq_a"])).save_pretrained(folder)
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(ValueError, match=rf"{folder} is not empty and holds files no export wrote \(README.md, "
+                                         r"adapter_config.json, adapter_model.safetensors\)"):
+        export_for_hub(model, folder, processor)
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing removed nor written
+
+    export_for_hub(model, tmp_path / "export", processor)
+    (tmp_path / "export" / "notes.txt").write_text("mine")  # a previous export plus a file of the user's
+    with pytest.raises(ValueError, match=r"holds files no export wrote \(notes.txt\)"):
+        export_for_hub(model, tmp_path / "export", processor)
+
+
+def test_export_over_a_previous_export_replaces_its_files(tiny, tmp_path):
+    """The first export is sharded, the second is not: no stale shard survives, and the folder loads."""
+    model, processor = tiny
+    folder = tmp_path / "repo"
+    export_for_hub(model, folder, processor, max_shard_size="300KB")
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main")  # a clone of the Hub repo: not ours, kept
+
+    export_for_hub(model, folder, processor)
+    fresh = export_for_hub(model, tmp_path / "fresh", processor)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*(p.name for p in fresh.iterdir()), ".git"])
+    assert not list(folder.glob("model-*-of-*.safetensors")) and (folder / ".git" / "HEAD").is_file()
+    reloaded = DeepseekV41ForCausalLM.from_pretrained(folder)
+    for name, value in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,7 +346,7 @@ def test_push_to_hub_commits_the_export(tiny, exported, tmp_path, monkeypatch):
     assert info.commit_message == "tiny"
     assert hub.repos == [("someone/dsv41-tiny", {"private": True, "token": None, "exist_ok": True})]
     pushed = tmp_path / "hub" / "someone" / "dsv41-tiny"
-    assert sorted(p.name for p in pushed.iterdir()) == sorted(p.name for p in exported.iterdir())
+    assert sorted(p.name for p in pushed.iterdir()) == sorted(p.name for p in exported.iterdir() if p.name != EXPORT_MANIFEST)
     assert 'repo_id = "someone/dsv41-tiny"' in (pushed / "README.md").read_text()
     reloaded = AutoModelForCausalLM.from_pretrained(pushed, trust_remote_code=True).eval()
     inputs = sample_inputs(AutoProcessor.from_pretrained(pushed, trust_remote_code=True))

@@ -180,6 +180,27 @@ def test_modes_convert_like_pil(mode):
         assert torch.equal(backend(**TINY)(image)["pixel_values"], expected), (backend.__name__, mode)
 
 
+def test_16_bit_png_keeps_the_reference_result_and_warns_once(tmp_path):
+    """A 16-bit PNG clips to mostly white under the reference's convert("RGB"): same pixels, one warning."""
+    import warnings
+
+    from processing import image_processing_dsv41
+
+    values = np.random.default_rng(8).integers(0, 2**16, (23, 37)).astype(np.uint16)
+    Image.fromarray(values).save(tmp_path / "deep.png")
+    image = Image.open(tmp_path / "deep.png")
+    assert image.mode == "I;16"
+    expected = reference_patches(image, **TINY)
+    image_processing_dsv41._warn_high_bit_depth.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for backend in (*BACKENDS, *BACKENDS):
+            assert torch.equal(backend(**TINY)(image)["pixel_values"], expected), backend.__name__
+        DeepseekV41ImageProcessor(**TINY)(random_image(37, 23, 8))  # 8-bit: no warning
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 1 and "'I;16'" in messages[0] and "clips values above 255" in messages[0], messages
+
+
 def test_alpha_and_palette_transparency_are_dropped_not_composited():
     rgba = random_image(30, 20, 6, "RGBA")
     rgba.putalpha(0)
@@ -384,3 +405,25 @@ def test_a_plan_that_shrinks_to_an_empty_canvas_is_a_clear_error():
     """With downsample_ratio 1 and a tight budget the reference's float arithmetic reaches a 0-pixel side."""
     with pytest.raises(ValueError, match="empty 0×140 canvas"):
         plan_image_grid(220, 2235, downsample_ratio=1, max_image_tokens=20, min_pixels=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_size_is_transformers_view_of_min_pixels(backend):
+    processor = backend(size={"shortest_edge": 3000}, max_image_tokens=64)
+    assert processor.min_pixels == 3000 and processor.size == {"shortest_edge": 3000}
+    processor.min_pixels = 20000
+    assert processor.size == {"shortest_edge": 20000}
+    assert backend.from_dict(processor.to_dict()).min_pixels == 20000
+    with pytest.raises(ValueError, match="only 'shortest_edge'"):
+        backend(size={"height": 28, "width": 28})
+    image = random_image(40, 30, seed=0)
+    with pytest.raises(ValueError, match="pass min_pixels="):  # never silently ignored in a call
+        processor(image, size={"shortest_edge": 5000})
+    smaller = processor(image, min_pixels=3000, return_tensors="pt").pixel_values
+    assert smaller.shape[0] < processor(image, return_tensors="pt").pixel_values.shape[0]
+
+
+def test_kwargs_class_is_exposed_by_both_backend_modules():
+    import processing.image_processing_pil_dsv41 as pil_module
+
+    assert pil_module.DeepseekV41ImageProcessorKwargs is DeepseekV41ImageProcessorPil.valid_kwargs

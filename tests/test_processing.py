@@ -90,14 +90,14 @@ def test_fixture_image_span(processor, fixtures_dir):
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_batch_with_different_image_counts_and_padding(processor, tokenizer, side):
-    tokenizer.padding_side = side
+    previous, tokenizer.padding_side = tokenizer.padding_side, side
     try:
         texts = [f"one {IMAGE_TOKEN} image", "no image at all, just some longer text", f"{IMAGE_TOKEN}{IMAGE_TOKEN}!"]
         images = [[image(150, 100, 1)], [], [image(40, 300, 2), image(200, 200, 3)]]
         outputs = processor(text=texts, images=images, padding=True, return_tensors="pt")
         flat = processor(text=texts, images=[images[0][0], *images[2]], padding=True, return_tensors="pt")
     finally:
-        tokenizer.padding_side = "right"
+        tokenizer.padding_side = previous
     ids, types, mask = outputs["input_ids"], outputs["image_token_types"], outputs["attention_mask"]
     assert types.shape == ids.shape == mask.shape
     assert bool((types[mask == 0] == -1).all()) and bool((ids[mask == 0] == tokenizer.pad_token_id).all())
@@ -220,3 +220,31 @@ def test_auto_classes_know_the_model_type():
 def test_custom_image_token_must_be_one_token(tokenizer):
     with pytest.raises(ValueError, match="as one token"):
         DeepseekV41Processor(DeepseekV41ImageProcessor(), tokenizer, image_token="<image>")
+
+
+def test_tokenizer_pads_on_the_left_so_batched_generation_continues_every_row(tokenizer, tmp_path):
+    """With right padding the shorter row's continuation would start after its padding."""
+    from transformers import AutoTokenizer
+
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.engram import build_compressed_token_map
+
+    tokenizer.save_pretrained(tmp_path)
+    assert tokenizer.padding_side == "left" and AutoTokenizer.from_pretrained(tmp_path).padding_side == "left"
+
+    preset = DeepseekV41Config.from_preset("tiny")
+    _, compressed = build_compressed_token_map(tokenizer)
+    text = {**preset.text_config.to_dict(), "num_hidden_layers": 2, "engram_compressed_vocab_size": compressed}
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)).eval()
+    model.engram_hasher.load_tokenizer(tokenizer)
+    prompts = ["A cat", "The quick brown fox jumps over the lazy dog and"]
+    batch = tokenizer(prompts, padding=True, return_tensors="pt")
+    assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][0, -1] == 1
+    settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    with torch.no_grad():
+        together = model.generate(**batch, **settings)[:, batch["input_ids"].shape[1]:]
+        for row, prompt in enumerate(prompts):
+            alone = tokenizer(prompt, return_tensors="pt")
+            assert together[row].tolist() == model.generate(**alone, **settings)[0, alone["input_ids"].shape[1]:].tolist()

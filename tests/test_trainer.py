@@ -6,9 +6,13 @@ indexer and both Engram layers) with the QDQ emulation off, to keep these CPU tr
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import random
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +28,12 @@ from transformers import TrainerCallback
 from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from modeling_dsv41.optim import MixedOptimizer, assignment_table, build_param_groups
 from modeling_dsv41.router_balancing import IMAGE, TEXT, RouterBiasBalancer, bias_update
-from modeling_dsv41.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments, RouterBiasBalancingCallback
+from modeling_dsv41.trainer import (
+    DeepseekV41Trainer,
+    DeepseekV41TrainingArguments,
+    RouterBiasBalancingCallback,
+    last_complete_checkpoint,
+)
 
 SEQ = 16
 TOP_K = 2  # experts per token in the tiny preset
@@ -350,6 +359,135 @@ def test_gradient_checkpointing_and_bf16_autocast(tmp_path):
     assert not trainer.router_balancing.balancer.counts.any()
 
 
+def test_a_nan_loss_is_logged_as_nan_not_zero(tmp_path):
+    model = tiny_model()
+    with torch.no_grad():
+        model.head.weight[0] = float("nan")  # every logit row holds a NaN: the loss is NaN from the first step
+    args = training_args(tmp_path, max_steps=1, logging_strategy="steps", logging_steps=1, bias_update_speed=0)
+    trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=Rows(2))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 1 and math.isnan(losses[0])
+
+
+# ----------------------------------------------------------------------------- atomic checkpoints
+
+
+def test_an_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
+    """What a save killed before atomic checkpoints leaves (``checkpoint-2`` without ``trainer_state.json``), and a
+    killed atomic save's staging folder: resuming picks the newest complete checkpoint."""
+    run = tmp_path / "run"
+    args = training_args(run, max_steps=1, save_strategy="steps", save_steps=1)
+    DeepseekV41Trainer(model=tiny_model(), args=args, train_dataset=Rows(2)).train()
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-1"]  # no staging folder left behind
+    partial = run / "checkpoint-2"
+    shutil.copytree(run / "checkpoint-1", partial)
+    (partial / "trainer_state.json").unlink()
+    (run / "tmp-checkpoint-3" / "checkpoint-3").mkdir(parents=True)
+
+    with caplog.at_level(logging.WARNING, logger="modeling_dsv41.trainer"):
+        assert last_complete_checkpoint(run) == str(run / "checkpoint-1")
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert "incomplete checkpoint" in warnings and "checkpoint-2" in warnings and "tmp-checkpoint-3" in warnings
+
+    args = training_args(run, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer = DeepseekV41Trainer(model=tiny_model(), args=args, train_dataset=Rows(4))
+    with pytest.raises(ValueError, match="checkpoint-2.*trainer_state.json"):
+        trainer.train(resume_from_checkpoint=str(partial))
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 2
+    # the step-2 save replaced the partial folder and removed the staging leftover
+    assert (run / "checkpoint-2" / "trainer_state.json").is_file() and not (run / "tmp-checkpoint-3").exists()
+
+
+def test_best_model_checkpoint_names_the_final_folder(tmp_path):
+    """Trainer records the best checkpoint while the save runs in the staging folder: the state points to the
+    renamed one."""
+    run = tmp_path / "run"
+    args = training_args(run, max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                         load_best_model_at_end=True, metric_for_best_model="loss", save_total_limit=1)
+    trainer = DeepseekV41Trainer(model=tiny_model(), args=args, train_dataset=Rows(4), eval_dataset=Rows(2))
+    trainer.train()
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.parent == run and best.name in ("checkpoint-1", "checkpoint-2") and best.is_dir()
+    saved = json.loads((best / "trainer_state.json").read_text())
+    assert saved["best_model_checkpoint"] == str(best)
+
+
+KILLED_SAVE_STEP, FAULT_STEPS = 2, 3
+
+
+def fault_injection_child(output: Path, kill_after_calls: int) -> None:
+    """One training process of the fault-injection test (run by this file's ``__main__``).
+
+    Trains ``FAULT_STEPS`` steps, saving a checkpoint after every step (keeping one), resuming from the newest
+    complete checkpoint in ``output``. While the step-``KILLED_SAVE_STEP`` checkpoint is written, a profiler counts
+    Python and C function calls; at call ``kill_after_calls`` the process SIGKILLs itself (0: never; then the
+    count is written to ``save_calls.json``). The final weights go to ``final.safetensors``.
+    """
+    calls = 0
+
+    def count(frame, event, arg) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+            if calls == kill_after_calls:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    original = DeepseekV41Trainer._save_checkpoint
+
+    def save_checkpoint(self, model, trial):
+        if self.state.global_step != KILLED_SAVE_STEP:
+            return original(self, model, trial)
+        sys.setprofile(count)
+        try:
+            original(self, model, trial)
+        finally:
+            sys.setprofile(None)
+        (output / "save_calls.json").write_text(json.dumps(calls))
+
+    DeepseekV41Trainer._save_checkpoint = save_checkpoint
+    resume = last_complete_checkpoint(output)
+    args = training_args(output, max_steps=FAULT_STEPS, save_strategy="steps", save_steps=1, save_total_limit=1,
+                         per_device_train_batch_size=1)
+    trainer = DeepseekV41Trainer(model=tiny_model(), args=args, train_dataset=Rows(FAULT_STEPS))
+    trainer.train(resume_from_checkpoint=resume)
+    (output / "resumed_from.json").write_text(json.dumps(resume and Path(resume).name))
+    save_file(snapshot(trainer.model), output / "final.safetensors")
+
+
+def run_fault_injection_child(output: Path, kill_after_calls: int) -> subprocess.CompletedProcess:
+    command = [sys.executable, __file__, "fault-injection", str(output), str(kill_after_calls)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_save_then_resume(tmp_path):
+    """SIGKILL at a random point of the step-2 save (3 seeds): a rerun resumes from checkpoint-1 or -2 (losing at
+    most the interrupted step) and ends with the weights of an uninterrupted run."""
+    straight = tmp_path / "straight"
+    result = run_fault_injection_child(straight, 0)
+    assert result.returncode == 0, result.stderr[-4000:]
+    save_calls = json.loads((straight / "save_calls.json").read_text())
+    expected = load_file(straight / "final.safetensors")
+    assert save_calls > 100  # the kill points spread over a real save (weights, optimizer, RNG, state, rename)
+
+    for seed in range(3):
+        output = tmp_path / f"seed{seed}"
+        kill_at = random.Random(seed).randint(1, save_calls)
+        killed = run_fault_injection_child(output, kill_at)
+        assert killed.returncode == -signal.SIGKILL, (kill_at, killed.stderr[-4000:])
+        assert not (output / "final.safetensors").exists()
+        resumed = run_fault_injection_child(output, 0)
+        assert resumed.returncode == 0, (kill_at, resumed.stderr[-4000:])
+        assert json.loads((output / "resumed_from.json").read_text()) in ("checkpoint-1", "checkpoint-2"), kill_at
+        actual = load_file(output / "final.safetensors")
+        for name, value in expected.items():
+            assert torch.equal(actual[name], value), (kill_at, name)
+        assert sorted(p.name for p in output.glob("*checkpoint-*")) == [f"checkpoint-{FAULT_STEPS}"]
+
+
 # ----------------------------------------------------------------------------- mixed optimizer vs AdamW
 
 LM_STEPS = 30
@@ -439,7 +577,10 @@ def test_ddp_two_processes_match_one(tmp_path):
     assert_same_training(ranks[0], single)
 
 
-if __name__ == "__main__":  # one process of test_ddp_two_processes_match_one, started by torch.distributed.run
+if __name__ == "__main__" and sys.argv[1] == "fault-injection":  # test_sigkill_during_a_checkpoint_save_then_resume
+    torch.set_num_threads(1)
+    fault_injection_child(Path(sys.argv[2]), int(sys.argv[3]))
+elif __name__ == "__main__":  # one process of test_ddp_two_processes_match_one, started by torch.distributed.run
     torch.set_num_threads(1)
     output = Path(sys.argv[1])
     model = ddp_training(output / "ddp", per_device_batch=2, ddp_backend="gloo", ddp_find_unused_parameters=True)

@@ -1,0 +1,113 @@
+"""Checks of user input that would otherwise fail deep inside the model (torch index errors, NaN logits) or name no
+file (a truncated safetensors file). Each is one cheap pass with at most one host sync, run once per forward."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+IGNORE_INDEX = -100  # labels' ignore index, a common mistake in input_ids
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """``input_ids`` must be non-empty and within ``[0, vocab_size)``."""
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): pass at least one token per row")
+    low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
+    if low < 0:
+        hint = " (-100 is the labels' ignore index: it belongs in labels, not input_ids)" if low == IGNORE_INDEX else ""
+        raise ValueError(f"input_ids holds {low}: token ids must be in [0, {vocab_size}){hint}")
+    if high >= vocab_size:
+        raise ValueError(f"input_ids holds {high}, outside the vocabulary: token ids must be below vocab_size {vocab_size}")
+
+
+def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int, past_length: int) -> None:
+    """A [B, past + S] mask: one column per cached and per new position (``past_length`` is 0 without a cache)."""
+    expected = (batch_size, past_length + seq_len)
+    if tuple(attention_mask.shape) != expected:
+        cached = f" ({past_length} cached + {seq_len} new)" if past_length else ""
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, expected {expected}{cached}: one column per "
+            "position of input_ids"
+        )
+
+
+def check_text_inputs(
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    vocab_size: int,
+    past_length: int = 0,
+) -> None:
+    """The checks of :meth:`DeepseekV41Model.forward`'s token inputs, before anything is embedded."""
+    if input_ids is not None:
+        check_input_ids(input_ids, vocab_size)
+        shape = input_ids.shape[:2]
+    elif inputs_embeds is not None:
+        shape = inputs_embeds.shape[:2]
+        if inputs_embeds.numel() == 0:
+            raise ValueError(f"inputs_embeds is empty (shape {tuple(inputs_embeds.shape)})")
+    else:
+        raise ValueError("pass input_ids or inputs_embeds")
+    if input_ids is not None and inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != tuple(shape):
+        raise ValueError(
+            f"input_ids {tuple(shape)} and inputs_embeds {tuple(inputs_embeds.shape[:2])} must cover the same positions"
+        )
+    if attention_mask is not None:
+        check_attention_mask(attention_mask, shape[0], shape[1], past_length)
+
+
+def check_pixel_values(pixel_values: torch.Tensor, image_grid_hw: torch.Tensor | None = None) -> None:
+    """Every pixel must be finite: one NaN spreads to every logit, and in training to the weights."""
+    finite = torch.isfinite(pixel_values)
+    if bool(finite.all()):
+        return
+    bad = int((~finite).sum())
+    where = ""
+    if image_grid_hw is not None and pixel_values.ndim >= 2:  # the patches of all images, concatenated
+        per_image = (~finite).flatten(1).any(-1).split(image_grid_hw.prod(-1).tolist())
+        images = [i for i, rows in enumerate(per_image) if bool(rows.any())]
+        where = f" (image {', '.join(map(str, images))})"
+    raise ValueError(f"pixel_values holds {bad} NaN/inf values{where}: check the image files and the preprocessing")
+
+
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """A ``ValueError`` naming ``path`` if it is not a whole safetensors file (a truncated download or copy):
+    the header must parse and the file must hold every byte the header lists. Reads only the header."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as file:
+            (header_size,) = struct.unpack("<Q", file.read(8))
+            if 8 + header_size > size:
+                raise ValueError(f"header of {header_size} bytes")
+            header = json.loads(file.read(header_size))
+        data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, struct.error) as error:
+        raise ValueError(f"{path} is not a valid safetensors file (truncated or corrupt: {error})") from None
+    if 8 + header_size + data_end > size:
+        raise ValueError(
+            f"{path} is truncated: its header lists {8 + header_size + data_end:,} bytes, the file has {size:,}"
+        )
+
+
+def check_safetensors_folder(folder: str | os.PathLike) -> None:
+    """:func:`check_safetensors_file` on every ``*.safetensors`` of a local folder (nothing for a Hub id)."""
+    folder = Path(folder)
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.safetensors")):
+            check_safetensors_file(path)
+
+
+__all__ = [
+    "check_attention_mask",
+    "check_input_ids",
+    "check_pixel_values",
+    "check_safetensors_file",
+    "check_safetensors_folder",
+    "check_text_inputs",
+]

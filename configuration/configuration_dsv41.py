@@ -88,6 +88,9 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         "layers.*.ffn.experts": "ep_dispatch_experts",
     }
 
+    # the standard MoE name, read by transformers' FP8 experts (native released weights) and its TP/EP integrations
+    attribute_map = {"num_local_experts": "n_routed_experts"}
+
     vocab_size: int = 129280
     hidden_size: int = 5120
     moe_intermediate_size: int = 2304

@@ -49,7 +49,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import BitsAndBytesConfig, PreTrainedConfig
+from transformers import BitsAndBytesConfig, FineGrainedFP8Config, PreTrainedConfig
 from transformers import initialization as init
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, revert_weight_conversion
@@ -72,6 +72,7 @@ logger = logging.get_logger(__name__)
 RELEASED_WEIGHT = r"\.weight(?![\w.])"
 RELEASED_SCALE = r"\.scale(?![\w.])"
 _WEIGHT, _SCALE = ".weight", ".scale"
+_NATIVE_SCALE = ".weight_scale_inv"  # transformers' FP8 layers' name for the scales
 
 _FP4_BYTE_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 # dequantize at most this many elements at once: bounds the fp32 temporaries of a huge tensor (LM head, Engram table)
@@ -178,10 +179,12 @@ class DequantizeReleasedWeight(ConversionOps):
         if weight is None:
             raise ValueError(f"{full_layer_name}: the checkpoint has a scale but no weight")
         param = model.get_parameter(full_layer_name)
-        if param.dtype == torch.float8_e4m3fn:  # kept as stored: the loader left both tensors raw (dtype plan)
+        if param.dtype == torch.float8_e4m3fn:  # kept as stored: the loader left both tensors raw
             if scale is None:
                 raise ValueError(f"{full_layer_name} is kept in FP8 but the checkpoint stores it without scales")
-            return {_WEIGHT: weight, _SCALE: scale}
+            module = model.get_submodule(full_layer_name.rpartition(".")[0])
+            # a native `FP8Linear` names its scales `weight_scale_inv`; an FP8 Engram table, `scale`
+            return {_WEIGHT: weight, _NATIVE_SCALE if hasattr(module, "weight_scale_inv") else _SCALE: scale}
         if scale is None:
             return {_WEIGHT: weight}
         # the loader already cast the sources to the dtype this parameter loads in
@@ -217,6 +220,8 @@ class MergeReleasedExperts(ConversionOps):
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, model=None, full_layer_name=None, **kwargs):
         param = model.get_parameter(full_layer_name)
+        if param.element_size() == 1:  # native FP4 experts (`FP8Experts`): the bytes and scales fused as stored
+            return self._fuse_stored(input_dict, source_patterns, target_patterns[0], param, full_layer_name)
         merged = []
         for pattern in source_patterns:
             if not pattern.endswith(_WEIGHT):
@@ -237,6 +242,24 @@ class MergeReleasedExperts(ConversionOps):
                 f"fit the parameter's {tuple(param.shape)} (n_routed_experts, moe_intermediate_size, hidden_size)"
             )
         return {target_patterns[0]: torch.cat(merged, dim=1) if len(merged) > 1 else merged[0]}
+
+    @staticmethod
+    def _fuse_stored(input_dict, source_patterns, target: str, param: torch.Tensor, full_layer_name: str) -> dict:
+        """Packed FP4 bytes [E, rows, C/2] and their E8M0 scales [E, rows, C/32] → ``target`` and
+        ``target_scale_inv`` (transformers' ``FP8Experts`` layout), as stored."""
+        weights, scales = [], []
+        for pattern in source_patterns:
+            if pattern.endswith(_WEIGHT):
+                weights.append(torch.stack(input_dict.pop(pattern)).view(torch.int8))
+                stored_scales = input_dict.pop(pattern[: -len(_WEIGHT)] + _SCALE, None)
+                if stored_scales is None:
+                    raise ValueError(f"{full_layer_name} is kept in FP4 but the checkpoint stores {pattern} without scales")
+                scales.append(torch.stack([_stored_scale(s) for s in stored_scales]))
+        weight, scale = torch.cat(weights, dim=1), torch.cat(scales, dim=1)
+        if weight.shape != param.shape:
+            raise ValueError(f"{full_layer_name}: the checkpoint's FP4 experts make {tuple(weight.shape)}, the "
+                             f"parameter is {tuple(param.shape)}")
+        return {target: weight, target + "_scale_inv": scale}
 
     @property
     def reverse_op(self) -> ConversionOps:
@@ -306,18 +329,26 @@ def _checkpoint_file(source: str | os.PathLike | None, filename: str, hub_kwargs
     )
 
 
-def stores_scales(source: str | os.PathLike, **hub_kwargs) -> bool:
-    """Whether the safetensors checkpoint at ``source`` holds ``.scale`` tensors (the released storage format)."""
+def _stored_keys(source: str | os.PathLike, hub_kwargs: dict) -> list[str]:
     index = _checkpoint_file(source, "model.safetensors.index.json", hub_kwargs)
     if index is not None:
-        keys = json.loads(Path(index).read_text())["weight_map"]
-    else:
-        single = _checkpoint_file(source, "model.safetensors", hub_kwargs)
-        if single is None:
-            return False
-        with safe_open(single, framework="pt") as f:
-            keys = list(f.keys())
-    return any(key.endswith(_SCALE) for key in keys)
+        return list(json.loads(Path(index).read_text())["weight_map"])
+    single = _checkpoint_file(source, "model.safetensors", hub_kwargs)
+    if single is None:
+        return []
+    with safe_open(single, framework="pt") as f:
+        return list(f.keys())
+
+
+def stores_scales(source: str | os.PathLike, **hub_kwargs) -> bool:
+    """Whether the safetensors checkpoint at ``source`` holds ``.scale`` tensors (the released storage format)."""
+    return any(key.endswith(_SCALE) for key in _stored_keys(source, hub_kwargs))
+
+
+def stores_quantized_weights(source: str | os.PathLike, **hub_kwargs) -> bool:
+    """Whether ``source`` stores Linears or experts quantized (FP8 / FP4 with scales), not only FP8 Engram tables:
+    the checkpoints that load natively (:mod:`.native_precision`)."""
+    return any(key.endswith(_SCALE) and not key.endswith("engram.embed.scale") for key in _stored_keys(source, hub_kwargs))
 
 
 @contextmanager
@@ -401,6 +432,21 @@ def _with_high_precision_modules(
     return quantization_config
 
 
+def _with_native_quantization(cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict) -> PreTrainedConfig:
+    """A copy of the config whose ``quantization_config`` is the one the released folder implies (FP8 Linears and FP4
+    experts kept quantized, :mod:`.native_precision`), for the Linears of a meta-device instance of the model."""
+    from .native_precision import QUANT_METHOD, released_quantization_config
+
+    if not isinstance(config, PreTrainedConfig):
+        config = cls.config_class.from_pretrained(config or source, **hub_kwargs)
+    config = copy.deepcopy(config)
+    with torch.device("meta"), init.no_init_weights():
+        probe = cls(config)
+    # a dict, as in a config.json, naming the quant method transformers dispatches to our quantizer
+    config.quantization_config = {**released_quantization_config(probe).to_dict(), "quant_method": QUANT_METHOD}
+    return config
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The model-side hooks
 # ---------------------------------------------------------------------------------------------------------------------
@@ -434,6 +480,11 @@ class DeepseekV41CheckpointLoadingMixin:
                 cls, pretrained_model_name_or_path, quantization_config, kwargs.get("config"), hub_kwargs
             )
         released = stores_scales(pretrained_model_name_or_path, **hub_kwargs)
+        if isinstance(quantization_config, FineGrainedFP8Config):  # released storage only: ours below, or none
+            del kwargs["quantization_config"]
+        native = not (isinstance(quantization_config, FineGrainedFP8Config) and quantization_config.dequantize)
+        if native and released and stores_quantized_weights(pretrained_model_name_or_path, **hub_kwargs):
+            kwargs["config"] = _with_native_quantization(cls, pretrained_model_name_or_path, kwargs.get("config"), hub_kwargs)
         if released and kwargs.get("dtype", "auto") == "auto":
             kwargs["dtype"] = torch.bfloat16
         with sequential_loading() if released else nullcontext():

@@ -482,7 +482,9 @@ class DeepseekV41CheckpointLoadingMixin:
         released = stores_scales(pretrained_model_name_or_path, **hub_kwargs)
         if isinstance(quantization_config, FineGrainedFP8Config):  # released storage only: ours below, or none
             del kwargs["quantization_config"]
-        native = not (isinstance(quantization_config, FineGrainedFP8Config) and quantization_config.dequantize)
+        native = quantization_config is None or (
+            isinstance(quantization_config, FineGrainedFP8Config) and not quantization_config.dequantize
+        )
         if native and released and stores_quantized_weights(pretrained_model_name_or_path, **hub_kwargs):
             kwargs["config"] = _with_native_quantization(cls, pretrained_model_name_or_path, kwargs.get("config"), hub_kwargs)
         if released and kwargs.get("dtype", "auto") == "auto":

@@ -180,9 +180,11 @@ class DequantizeReleasedWeight(ConversionOps):
             raise ValueError(f"{full_layer_name}: the checkpoint has a scale but no weight")
         param = model.get_parameter(full_layer_name)
         if param.dtype == torch.float8_e4m3fn:  # kept as stored: the loader left both tensors raw
+            module = model.get_submodule(full_layer_name.rpartition(".")[0])
+            if scale is None and hasattr(module, "weight_scale_inv"):  # our layout: the scales load by their name
+                return {_WEIGHT: weight}
             if scale is None:
                 raise ValueError(f"{full_layer_name} is kept in FP8 but the checkpoint stores it without scales")
-            module = model.get_submodule(full_layer_name.rpartition(".")[0])
             # a native `FP8Linear` names its scales `weight_scale_inv`; an FP8 Engram table, `scale`
             return {_WEIGHT: weight, _NATIVE_SCALE if hasattr(module, "weight_scale_inv") else _SCALE: scale}
         if scale is None:
@@ -447,6 +449,25 @@ def _with_native_quantization(cls, source, config: PreTrainedConfig | str | None
     return config
 
 
+def _saved_native_config(cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict) -> PreTrainedConfig | None:
+    """For a model saved after a native load (``quant_method: "fp8"`` with FP4 experts in its config, transformers'
+    FP8 layout in its weights): a copy of the config that loads through our quantizer (weight-only on the CPU), else
+    None."""
+    from .native_precision import QUANT_METHOD
+
+    if not isinstance(config, PreTrainedConfig):
+        if _checkpoint_file(config or source, "config.json", hub_kwargs) is None:
+            return None
+        config = cls.config_class.from_pretrained(config or source, **hub_kwargs)
+    saved = getattr(config, "quantization_config", None)
+    saved = saved.to_dict() if hasattr(saved, "to_dict") else saved
+    if not isinstance(saved, dict) or saved.get("quant_method") != "fp8" or saved.get("expert_dtype") != "fp4":
+        return None
+    config = copy.deepcopy(config)
+    config.quantization_config = {**saved, "quant_method": QUANT_METHOD}
+    return config
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The model-side hooks
 # ---------------------------------------------------------------------------------------------------------------------
@@ -487,6 +508,16 @@ class DeepseekV41CheckpointLoadingMixin:
         )
         if native and released and stores_quantized_weights(pretrained_model_name_or_path, **hub_kwargs):
             kwargs["config"] = _with_native_quantization(cls, pretrained_model_name_or_path, kwargs.get("config"), hub_kwargs)
+        elif pretrained_model_name_or_path is not None and not released:
+            saved = _saved_native_config(cls, pretrained_model_name_or_path, kwargs.get("config"), hub_kwargs)
+            if saved is not None and not native:
+                raise ValueError(
+                    f"{pretrained_model_name_or_path} holds a model saved after a native load (FP8 / FP4 weights in "
+                    "our layout), which loads natively only: load it without dequantize=True and cast the parameters "
+                    "you need, or dequantize the released checkpoint instead"
+                )
+            if saved is not None:
+                kwargs["config"] = saved
         if released and kwargs.get("dtype", "auto") == "auto":
             kwargs["dtype"] = torch.bfloat16
         with sequential_loading() if released else nullcontext():

@@ -1,6 +1,8 @@
 """Released checkpoints in their native precision (modeling_dsv41/native_precision.py): FP8 Linears and FP4 experts
 kept as stored through transformers' fine-grained FP8 quantization, computed weight-only on the CPU."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -149,3 +151,23 @@ def test_the_released_quantizer_refuses_dequantize(released):
     quantizer = native_precision.DeepseekV41FP8Quantizer(config, pre_quantized=True)
     with pytest.raises(ValueError, match="FineGrainedFP8Config\\(dequantize=True\\)"):
         quantizer.validate_environment(device_map=None)
+
+
+def test_a_native_model_saves_as_fine_grained_fp8_and_reloads_natively(native, tmp_path):
+    native.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert (saved["quant_method"], saved["scale_fmt"], saved["expert_dtype"]) == ("fp8", "ue8m0", "fp4")
+    stored = {}
+    for shard in tmp_path.glob("*.safetensors"):
+        stored.update(load_file(shard))
+    assert stored["model.layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.0.attn.wq_a.weight_scale_inv"].dtype == torch.float8_e8m0fnu
+    assert stored["model.layers.0.ffn.experts.gate_up_proj"].dtype == torch.int8
+    again = DeepseekV41ForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(again.model.layers[0].ffn.experts, WeightOnlyFP4Experts)
+    ours, theirs = native.state_dict(), again.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor.view(torch.uint8), theirs[name].view(torch.uint8)), name
+    with pytest.raises(ValueError, match="saved after a native load"):
+        DeepseekV41ForCausalLM.from_pretrained(tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True))

@@ -39,7 +39,7 @@ STAND_IN = dict(
     head_dim=128, qk_rope_head_dim=64, q_lora_rank=256, o_lora_rank=256, o_groups=4, n_routed_experts=64,
     num_experts_per_tok=4, sliding_window=128, compress_ratios=[0, 2, 2, 1], kv_source_layer_ids=[1, 3],
     index_source_layer_ids=[1, 3], index_n_heads=4, index_head_dim=64, index_topk=64, candidate_source_layer_id=-1,
-    engram_layer_ids=[1], engram_num_embeddings=[40000], engram_max_ngram_size=3, engram_vocab_size=5000,
+    engram_layer_ids=[1], engram_num_embeddings=[40216], engram_max_ngram_size=3, engram_vocab_size=5000,
     engram_n_heads=4, engram_head_dim=64, engram_compressed_vocab_size=2000, engram_table_dtype="fp8",
     num_nextn_predict_layers=0,
 )

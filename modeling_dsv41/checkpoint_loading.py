@@ -15,12 +15,15 @@ weights, and :func:`save_released_checkpoint` writes the released names *and* st
 **Released storage** (fixtures README §7). Dense Linears are FP8 e4m3 with one E8M0 scale per 32x32 block, routed
 experts packed FP4 (two E2M1 codes per byte, even column in the low nibble) with one E8M0 scale per row and 32
 columns, Engram tables FP8 with per-row, per-32-column E8M0 scales; each quantized ``X.weight`` has a sibling
-``X.scale``. The :class:`~transformers.core_model_loading.WeightConverter` registered here for ``deepseek_v41`` pairs
-them and :class:`DequantizeReleasedWeight` turns them into ``X.weight`` in the parameter's dtype (FP8 Engram tables
-stay as stored when the config says ``engram_table_dtype="fp8"``). Such checkpoints are read one target parameter at
-a time (:func:`sequential_loading`) and each tensor is dequantized in row chunks, so the peak is the final model plus
-the tensor being converted. Unquantized tensors pass through the same converter, and ``save_pretrained`` writes plain
-weights.
+``X.scale``. By default the FP8 Linears and FP4 experts stay as stored (:mod:`.native_precision`: the
+``quantization_config`` a released folder implies, added to the config by :meth:`from_pretrained`); the converters
+registered here pair each weight with its scale and hand both over raw (``weight_scale_inv``, the experts' bytes and
+scales fused as transformers' ``FP8Experts`` holds them). With ``quantization_config=FineGrainedFP8Config(
+dequantize=True)``, and for the tensors that stay in high precision (the block-diagonal ``wo_a``, Engram ``wkv``),
+:class:`DequantizeReleasedWeight` turns them into ``X.weight`` in the parameter's dtype (FP8 Engram tables stay as
+stored when the config says ``engram_table_dtype="fp8"``). Such checkpoints are read one target parameter at a time
+(:func:`sequential_loading`) and each tensor is dequantized in row chunks, so the peak is the final model plus the
+tensor being converted. Unquantized tensors pass through the same converter.
 
 **Engram token map.** Our checkpoints hold the hasher's ``token_map`` (token id → compressed id); the released one does
 not, so ``from_pretrained`` builds it from ``tokenizer.json`` next to the weights or from ``engram_tokenizer``.
@@ -479,8 +482,9 @@ class DeepseekV41CheckpointLoadingMixin:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, engram_tokenizer=None, **kwargs):
         """:meth:`PreTrainedModel.from_pretrained`, which also reads the released storage format (FP8/FP4 weights
-        with E8M0 scales, dequantized to ``dtype`` on load; FP8 Engram tables stay FP8 when the config says
-        ``engram_table_dtype="fp8"``), plus:
+        with E8M0 scales, kept as stored through the fine-grained FP8 quantization the folder implies, or dequantized
+        to ``dtype`` on load with ``quantization_config=FineGrainedFP8Config(dequantize=True)``; FP8 Engram tables
+        stay FP8 when the config says ``engram_table_dtype="fp8"``), plus:
 
         Args:
             engram_tokenizer: the tokenizer (or path to its ``tokenizer.json``) to build the Engram compressed token

@@ -146,7 +146,7 @@ def test_dequantize_true_loads_plain_bf16(dequantized):
     assert getattr(dequantized.config, "quantization_config", None) is None
 
 
-def test_the_released_quantizer_refuses_dequantize(released):
+def test_the_released_quantizer_refuses_dequantize():
     config = native_precision.DeepseekV41FP8Config(dequantize=True)
     quantizer = native_precision.DeepseekV41FP8Quantizer(config, pre_quantized=True)
     with pytest.raises(ValueError, match="FineGrainedFP8Config\\(dequantize=True\\)"):
@@ -171,3 +171,23 @@ def test_a_native_model_saves_as_fine_grained_fp8_and_reloads_natively(native, t
         assert tensor.dtype == theirs[name].dtype and torch.equal(tensor.view(torch.uint8), theirs[name].view(torch.uint8)), name
     with pytest.raises(ValueError, match="saved after a native load"):
         DeepseekV41ForCausalLM.from_pretrained(tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True))
+
+
+def test_where_the_fp8_kernels_run_transformers_modules_are_kept(monkeypatch):
+    """On a GPU with transformers' FP8 kernels the quantizer leaves its `FP8Linear` / `FP8Experts` (DeepGEMM / Triton
+    dispatch) in place; elsewhere it swaps in the weight-only subclasses. Checked on the meta device: this machine
+    has no such GPU."""
+    config = DeepseekV41Config(text_config=TEXT)
+    for usable, device_map, weight_only in ((True, {"": "cuda:0"}, False), (True, None, True), (False, "cuda", True)):
+        monkeypatch.setattr(native_precision, "_fp8_kernels_usable", lambda: usable)
+        with torch.device("meta"):
+            model = DeepseekV41ForCausalLM(config)
+        quantizer = native_precision.DeepseekV41FP8Quantizer(
+            native_precision.released_quantization_config(model), pre_quantized=True
+        )
+        quantizer.validate_environment(device_map=device_map)
+        quantizer.preprocess_model(model)
+        linear, experts = model.model.layers[0].attn.wq_a, model.model.layers[0].ffn.experts
+        assert (type(linear) is WeightOnlyFP8Linear) == weight_only and isinstance(linear, FP8Linear)
+        assert isinstance(experts, WeightOnlyFP4Experts) == weight_only and isinstance(experts, FP8Experts)
+        assert experts.gate_up_proj.dtype == torch.int8 and experts.gate_up_proj.shape == (4, 256, 128)

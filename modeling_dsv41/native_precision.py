@@ -36,9 +36,9 @@ from transformers.utils.import_utils import is_kernels_available
 
 from .checkpoint_loading import dequantize_released_weight
 from .moe import routed_experts_forward
+from .quantization import RELEASED_BLOCK_SIZE
 
 QUANT_METHOD = "deepseek_v41_fp8"
-RELEASED_BLOCK = (32, 32)
 # our Linears the release stores FP8 and that compute through their forward (a `Linear` the model reads `.weight`
 # of, `engram.wkv`, and the block-diagonal `wo_a` are dequantized on load instead)
 _NATIVE_FP8_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$")
@@ -76,7 +76,8 @@ class DeepseekV41FP8Config(FineGrainedFP8Config):
 
     def __init__(self, **kwargs):
         kwargs.pop("quant_method", None)
-        kwargs = {"scale_fmt": "ue8m0", "expert_dtype": "fp4", "weight_block_size": RELEASED_BLOCK, **kwargs}
+        released = {"scale_fmt": "ue8m0", "expert_dtype": "fp4", "weight_block_size": (RELEASED_BLOCK_SIZE,) * 2}
+        kwargs = {**released, **kwargs}
         super().__init__(**kwargs)
         self.quant_method = QUANT_METHOD
 
@@ -143,9 +144,8 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
     def validate_environment(self, *args, device_map=None, **kwargs):
         if self.quantization_config.dequantize:
             raise ValueError(
-                "dequantize=True: load a released DeepSeek-V4.1 checkpoint with "
-                "quantization_config=FineGrainedFP8Config(dequantize=True), which dequantizes it exactly as the "
-                "reference reads it"
+                "DeepseekV41FP8Config keeps the released weights quantized; to dequantize a released checkpoint on "
+                "load, pass quantization_config=FineGrainedFP8Config(dequantize=True) to from_pretrained instead"
             )
         self.weight_only = not (_fp8_kernels_usable() and _on_accelerator(device_map))
         if self.quantization_config.expert_dtype != "fp4" or self.quantization_config.scale_fmt != "ue8m0":
@@ -171,6 +171,8 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
+        # the weight-only modules pass the input's gradient (frozen weights, as FP8Linear), but adapters and the
+        # Trainer on a natively loaded model are untested: refused rather than assumed
         return False
 
 

@@ -62,6 +62,35 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     base_config_key = "text_config"
     keys_to_ignore_at_inference = ["past_key_values"]
 
+    # Parallel plans of the backbone (keys relative to `DeepseekV41Model`), as transformers' deepseek_v4 has them.
+    # Only the routed experts are split: they are ~95% of the weights. Sharded: `gate_up_proj` [E, 2I, D] on its
+    # packed gate|up rows (each rank keeps the same I/tp slice of both), `down_proj` [E, D, I] on I, and the
+    # experts' partial sums are all-reduced (`moe_tp_experts`); the vocabulary of `embed` and of `lm_head`.
+    # Replicated, and why: attention is MQA with one shared K=V head broadcast to every query head, so splitting
+    # the heads of the low-rank `wq_b` would also need the per-head `attn_sink`, the grouped `wo_a` (heads are
+    # grouped by `o_groups`) and `wo_b` split consistently, for ~2% of the weights; the compressors, the indexer,
+    # mHC (`hc_*`: tiny fp32 mixing matrices of the residual copies), the router and its biases, the shared expert
+    # and the Engram tables (looked up by hashed n-gram id, not by a matmul) are small or not matmul-shaped.
+    # No pipeline plan: transformers' pipeline stages pass one [B, S, D] tensor between stages, while our layers
+    # pass the mHC residual copies [B, S, hc, D], the next block's mHC mix and the compressed KV that later layers
+    # share (`kv_source_layer_ids`), so `pp_size > 1` is refused rather than computed wrongly.
+    base_model_tp_plan = {
+        "embed": "embedding_rowwise",
+        "layers.*.ffn.experts.gate_up_proj": "packed_colwise",
+        "layers.*.ffn.experts.down_proj": "rowwise",
+        "layers.*.ffn.experts": "moe_tp_experts",
+    }
+    # Expert parallelism: whole experts per rank (dim 0 of both fused tensors), tokens routed to them by the
+    # `EPImplementation` that `DistributedConfig.ep_implementation` names.
+    base_model_ep_plan = {
+        "layers.*.ffn.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.ffn.experts.down_proj": "grouped_gemm",
+        "layers.*.ffn.experts": "ep_dispatch_experts",
+    }
+
+    # the standard MoE name, read by transformers' FP8 experts (native released weights) and its TP/EP integrations
+    attribute_map = {"num_local_experts": "n_routed_experts"}
+
     vocab_size: int = 129280
     hidden_size: int = 5120
     moe_intermediate_size: int = 2304
@@ -438,6 +467,10 @@ class DeepseekV41Config(PreTrainedConfig):
     """
 
     model_type = "deepseek_v41"
+    # `DeepseekV41Model` holds the text backbone's modules directly (`layers`, `embed`), so its plans are the text
+    # config's; the vision tower is replicated.
+    base_model_tp_plan = DeepseekV41TextConfig.base_model_tp_plan
+    base_model_ep_plan = DeepseekV41TextConfig.base_model_ep_plan
     sub_configs_defaults = {
         "text_config": DeepseekV41TextConfig,
         "vision_config": SubConfigSpec(DeepseekV41VisionConfig, optional=True),

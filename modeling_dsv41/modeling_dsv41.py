@@ -461,6 +461,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     Takes images when the config has a vision part: it is also registered for ``AutoModelForImageTextToText``."""
 
     _tied_weights_keys = None
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # vocabulary-sharded, logits gathered
     # generate(): greedy, sampling and beam search (DeepseekV41Cache reorders its rows). Assisted and other
     # speculative modes must roll the cache back over rejected tokens, which the sliding window and the pooled
     # compression groups cannot do; `generate` rejects them with these flags.

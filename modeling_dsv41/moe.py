@@ -4,6 +4,8 @@ SwiGLU routed experts stored fused as transformers' experts are (``gate_up_proj`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,27 +109,46 @@ class DeepseekV41Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]. Only experts with tokens run;
-        one host sync reads how many each got."""
-        num_tokens, top_k = top_k_index.shape
-        expert_ids = top_k_index.flatten()
-        order = expert_ids.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
-        counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
-        tokens, weights = (order // top_k).split(counts), top_k_weights.flatten()[order].split(counts)
-        out = hidden_states.new_zeros(num_tokens, self.hidden_dim, dtype=torch.float32)
-        inter = self.intermediate_dim
+        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
         gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # read once (a PEFT parametrization computes it)
-        for expert, (token, weight) in enumerate(zip(tokens, weights)):  # fixed order: the fp32 sum is reproducible
-            if token.numel() == 0:
-                continue
-            # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter
-            x = hidden_states.index_select(0, token)
-            gate_up = gate_up_proj[expert]
-            hidden = weight.unsqueeze(-1) * clamped_swiglu(
-                F.linear(x, gate_up[:inter]), F.linear(x, gate_up[inter:]), self.swiglu_limit
-            )
-            out.index_add_(0, token, F.linear(hidden.to(x.dtype), down_proj[expert]).float())
-        return out
+        return routed_experts_forward(
+            hidden_states, top_k_index, top_k_weights, self.num_experts, self.swiglu_limit,
+            lambda expert: (gate_up_proj[expert], down_proj[expert]),
+        )
+
+
+def routed_experts_forward(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    swiglu_limit: float,
+    expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """The reference's routed experts (the eager implementation), shared by the plain and the natively quantized
+    experts. ``expert_weights(e)`` gives expert ``e``'s ``gate_up`` [2·I, D] and ``down`` [D, I] in the compute dtype;
+    it is called only for experts with tokens, in expert order. Returns fp32 [N, D]; one host sync reads how many
+    tokens each expert got."""
+    num_tokens, top_k = top_k_index.shape
+    expert_ids = top_k_index.flatten()
+    order = expert_ids.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
+    counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
+    tokens, weights = (order // top_k).split(counts), top_k_weights.flatten()[order].split(counts)
+    out = hidden_states.new_zeros(num_tokens, hidden_states.shape[-1], dtype=torch.float32)
+    # expert parallelism routes other ranks' slots to id `num_experts` (local count), weight 0: sorted last, skipped
+    groups = zip(tokens[:num_experts], weights[:num_experts])
+    for expert, (token, weight) in enumerate(groups):  # fixed order: the fp32 sum is reproducible
+        if token.numel() == 0:
+            continue
+        gate_up, down = expert_weights(expert)
+        inter = gate_up.shape[0] // 2  # this rank's I/tp under tensor parallelism (`packed_colwise`)
+        # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter
+        x = hidden_states.index_select(0, token)
+        hidden = weight.unsqueeze(-1) * clamped_swiglu(
+            F.linear(x, gate_up[:inter]), F.linear(x, gate_up[inter:]), swiglu_limit
+        )
+        out.index_add_(0, token, F.linear(hidden.to(x.dtype), down).float())
+    return out
 
 
 class DeepseekV41MoE(nn.Module):

@@ -446,7 +446,8 @@ class DeepseekV41PlacementMixin:
         device_map = check_and_set_device_map(kwargs["device_map"])
         tables = "auto" if placement == "auto" else "host" if placement in HOST_PLACEMENTS else str(placement)
         if isinstance(device_map, str):
-            return plan_device_map(probe, kwargs.get("max_memory"), tables, strategy=device_map).device_map
+            native = cls._loads_natively(source, kwargs)  # released FP8/FP4 weights are sized as stored
+            return plan_device_map(probe, kwargs.get("max_memory"), tables, native=native, strategy=device_map).device_map
         if placement == "auto":
             return device_map
         device_map = engram_tables_off_map(device_map, probe)

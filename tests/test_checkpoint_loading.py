@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
@@ -42,6 +42,12 @@ QUANT_FORMAT_TEXT = dict(
 
 def _load(folder, **kwargs):
     return DeepseekV41ForCausalLM.from_pretrained(folder, **kwargs)
+
+
+def _load_dequantized(folder, **kwargs):
+    """The released storage dequantized on load (by default FP8 Linears and FP4 experts stay as stored: see
+    test_native_precision.py)."""
+    return _load(folder, quantization_config=FineGrainedFP8Config(dequantize=True), **kwargs)
 
 
 def released_view(model: DeepseekV41ForCausalLM, name: str) -> torch.Tensor:
@@ -180,7 +186,7 @@ def test_released_checkpoint_dequantizes_like_the_reference(quant_format, releas
     folder, state = released_folder
     assert len(list(folder.glob("model-*.safetensors"))) > 1  # really sharded, with an index
     with caplog.at_level(logging.WARNING):
-        model, info = _load(folder, dtype=dtype, output_loading_info=True)
+        model, info = _load_dequantized(folder, dtype=dtype, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     ignored = [r for r in caplog.records if "mtp.*" in r.getMessage()]
     assert len(ignored) == 1 and "Ignoring 2 checkpoint weights" in ignored[0].getMessage()  # mtp (+ scale), image_pad
@@ -215,7 +221,7 @@ def test_released_checkpoints_are_read_one_tensor_at_a_time(released_folder, fix
 
     monkeypatch.delenv("HF_DEACTIVATE_ASYNC_LOAD", raising=False)
     monkeypatch.setattr(checkpoint_loading, "dequantize_released_weight", recording)
-    _load(folder, dtype=torch.bfloat16)
+    _load_dequantized(folder, dtype=torch.bfloat16)
     assert seen and set(seen) == {"1"}
     assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ  # restored
     assert stores_scales(folder) and stores_scales(fixture_folder)  # the fixture's Engram tables have scales
@@ -294,7 +300,7 @@ def test_released_storage_round_trips_and_loads_without_a_dtype(released_folder,
     folder, state = released_folder
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     assert index["metadata"]["dtype"] == "bfloat16"  # what transformers reads when the config names no dtype
-    model = _load(folder)
+    model = _load_dequantized(folder)
     assert model.model.layers[0].attn.wq_a.weight.dtype == torch.bfloat16
     assert model.model.layers[0].ffn.experts.gate_up_proj.dtype == torch.bfloat16
     assert model.lm_head.weight.dtype == torch.float32
@@ -313,6 +319,6 @@ def test_released_storage_round_trips_and_loads_without_a_dtype(released_folder,
             weight = name[: -len("scale")] + "weight"
             assert torch.equal(dequantize_released_tensor(again[weight], ours), dequantize_released_tensor(state[weight], tensor)), weight
     save_released_checkpoint(model, tmp_path)
-    reloaded = _load(tmp_path, engram_tokenizer=stub_tokenizer())
+    reloaded = _load_dequantized(tmp_path, engram_tokenizer=stub_tokenizer())
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name

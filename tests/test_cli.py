@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors import safe_open
+from transformers import FineGrainedFP8Config
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
@@ -275,7 +276,9 @@ def test_convert_dequantizes_to_what_from_pretrained_loads(released_checkpoint, 
     assert (destination / "tokenizer.json").is_file()
     assert json.loads((destination / "config.json").read_text()).get("released_storage") is None
 
-    direct = DeepseekV41ForCausalLM.from_pretrained(released_checkpoint, dtype=torch.bfloat16).state_dict()
+    dequantize = FineGrainedFP8Config(dequantize=True)
+    direct = DeepseekV41ForCausalLM.from_pretrained(released_checkpoint, dtype=torch.bfloat16, quantization_config=dequantize)
+    direct = direct.state_dict()
     converted = DeepseekV41ForCausalLM.from_pretrained(destination, dtype=torch.bfloat16).state_dict()
     assert direct.keys() == converted.keys()
     for name, tensor in direct.items():

@@ -15,12 +15,15 @@ weights, and :func:`save_released_checkpoint` writes the released names *and* st
 **Released storage** (fixtures README §7). Dense Linears are FP8 e4m3 with one E8M0 scale per 32x32 block, routed
 experts packed FP4 (two E2M1 codes per byte, even column in the low nibble) with one E8M0 scale per row and 32
 columns, Engram tables FP8 with per-row, per-32-column E8M0 scales; each quantized ``X.weight`` has a sibling
-``X.scale``. The :class:`~transformers.core_model_loading.WeightConverter` registered here for ``deepseek_v41`` pairs
-them and :class:`DequantizeReleasedWeight` turns them into ``X.weight`` in the parameter's dtype (FP8 Engram tables
-stay as stored when the config says ``engram_table_dtype="fp8"``). Such checkpoints are read one target parameter at
-a time (:func:`sequential_loading`) and each tensor is dequantized in row chunks, so the peak is the final model plus
-the tensor being converted. Unquantized tensors pass through the same converter, and ``save_pretrained`` writes plain
-weights.
+``X.scale``. By default the FP8 Linears and FP4 experts stay as stored (:mod:`.native_precision`: the
+``quantization_config`` a released folder implies, added to the config by :meth:`from_pretrained`); the converters
+registered here pair each weight with its scale and hand both over raw (``weight_scale_inv``, the experts' bytes and
+scales fused as transformers' ``FP8Experts`` holds them). With ``quantization_config=FineGrainedFP8Config(
+dequantize=True)``, and for the tensors that stay in high precision (the block-diagonal ``wo_a``, Engram ``wkv``),
+:class:`DequantizeReleasedWeight` turns them into ``X.weight`` in the parameter's dtype (FP8 Engram tables stay as
+stored when the config says ``engram_table_dtype="fp8"``). Such checkpoints are read one target parameter at a time
+(:func:`sequential_loading`) and each tensor is dequantized in row chunks, so the peak is the final model plus the
+tensor being converted. Unquantized tensors pass through the same converter.
 
 **Engram token map.** Our checkpoints hold the hasher's ``token_map`` (token id → compressed id); the released one does
 not, so ``from_pretrained`` builds it from ``tokenizer.json`` next to the weights or from ``engram_tokenizer``.
@@ -49,7 +52,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import BitsAndBytesConfig, PreTrainedConfig
+from transformers import BitsAndBytesConfig, FineGrainedFP8Config, PreTrainedConfig
 from transformers import initialization as init
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, revert_weight_conversion
@@ -72,6 +75,7 @@ logger = logging.get_logger(__name__)
 RELEASED_WEIGHT = r"\.weight(?![\w.])"
 RELEASED_SCALE = r"\.scale(?![\w.])"
 _WEIGHT, _SCALE = ".weight", ".scale"
+_NATIVE_SCALE = ".weight_scale_inv"  # transformers' FP8 layers' name for the scales
 
 _FP4_BYTE_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 # dequantize at most this many elements at once: bounds the fp32 temporaries of a huge tensor (LM head, Engram table)
@@ -178,10 +182,14 @@ class DequantizeReleasedWeight(ConversionOps):
         if weight is None:
             raise ValueError(f"{full_layer_name}: the checkpoint has a scale but no weight")
         param = model.get_parameter(full_layer_name)
-        if param.dtype == torch.float8_e4m3fn:  # kept as stored: the loader left both tensors raw (dtype plan)
+        if param.dtype == torch.float8_e4m3fn:  # kept as stored: the loader left both tensors raw
+            module = model.get_submodule(full_layer_name.rpartition(".")[0])
+            if scale is None and hasattr(module, "weight_scale_inv"):  # our layout: the scales load by their name
+                return {_WEIGHT: weight}
             if scale is None:
                 raise ValueError(f"{full_layer_name} is kept in FP8 but the checkpoint stores it without scales")
-            return {_WEIGHT: weight, _SCALE: scale}
+            # a native `FP8Linear` names its scales `weight_scale_inv`; an FP8 Engram table, `scale`
+            return {_WEIGHT: weight, _NATIVE_SCALE if hasattr(module, "weight_scale_inv") else _SCALE: scale}
         if scale is None:
             return {_WEIGHT: weight}
         # the loader already cast the sources to the dtype this parameter loads in
@@ -217,6 +225,8 @@ class MergeReleasedExperts(ConversionOps):
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, model=None, full_layer_name=None, **kwargs):
         param = model.get_parameter(full_layer_name)
+        if param.element_size() == 1:  # native FP4 experts (`FP8Experts`): the bytes and scales fused as stored
+            return self._fuse_stored(input_dict, source_patterns, target_patterns[0], param, full_layer_name)
         merged = []
         for pattern in source_patterns:
             if not pattern.endswith(_WEIGHT):
@@ -237,6 +247,24 @@ class MergeReleasedExperts(ConversionOps):
                 f"fit the parameter's {tuple(param.shape)} (n_routed_experts, moe_intermediate_size, hidden_size)"
             )
         return {target_patterns[0]: torch.cat(merged, dim=1) if len(merged) > 1 else merged[0]}
+
+    @staticmethod
+    def _fuse_stored(input_dict, source_patterns, target: str, param: torch.Tensor, full_layer_name: str) -> dict:
+        """Packed FP4 bytes [E, rows, C/2] and their E8M0 scales [E, rows, C/32] → ``target`` and
+        ``target_scale_inv`` (transformers' ``FP8Experts`` layout), as stored."""
+        weights, scales = [], []
+        for pattern in source_patterns:
+            if pattern.endswith(_WEIGHT):
+                weights.append(torch.stack(input_dict.pop(pattern)).view(torch.int8))
+                stored_scales = input_dict.pop(pattern[: -len(_WEIGHT)] + _SCALE, None)
+                if stored_scales is None:
+                    raise ValueError(f"{full_layer_name} is kept in FP4 but the checkpoint stores {pattern} without scales")
+                scales.append(torch.stack([_stored_scale(s) for s in stored_scales]))
+        weight, scale = torch.cat(weights, dim=1), torch.cat(scales, dim=1)
+        if weight.shape != param.shape:
+            raise ValueError(f"{full_layer_name}: the checkpoint's FP4 experts make {tuple(weight.shape)}, the "
+                             f"parameter is {tuple(param.shape)}")
+        return {target: weight, target + "_scale_inv": scale}
 
     @property
     def reverse_op(self) -> ConversionOps:
@@ -306,18 +334,26 @@ def _checkpoint_file(source: str | os.PathLike | None, filename: str, hub_kwargs
     )
 
 
-def stores_scales(source: str | os.PathLike, **hub_kwargs) -> bool:
-    """Whether the safetensors checkpoint at ``source`` holds ``.scale`` tensors (the released storage format)."""
+def _stored_keys(source: str | os.PathLike, hub_kwargs: dict) -> list[str]:
     index = _checkpoint_file(source, "model.safetensors.index.json", hub_kwargs)
     if index is not None:
-        keys = json.loads(Path(index).read_text())["weight_map"]
-    else:
-        single = _checkpoint_file(source, "model.safetensors", hub_kwargs)
-        if single is None:
-            return False
-        with safe_open(single, framework="pt") as f:
-            keys = list(f.keys())
-    return any(key.endswith(_SCALE) for key in keys)
+        return list(json.loads(Path(index).read_text())["weight_map"])
+    single = _checkpoint_file(source, "model.safetensors", hub_kwargs)
+    if single is None:
+        return []
+    with safe_open(single, framework="pt") as f:
+        return list(f.keys())
+
+
+def stores_scales(source: str | os.PathLike, **hub_kwargs) -> bool:
+    """Whether the safetensors checkpoint at ``source`` holds ``.scale`` tensors (the released storage format)."""
+    return any(key.endswith(_SCALE) for key in _stored_keys(source, hub_kwargs))
+
+
+def stores_quantized_weights(source: str | os.PathLike, **hub_kwargs) -> bool:
+    """Whether ``source`` stores Linears or experts quantized (FP8 / FP4 with scales), not only FP8 Engram tables:
+    the checkpoints that load natively (:mod:`.native_precision`)."""
+    return any(key.endswith(_SCALE) and not key.endswith("engram.embed.scale") for key in _stored_keys(source, hub_kwargs))
 
 
 @contextmanager
@@ -401,9 +437,50 @@ def _with_high_precision_modules(
     return quantization_config
 
 
+def _with_native_quantization(cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict) -> PreTrainedConfig:
+    """A copy of the config whose ``quantization_config`` is the one the released folder implies (FP8 Linears and FP4
+    experts kept quantized, :mod:`.native_precision`), for the Linears of a meta-device instance of the model."""
+    from .native_precision import QUANT_METHOD, released_quantization_config
+
+    if not isinstance(config, PreTrainedConfig):
+        config = cls.config_class.from_pretrained(config or source, **hub_kwargs)
+    config = copy.deepcopy(config)
+    with torch.device("meta"), init.no_init_weights():
+        probe = cls(config)
+    # a dict, as in a config.json, naming the quant method transformers dispatches to our quantizer
+    config.quantization_config = {**released_quantization_config(probe).to_dict(), "quant_method": QUANT_METHOD}
+    return config
+
+
+def _saved_native_config(cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict) -> PreTrainedConfig | None:
+    """For a model saved after a native load (``quant_method: "fp8"`` with FP4 experts in its config, transformers'
+    FP8 layout in its weights): a copy of the config that loads through our quantizer (weight-only on the CPU), else
+    None."""
+    from .native_precision import QUANT_METHOD
+
+    if not isinstance(config, PreTrainedConfig):
+        if _checkpoint_file(config or source, "config.json", hub_kwargs) is None:
+            return None
+        config = cls.config_class.from_pretrained(config or source, **hub_kwargs)
+    saved = getattr(config, "quantization_config", None)
+    saved = saved.to_dict() if hasattr(saved, "to_dict") else saved
+    if not isinstance(saved, dict) or saved.get("quant_method") != "fp8" or saved.get("expert_dtype") != "fp4":
+        return None
+    config = copy.deepcopy(config)
+    config.quantization_config = {**saved, "quant_method": QUANT_METHOD}
+    return config
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The model-side hooks
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def _asks_native_precision(quantization_config) -> bool:
+    """No quantization config, or a fine-grained FP8 one that does not ask to dequantize."""
+    return quantization_config is None or (
+        isinstance(quantization_config, FineGrainedFP8Config) and not quantization_config.dequantize
+    )
 
 
 class DeepseekV41CheckpointLoadingMixin:
@@ -412,8 +489,9 @@ class DeepseekV41CheckpointLoadingMixin:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, engram_tokenizer=None, **kwargs):
         """:meth:`PreTrainedModel.from_pretrained`, which also reads the released storage format (FP8/FP4 weights
-        with E8M0 scales, dequantized to ``dtype`` on load; FP8 Engram tables stay FP8 when the config says
-        ``engram_table_dtype="fp8"``), plus:
+        with E8M0 scales, kept as stored through the fine-grained FP8 quantization the folder implies, or dequantized
+        to ``dtype`` on load with ``quantization_config=FineGrainedFP8Config(dequantize=True)``; FP8 Engram tables
+        stay FP8 when the config says ``engram_table_dtype="fp8"``), plus:
 
         Args:
             engram_tokenizer: the tokenizer (or path to its ``tokenizer.json``) to build the Engram compressed token
@@ -434,6 +512,21 @@ class DeepseekV41CheckpointLoadingMixin:
                 cls, pretrained_model_name_or_path, quantization_config, kwargs.get("config"), hub_kwargs
             )
         released = stores_scales(pretrained_model_name_or_path, **hub_kwargs)
+        if isinstance(quantization_config, FineGrainedFP8Config):  # released storage only: ours below, or none
+            del kwargs["quantization_config"]
+        native = _asks_native_precision(quantization_config)
+        if native and released and stores_quantized_weights(pretrained_model_name_or_path, **hub_kwargs):
+            kwargs["config"] = _with_native_quantization(cls, pretrained_model_name_or_path, kwargs.get("config"), hub_kwargs)
+        elif pretrained_model_name_or_path is not None and not released:
+            saved = _saved_native_config(cls, pretrained_model_name_or_path, kwargs.get("config"), hub_kwargs)
+            if saved is not None and not native:
+                raise ValueError(
+                    f"{pretrained_model_name_or_path} holds a model saved after a native load (FP8 / FP4 weights in "
+                    "our layout), which loads natively only: load it without dequantize=True and cast the parameters "
+                    "you need, or dequantize the released checkpoint instead"
+                )
+            if saved is not None:
+                kwargs["config"] = saved
         if released and kwargs.get("dtype", "auto") == "auto":
             kwargs["dtype"] = torch.bfloat16
         with sequential_loading() if released else nullcontext():
@@ -444,6 +537,18 @@ class DeepseekV41CheckpointLoadingMixin:
         model._weight_conversions = None
         ensure_engram_token_map(model, pretrained_model_name_or_path, engram_tokenizer, **hub_kwargs)
         return loaded
+
+    @classmethod
+    def _loads_natively(cls, source, kwargs: dict) -> bool:
+        """Whether ``from_pretrained(source, **kwargs)`` keeps the released FP8 Linears and FP4 experts as stored
+        (what the device-map planner sizes them by)."""
+        hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        return (
+            source is not None
+            and _asks_native_precision(kwargs.get("quantization_config"))
+            and stores_scales(source, **hub_kwargs)
+            and stores_quantized_weights(source, **hub_kwargs)
+        )
 
     def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs) -> None:
         """:meth:`PreTrainedModel.save_pretrained`, in our layout by default. ``save_original_format=True`` writes

@@ -1,0 +1,186 @@
+"""Released checkpoints in their native precision: FP8 Linears and FP4 experts kept quantized in memory.
+
+A released folder implies transformers' fine-grained FP8 quantization (:func:`released_quantization_config`): dense
+Linears FP8 e4m3 with one E8M0 scale per 32x32 block, routed experts packed FP4 with one E8M0 scale per row and 32
+columns (``FineGrainedFP8Config(scale_fmt="ue8m0", expert_dtype="fp4", weight_block_size=(32, 32))``). Its quantizer
+swaps the Linears the release stores in FP8 for :class:`~transformers.integrations.finegrained_fp8.FP8Linear` and the
+fused routed experts for ``FP8Experts`` (``weight`` + ``weight_scale_inv``; ``gate_up_proj`` [E, 2·I, D/2] int8 +
+``gate_up_proj_scale_inv`` [E, 2·I, D/32], ``down_proj`` [E, D, I/2] + ``down_proj_scale_inv`` [E, D, I/32]).
+
+:class:`DeepseekV41FP8Quantizer` is transformers' ``FineGrainedFP8HfQuantizer`` with two changes:
+
+* where transformers' FP8 kernels cannot run (no CUDA device of compute capability 8.9+, the model loaded on the CPU,
+  or the ``kernels`` package missing), transformers dequantizes the whole model to bf16 on load; here the modules
+  become :class:`WeightOnlyFP8Linear` / :class:`WeightOnlyFP4Experts` instead, the same parameters dequantized inside
+  the forward (a Linear's weight per call, an expert's weights only when tokens are routed to it), so resident
+  memory stays near the checkpoint's size. Both dequantize exactly as the dequantizing loader does, so the logits
+  equal those of the model loaded in bf16, bit for bit, on the same device;
+* the released ``X.scale`` tensors are paired with their weights by this package's conversions
+  (:mod:`.checkpoint_loading`) rather than renamed by the quantizer, and are never cast on load.
+
+The config saves as transformers' own ``quant_method: "fp8"``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import FineGrainedFP8Config
+from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+from transformers.quantizers import register_quantization_config, register_quantizer
+from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+from transformers.utils.import_utils import is_kernels_available
+
+from .checkpoint_loading import dequantize_released_weight
+from ..moe import routed_experts_forward
+from ..quantization import RELEASED_BLOCK_SIZE
+
+QUANT_METHOD = "deepseek_v41_fp8"
+# our Linears the release stores FP8 and that compute through their forward (a `Linear` the model reads `.weight`
+# of, `engram.wkv`, and the block-diagonal `wo_a` are dequantized on load instead)
+_NATIVE_FP8_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$")
+
+
+def _fp8_kernels_usable() -> bool:
+    """Whether transformers' FP8/FP4 kernels (DeepGEMM / Triton, from the ``kernels`` package) can run here."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) and is_kernels_available()
+
+
+def _on_accelerator(device_map) -> bool:
+    if device_map is None:
+        return False
+    devices = device_map.values() if isinstance(device_map, dict) else [device_map]
+    return any(str(device) not in ("cpu", "disk", "meta") for device in devices)
+
+
+def modules_kept_in_high_precision(model: nn.Module) -> list[str]:
+    """Patterns (layer numbers as ``\\d+``) of the Linears of ``model`` the release does not store in FP8 or that
+    must not become ``FP8Linear``: the quantizer's ``modules_to_not_convert``."""
+    patterns = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and not _NATIVE_FP8_LINEAR.search(name):
+            pattern = r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
+            if pattern not in patterns:
+                patterns.append(pattern)
+    return patterns
+
+
+@register_quantization_config(QUANT_METHOD)
+class DeepseekV41FP8Config(FineGrainedFP8Config):
+    """:class:`~transformers.FineGrainedFP8Config` for DeepSeek-V4.1's released storage, loaded by
+    :class:`DeepseekV41FP8Quantizer` (weight-only where transformers' FP8 kernels cannot run). Saved as
+    ``quant_method: "fp8"``."""
+
+    def __init__(self, **kwargs):
+        kwargs.pop("quant_method", None)
+        released = {"scale_fmt": "ue8m0", "expert_dtype": "fp4", "weight_block_size": (RELEASED_BLOCK_SIZE,) * 2}
+        kwargs = {**released, **kwargs}
+        super().__init__(**kwargs)
+        self.quant_method = QUANT_METHOD
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "quant_method": "fp8"}
+
+
+def released_quantization_config(model: nn.Module, **kwargs) -> DeepseekV41FP8Config:
+    """The quantization a released folder implies, for ``model`` (any device, even meta)."""
+    return DeepseekV41FP8Config(modules_to_not_convert=modules_kept_in_high_precision(model), **kwargs)
+
+
+class WeightOnlyFP8Linear(FP8Linear):
+    """``FP8Linear`` computed by dequantizing its weight to the input's dtype in the forward (no FP8 kernel)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # frozen weights: the input still gets its gradient, as through `FP8LinearFunction`
+            weight = dequantize_released_weight(self.weight, self.weight_scale_inv, self.in_features, input.dtype)
+        return F.linear(input, weight, self.bias)
+
+
+class WeightOnlyFP4Experts(FP8Experts):
+    """``FP8Experts`` (FP4 weights) computed as :class:`~modeling_dsv41.moe.DeepseekV41Experts`' eager forward, each
+    expert's weights dequantized only when tokens are routed to it."""
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
+        @torch.no_grad()
+        def expert_weights(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+            dtype = hidden_states.dtype
+            gate_up = dequantize_released_weight(
+                self.gate_up_proj[expert], self.gate_up_proj_scale_inv[expert], self.hidden_dim, dtype
+            )
+            down = dequantize_released_weight(
+                self.down_proj[expert], self.down_proj_scale_inv[expert], 2 * self.down_proj.shape[-1], dtype
+            )
+            return gate_up, down
+
+        return routed_experts_forward(
+            hidden_states, top_k_index, top_k_weights, self.num_experts, self.limit or 0.0, expert_weights
+        )
+
+
+def _weight_only(module: nn.Module, config) -> nn.Module:
+    with torch.device("meta"):
+        if isinstance(module, FP8Experts):
+            return WeightOnlyFP4Experts(
+                module.config, block_size=config.weight_block_size, scale_fmt=config.scale_fmt,
+                expert_dtype=config.expert_dtype,
+            )
+        return WeightOnlyFP8Linear(
+            module.in_features, module.out_features, block_size=config.weight_block_size, scale_fmt=config.scale_fmt,
+            has_bias=module.bias is not None,
+        )
+
+
+@register_quantizer(QUANT_METHOD)
+class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
+    """transformers' fine-grained FP8 quantizer for the released storage, weight-only where its kernels cannot run
+    (see the module docstring)."""
+
+    def validate_environment(self, *args, device_map=None, **kwargs):
+        if self.quantization_config.dequantize:
+            raise ValueError(
+                "DeepseekV41FP8Config keeps the released weights quantized; to dequantize a released checkpoint on "
+                "load, pass quantization_config=FineGrainedFP8Config(dequantize=True) to from_pretrained instead"
+            )
+        self.weight_only = not (_fp8_kernels_usable() and _on_accelerator(device_map))
+        if self.quantization_config.expert_dtype != "fp4" or self.quantization_config.scale_fmt != "ue8m0":
+            raise ValueError("the released storage has FP4 experts and E8M0 (ue8m0) scales")
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        super()._process_model_before_weight_loading(model, **kwargs)
+        if not self.weight_only:
+            return
+        for name, module in list(model.named_modules()):
+            if type(module) is FP8Linear or isinstance(module, FP8Experts):
+                model.set_submodule(name, _weight_only(module, self.quantization_config))
+
+    def get_new_dtype(self, converter, param, dtype):
+        """Quantized checkpoint tensors (FP8 weights, E8M0 scales, FP4 bytes) load as stored: the conversions read
+        them raw, and a cast to the target's dtype would round the scales to e4m3."""
+        quantized = param.get_dtype().startswith(("F8", "I8", "U8")) if hasattr(param, "get_dtype") else param.element_size() == 1
+        return None if quantized else dtype
+
+    def update_weight_conversions(self, weight_conversions, model):
+        # the released conversions pair `X.scale` with `X.weight` themselves (no renaming to `weight_scale_inv`)
+        return weight_conversions + self.get_weight_conversions()
+
+    @property
+    def is_trainable(self) -> bool:
+        # the weight-only modules pass the input's gradient (frozen weights, as FP8Linear), but adapters and the
+        # Trainer on a natively loaded model are untested: refused rather than assumed
+        return False
+
+
+__all__ = [
+    "DeepseekV41FP8Config",
+    "DeepseekV41FP8Quantizer",
+    "WeightOnlyFP4Experts",
+    "WeightOnlyFP8Linear",
+    "modules_kept_in_high_precision",
+    "released_quantization_config",
+]

@@ -1,0 +1,194 @@
+"""Released checkpoints in their native precision (modeling_dsv41/hub/native_precision.py): FP8 Linears and FP4 experts
+kept as stored through transformers' fine-grained FP8 quantization, computed weight-only on the CPU."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import FineGrainedFP8Config
+from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+
+import modeling_dsv41  # noqa: F401  (registers the Auto classes)
+from configuration import DeepseekV41Config
+from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41.hub import native_precision
+from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.hub.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
+from reference_fixture import stub_tokenizer
+
+# a two-layer text model with every released storage kind: FP8 attention / indexer / shared-expert Linears, an FP8
+# `wo_a` and Engram `wkv` (dequantized on load), packed FP4 experts, FP8 Engram tables
+TEXT = dict(
+    vocab_size=512, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2, n_routed_experts=4,
+    num_experts_per_tok=2, sliding_window=16, compress_ratios=[0, 2], kv_source_layer_ids=[1],
+    index_source_layer_ids=[1], index_n_heads=4, index_head_dim=64, index_topk=8, candidate_source_layer_id=-1,
+    engram_layer_ids=[0, 1], engram_num_embeddings=[660, 864], engram_vocab_size=100, engram_n_heads=2,
+    engram_head_dim=32, engram_compressed_vocab_size=256, num_nextn_predict_layers=0,
+)
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=TEXT)).to(torch.bfloat16)
+    folder = tmp_path_factory.mktemp("released")
+    save_released_checkpoint(model, folder, max_shard_bytes=1 << 20)
+    stub_tokenizer().save(str(folder / "tokenizer.json"))
+    stored = {}
+    for shard in folder.glob("*.safetensors"):
+        stored.update(load_file(shard))
+    return folder, stored
+
+
+@pytest.fixture(scope="module")
+def native(released):
+    return DeepseekV41ForCausalLM.from_pretrained(released[0])
+
+
+@pytest.fixture(scope="module")
+def dequantized(released):
+    return DeepseekV41ForCausalLM.from_pretrained(released[0], quantization_config=FineGrainedFP8Config(dequantize=True))
+
+
+def test_a_released_folder_implies_fine_grained_fp8(native):
+    config = native.config.quantization_config
+    assert (config.scale_fmt, config.expert_dtype, tuple(config.weight_block_size)) == ("ue8m0", "fp4", (32, 32))
+    assert not config.dequantize and native.is_quantized
+    # saved as transformers' own fine-grained FP8 method
+    assert native.config.to_dict()["quantization_config"]["quant_method"] == "fp8"
+    layer = native.model.layers[1]
+    for name in ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b", "ffn.shared_experts.w2"):
+        assert isinstance(layer.get_submodule(name), FP8Linear), name
+    assert isinstance(layer.ffn.experts, FP8Experts)
+    # stored in bf16 by the release, or read raw by the model (Engram wkv), or block-diagonal (wo_a): plain
+    for name in ("attn.indexer.wk", "attn.indexer.weights_proj", "engram.wkv"):
+        assert type(layer.get_submodule(name)) is nn.Linear, name
+    assert layer.attn.wo_a.weight.dtype == torch.bfloat16 and native.lm_head.weight.dtype == torch.float32
+
+
+def test_quantized_tensors_are_kept_as_stored(native, released):
+    _, stored = released
+    layer = native.model.layers[1]
+    assert layer.attn.wq_b.weight.dtype == torch.float8_e4m3fn
+    assert layer.attn.wq_b.weight_scale_inv.dtype == torch.float8_e8m0fnu
+    assert torch.equal(layer.attn.wq_b.weight.view(torch.uint8), stored["layers.1.attn.wq_b.weight"].view(torch.uint8))
+    assert torch.equal(layer.attn.wq_b.weight_scale_inv.view(torch.uint8), stored["layers.1.attn.wq_b.scale"].view(torch.uint8))
+    experts, inter = layer.ffn.experts, TEXT["moe_intermediate_size"]
+    for e in range(TEXT["n_routed_experts"]):
+        for w, rows in (("w1", slice(None, inter)), ("w3", slice(inter, None))):
+            assert torch.equal(experts.gate_up_proj[e, rows], stored[f"layers.1.ffn.experts.{e}.{w}.weight"])
+            assert torch.equal(experts.gate_up_proj_scale_inv[e, rows].view(torch.uint8),
+                               stored[f"layers.1.ffn.experts.{e}.{w}.scale"].view(torch.uint8))
+        assert torch.equal(experts.down_proj[e], stored[f"layers.1.ffn.experts.{e}.w2.weight"])
+
+
+def test_quantized_modules_hold_the_stored_bytes(native, dequantized, released):
+    """The FP8 Linears and FP4 experts take exactly their checkpoint bytes (weights and scales), against 2 bytes an
+    element dequantized. (The whole model is not near its stored size at this width: embeddings, the fp32 head and
+    the Engram tables dominate; benchmarks/loading.py measures a stand-in where experts dominate as in the release.)"""
+    _, stored = released
+    native_bytes, stored_bytes, dequantized_bytes = 0, 0, 0
+    for name, module in native.named_modules():
+        if isinstance(module, (FP8Linear, FP8Experts)):
+            native_bytes += sum(p.numel() * p.element_size() for p in module.parameters())
+            dequantized_bytes += sum(p.numel() * p.element_size() for p in dequantized.get_submodule(name).parameters())
+            prefix = name.removeprefix("model.")
+            stored_bytes += sum(t.numel() * t.element_size() for key, t in stored.items() if key.startswith(prefix + "."))
+    assert native_bytes == stored_bytes
+    assert native_bytes < 0.4 * dequantized_bytes, (native_bytes, dequantized_bytes)
+
+
+def test_native_logits_equal_the_dequantized_path_on_cpu(native, dequantized):
+    """Bit-exact, not within a tolerance: the weight-only modules dequantize with the loader's own function into the
+    same dtype, and then run the same products on the same shapes, so every value is the same."""
+    ids = torch.randint(3, 500, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = native(ids).logits, dequantized(ids).logits
+    assert torch.equal(ours, theirs)
+    tokens = native.generate(ids[:1, :12], max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, dequantized.generate(ids[:1, :12], max_new_tokens=6, do_sample=False))
+
+
+def test_only_the_selected_experts_are_dequantized(native, monkeypatch):
+    experts = native.model.layers[0].ffn.experts
+    assert isinstance(experts, WeightOnlyFP4Experts)
+    read = []
+    original = native_precision.dequantize_released_weight
+
+    def recording(weight, scale, columns, dtype):
+        read.append(next(e for e in range(experts.num_experts)
+                         if weight.data_ptr() in (experts.gate_up_proj[e].data_ptr(), experts.down_proj[e].data_ptr())))
+        return original(weight, scale, columns, dtype)
+
+    monkeypatch.setattr(native_precision, "dequantize_released_weight", recording)
+    hidden = torch.randn(5, TEXT["hidden_size"], dtype=torch.bfloat16)
+    index = torch.tensor([[1, 3]] * 5)
+    with torch.no_grad():
+        out = experts(hidden, index, torch.full((5, 2), 0.5))
+    assert read == [1, 1, 3, 3] and out.shape == (5, TEXT["hidden_size"])
+
+
+def test_the_input_gets_a_gradient_through_a_weight_only_linear(native):
+    linear = native.model.layers[0].attn.wq_a
+    assert isinstance(linear, WeightOnlyFP8Linear)
+    x = torch.randn(3, TEXT["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+    linear(x).float().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert linear.weight.grad is None  # frozen, as transformers' FP8Linear
+
+
+def test_dequantize_true_loads_plain_bf16(dequantized):
+    layer = dequantized.model.layers[1]
+    assert type(layer.attn.wq_a) is nn.Linear and layer.attn.wq_a.weight.dtype == torch.bfloat16
+    assert layer.ffn.experts.gate_up_proj.dtype == torch.bfloat16
+    assert getattr(dequantized.config, "quantization_config", None) is None
+
+
+def test_the_released_quantizer_refuses_dequantize():
+    config = native_precision.DeepseekV41FP8Config(dequantize=True)
+    quantizer = native_precision.DeepseekV41FP8Quantizer(config, pre_quantized=True)
+    with pytest.raises(ValueError, match="keeps the released weights quantized"):
+        quantizer.validate_environment(device_map=None)
+
+
+def test_a_native_model_saves_as_fine_grained_fp8_and_reloads_natively(native, tmp_path):
+    native.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert (saved["quant_method"], saved["scale_fmt"], saved["expert_dtype"]) == ("fp8", "ue8m0", "fp4")
+    stored = {}
+    for shard in tmp_path.glob("*.safetensors"):
+        stored.update(load_file(shard))
+    assert stored["model.layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.0.attn.wq_a.weight_scale_inv"].dtype == torch.float8_e8m0fnu
+    assert stored["model.layers.0.ffn.experts.gate_up_proj"].dtype == torch.int8
+    again = DeepseekV41ForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(again.model.layers[0].ffn.experts, WeightOnlyFP4Experts)
+    ours, theirs = native.state_dict(), again.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor.view(torch.uint8), theirs[name].view(torch.uint8)), name
+    with pytest.raises(ValueError, match="saved after a native load"):
+        DeepseekV41ForCausalLM.from_pretrained(tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True))
+
+
+def test_where_the_fp8_kernels_run_transformers_modules_are_kept(monkeypatch):
+    """On a GPU with transformers' FP8 kernels the quantizer leaves its `FP8Linear` / `FP8Experts` (DeepGEMM / Triton
+    dispatch) in place; elsewhere it swaps in the weight-only subclasses. Checked on the meta device: this machine
+    has no such GPU."""
+    config = DeepseekV41Config(text_config=TEXT)
+    for usable, device_map, weight_only in ((True, {"": "cuda:0"}, False), (True, None, True), (False, "cuda", True)):
+        monkeypatch.setattr(native_precision, "_fp8_kernels_usable", lambda: usable)
+        with torch.device("meta"):
+            model = DeepseekV41ForCausalLM(config)
+        quantizer = native_precision.DeepseekV41FP8Quantizer(
+            native_precision.released_quantization_config(model), pre_quantized=True
+        )
+        quantizer.validate_environment(device_map=device_map)
+        quantizer.preprocess_model(model)
+        linear, experts = model.model.layers[0].attn.wq_a, model.model.layers[0].ffn.experts
+        assert (type(linear) is WeightOnlyFP8Linear) == weight_only and isinstance(linear, FP8Linear)
+        assert isinstance(experts, WeightOnlyFP4Experts) == weight_only and isinstance(experts, FP8Experts)
+        assert experts.gate_up_proj.dtype == torch.int8 and experts.gate_up_proj.shape == (4, 256, 128)

@@ -104,26 +104,27 @@ class DeepseekV41LayerCache:
     def store_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
         """After a full pass over kv [B, S, D] holding ``lengths[b]`` real tokens per row: keep each row's last W."""
         index = lengths.unsqueeze(1) - self.window + torch.arange(self.window, device=kv.device)
-        self.window_kv = gather_rows(kv, index)
+        self._write("window_kv", gather_rows(kv, index))
 
     def extend_window(self, kv: torch.Tensor) -> torch.Tensor:
         """Append the call's K=V [B, S, D] (all real tokens); returns the keys they may attend to [B, W + S, D]
         (positions ``past - W`` … ``past + S - 1`` of each row) and keeps the last W."""
         keys = torch.cat([self.window_kv, kv], dim=1)
-        self.window_kv = keys[:, -self.window :]
+        self._write("window_kv", keys[:, -self.window :])
         return keys
 
     def append_compressed(
         self, compressed_kv: torch.Tensor, index_keys: torch.Tensor | None, counts: torch.Tensor, new_counts: torch.Tensor
     ) -> None:
         """Add ``new_counts[b]`` compressed rows (and their index keys) after the ``counts[b]`` row b holds."""
-        self.compressed_kv = append_rows(self.compressed_kv, counts, compressed_kv, new_counts)
+        self._append("compressed_kv", counts, compressed_kv, new_counts)
         if index_keys is not None:
-            self.index_keys = append_rows(self.index_keys, counts, index_keys, new_counts)
+            self._append("index_keys", counts, index_keys, new_counts)
 
     def store_pending(self, kv: torch.Tensor, score: torch.Tensor) -> None:
         """The open group's fp32 projections [B, r, D] after a full pass."""
-        self.pending_kv, self.pending_score = kv, score
+        self._write("pending_kv", kv)
+        self._write("pending_score", score)
 
     def complete_groups(
         self, kv: torch.Tensor, score: torch.Tensor, past: torch.Tensor
@@ -146,13 +147,21 @@ class DeepseekV41LayerCache:
         )
         complete = (held.squeeze(1) + seq_len) // r
         tail = complete.unsqueeze(1) * r + torch.arange(r, device=kv.device)  # the open group after this call
-        self.pending_kv, self.pending_score = gather_rows(aligned_kv, tail), gather_rows(aligned_score, tail)
+        self._write("pending_kv", gather_rows(aligned_kv, tail))
+        self._write("pending_score", gather_rows(aligned_score, tail))
         groups = n_groups * r
         return (
             aligned_kv[:, :groups].unflatten(1, (n_groups, r)),
             aligned_score[:, :groups].unflatten(1, (n_groups, r)),
             complete,
         )
+
+    def _write(self, name: str, value: torch.Tensor) -> None:
+        """Replace one piece of state (out of place: earlier outputs that alias it stay valid)."""
+        setattr(self, name, value)
+
+    def _append(self, name: str, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor) -> None:
+        setattr(self, name, append_rows(getattr(self, name), counts, new, new_counts))
 
     # ---- batch bookkeeping (beam search, num_return_sequences) ----------------------------------------------
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -211,6 +220,11 @@ class DeepseekV41Cache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
+    @property
+    def is_empty(self) -> bool:
+        """Nothing recorded yet: the next forward is the prefill."""
+        return self.seen_tokens == 0
+
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
@@ -221,18 +235,23 @@ class DeepseekV41Cache(Cache):
     def step(self, new_tokens: torch.Tensor, seq_len: int, compress_rotary: Callable) -> CacheStep:
         """Describe a forward call adding ``new_tokens[b]`` real tokens to row b (``seq_len`` columns)."""
         device = new_tokens.device
-        if self.seen_tokens == 0:
+        prefill = self.is_empty
+        if prefill:
             past = torch.zeros_like(new_tokens)
         else:
             past = self.lengths
             if past.shape[0] != new_tokens.shape[0]:
                 raise ValueError(f"the cache holds {past.shape[0]} rows but the inputs have {new_tokens.shape[0]}")
         positions = past.unsqueeze(1) + torch.arange(seq_len, device=device)
-        return CacheStep(past, past + new_tokens, positions, self.seen_tokens == 0, compress_rotary)
+        return CacheStep(past, past + new_tokens, positions, prefill, compress_rotary)
 
     def finish_step(self, step: CacheStep, seq_len: int) -> None:
-        self.lengths = step.lengths
+        self._store("lengths", step.lengths)
         self.seen_tokens += seq_len
+
+    def _store(self, name: str, value: torch.Tensor) -> None:
+        """Replace one piece of per-row state (``lengths``, ``engram_history``)."""
+        setattr(self, name, value)
 
     def update_engram_history(self, compressed: torch.Tensor, new_tokens: torch.Tensor, size: int) -> None:
         """Keep each row's last ``size`` compressed ids; its ``new_tokens[b]`` real ones lead ``compressed`` [B, S]."""
@@ -240,11 +259,12 @@ class DeepseekV41Cache(Cache):
         if past is None:
             past = compressed.new_full((compressed.shape[0], size), DEAD)
         sequence = torch.cat([past, compressed], dim=1)
-        self.engram_history = sequence.gather(1, new_tokens.unsqueeze(1) + torch.arange(size, device=compressed.device))
+        self._store("engram_history", sequence.gather(1, new_tokens.unsqueeze(1) + torch.arange(size, device=compressed.device)))
 
     def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.lengths = None if self.lengths is None else fn(self.lengths)
-        self.engram_history = None if self.engram_history is None else fn(self.engram_history)
+        for name in ("lengths", "engram_history"):
+            if getattr(self, name) is not None:
+                self._store(name, fn(getattr(self, name)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -274,4 +294,127 @@ class DeepseekV41Cache(Cache):
         return total
 
 
-__all__ = ["CacheStep", "DeepseekV41Cache", "DeepseekV41LayerCache"]
+def _static_buffer(value: torch.Tensor) -> torch.Tensor:
+    """A private copy of ``value`` that later steps update in place, marked as a static input of compiled code
+    (so that a CUDA graph reads it where it is instead of copying it in)."""
+    value = value.clone(memory_format=torch.contiguous_format)
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(value)
+    return value
+
+
+class DeepseekV41StaticLayerCache(DeepseekV41LayerCache):
+    """:class:`DeepseekV41LayerCache` in fixed-size buffers, allocated by the prefill and then updated in place, so
+    that a decode step has static shapes and addresses (``torch.compile``, CUDA graphs).
+
+    compressed_kv / index_keys [B, max_cache_len // r + 1, ...]: rows ``[: lengths[b] // r]`` of row b are valid;
+    the last row takes the writes of groups a step leaves incomplete (a fixed-shape write needs somewhere to put
+    them) and, like every row past a query's compressed length, is never attended to.
+    """
+
+    is_compileable = True
+
+    def __init__(self, window: int, ratio: int, max_cache_len: int):
+        super().__init__(window, ratio)
+        self.max_rows = max_cache_len // ratio if ratio else 0
+
+    def _write(self, name: str, value: torch.Tensor) -> None:
+        held = getattr(self, name)
+        if held is None or held.shape != value.shape or held.dtype != value.dtype:
+            setattr(self, name, _static_buffer(value))
+        else:
+            held.copy_(value)
+
+    def _append(self, name: str, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor) -> None:
+        held = getattr(self, name)
+        if held is None or held.shape[0] != new.shape[0] or held.dtype != new.dtype:
+            held = _static_buffer(new.new_zeros(new.shape[0], self.max_rows + 1, *new.shape[2:]))
+            setattr(self, name, held)
+        column = torch.arange(new.shape[1], device=new.device)
+        rows = torch.where(column < new_counts.unsqueeze(1), counts.unsqueeze(1) + column, self.max_rows)  # [B, n]
+        held.scatter_(1, rows.view(*rows.shape, *([1] * (new.ndim - 2))).expand_as(new), new)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in self._STATE:
+            value = getattr(self, name)
+            if value is not None:
+                self._write(name, fn(value))
+
+    def reset(self) -> None:
+        """Zeros in place: the buffers (and a compiled step's view of them) stay."""
+        self._map(torch.zeros_like)
+
+
+class DeepseekV41StaticCache(DeepseekV41Cache):
+    """The decode cache for ``generate(..., cache_implementation="static")`` and compiled decoding: as
+    :class:`DeepseekV41Cache`, for sequences of at most ``max_cache_len`` columns (prompt padding included), with every
+    buffer sized by the prefill and updated in place, so that every decode step runs the same shapes on the same
+    memory (one ``torch.compile`` graph, capturable as a CUDA graph).
+
+    The column count is a tensor (a Python int would be a new constant to compile at every step); the
+    ``get_seq_length()`` that ``generate`` asks for reads it back.
+    """
+
+    def __init__(self, config, max_cache_len: int, **kwargs):
+        text = config.get_text_config()
+        Cache.__init__(
+            self,
+            layers=[
+                DeepseekV41StaticLayerCache(text.sliding_window, text.compress_ratios[i], max_cache_len)
+                for i in range(text.num_hidden_layers)
+            ],
+        )
+        self.max_cache_len = max_cache_len
+        self.seen: torch.Tensor | None = None  # 0-d long: columns consumed
+        self.lengths: torch.Tensor | None = None
+        self.engram_history: torch.Tensor | None = None
+        self._empty = True
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self._empty else int(self.seen)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_cache_len
+
+    @property
+    def is_empty(self) -> bool:
+        return self._empty
+
+    def step(self, new_tokens: torch.Tensor, seq_len: int, compress_rotary: Callable) -> CacheStep:
+        if not torch.compiler.is_compiling() and self.get_seq_length() + seq_len > self.max_cache_len:
+            raise ValueError(
+                f"the static cache holds {self.max_cache_len} positions; {self.get_seq_length()} are used and "
+                f"{seq_len} more were passed (size it with max_cache_len)"
+            )
+        return super().step(new_tokens, seq_len, compress_rotary)
+
+    def finish_step(self, step: CacheStep, seq_len: int) -> None:
+        self._store("lengths", step.lengths)
+        if self._empty:
+            self.seen = _static_buffer(torch.tensor(seq_len, device=step.lengths.device))
+        else:
+            self.seen.add_(seq_len)
+        self._empty = False
+
+    def _store(self, name: str, value: torch.Tensor) -> None:
+        held = getattr(self, name)
+        if held is None or held.shape != value.shape:
+            setattr(self, name, _static_buffer(value))
+        else:
+            held.copy_(value)
+
+    def reset(self) -> None:
+        """Empties the cache; buffers are kept (zeroed) for the next sequence of the same batch size."""
+        Cache.reset(self)
+        for value in (self.seen, self.lengths):
+            if value is not None:
+                value.zero_()
+        if self.engram_history is not None:
+            self.engram_history.fill_(DEAD)  # as if there were none: the next prefill starts a sequence
+        self._empty = True
+
+
+__all__ = ["CacheStep", "DeepseekV41Cache", "DeepseekV41LayerCache", "DeepseekV41StaticCache", "DeepseekV41StaticLayerCache"]

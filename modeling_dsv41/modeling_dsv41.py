@@ -27,7 +27,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from configuration.configuration_dsv41 import DeepseekV41Config
 
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
-from .cache import CacheStep, DeepseekV41Cache
+from .cache import CacheStep, DeepseekV41Cache, DeepseekV41StaticCache
 from .checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
@@ -326,9 +326,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         cache = self._resolve_cache(cache, use_cache)
-        past_length = 0 if cache is None else cache.get_seq_length()
-        check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
-        if cache is not None and cache.get_seq_length() > 0:
+        if not torch.compiler.is_compiling():  # the checks read values on the host
+            past_length = 0 if cache is None else cache.get_seq_length()
+            check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
+        if cache is not None and not cache.is_empty:
             last, all_hidden = self._forward_cached(
                 input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
                 output_hidden_states, cache,
@@ -387,7 +388,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """The new tokens of every row, at each row's own next positions."""
         embeds = self._embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types)
         bsz, seq_len = embeds.shape[:2]
-        if attention_mask is not None and not bool(attention_mask[:, -seq_len:].bool().all()):
+        if (
+            attention_mask is not None
+            and not torch.compiler.is_compiling()
+            and not bool(attention_mask[:, -seq_len:].bool().all())
+        ):
             raise ValueError(
                 "with a non-empty cache the new tokens must all be real (attention_mask 1): only the first call "
                 "(the prefill) may be padded"
@@ -504,20 +509,35 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
-        """``generate`` decodes with a :class:`DeepseekV41Cache` (the caller's, or a new one)."""
+        """``generate`` decodes with a :class:`DeepseekV41Cache` (the caller's, or a new one), or with a
+        :class:`DeepseekV41StaticCache` for ``cache_implementation="static"`` (sized as transformers sizes its
+        ``StaticCache``: this call's maximum length, or ``max_cache_len`` if larger)."""
         cache = model_kwargs.get("cache")
         if cache is not None and not isinstance(cache, DeepseekV41Cache):
             raise ValueError(f"DeepSeek-V4.1 generates with a DeepseekV41Cache, got {type(cache).__name__}")
-        if cache is None and generation_config.cache_implementation is not None:
+        implementation = generation_config.cache_implementation
+        if cache is None and implementation not in (None, "dynamic", "static"):
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported: DeepSeek-V4.1 "
-                "decodes with its own DeepseekV41Cache (leave cache_implementation unset)"
+                f"cache_implementation={implementation!r} is not supported: DeepSeek-V4.1 decodes with its own "
+                "DeepseekV41Cache (cache_implementation unset or 'dynamic') or DeepseekV41StaticCache ('static')"
             )
-        super()._prepare_cache_for_generation(
-            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-        )
-        if cache is None and generation_config.use_cache:
-            model_kwargs["cache"] = DeepseekV41Cache(self.config)
+        if cache is not None or not generation_config.use_cache:
+            super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        else:
+            if implementation == "static":
+                max_cache_length = max(max_cache_length, generation_config.max_cache_len or 0)
+                model_kwargs["cache"] = DeepseekV41StaticCache(self.config, max_cache_len=max_cache_length)
+            else:
+                model_kwargs["cache"] = DeepseekV41Cache(self.config)
+
+    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, is_first_iteration: bool = False,
+                                  **kwargs) -> torch.Tensor | None:
+        """What ``generate`` passes as the mask with a compileable (static) cache: the 2-D mask of the prefill, and
+        nothing on decode steps, whose tokens are all real (a mask growing by a column a step would be a new shape
+        to compile each time)."""
+        return attention_mask if is_first_iteration else None
 
     def prepare_inputs_for_generation(
         self, input_ids: torch.LongTensor, image_token_types: torch.LongTensor | None = None, **kwargs
@@ -583,6 +603,7 @@ __all__ = [
     "DeepseekV41Model",
     "DeepseekV41ForCausalLM",
     "DeepseekV41Cache",
+    "DeepseekV41StaticCache",
     "DeepseekV41DecoderLayer",
     "DeepseekV41Indexer",
 ]

@@ -107,8 +107,18 @@ class DeepseekV41Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]. Only experts with tokens run;
-        one host sync reads how many each got."""
+        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D].
+
+        Few routed slots (N·k ≤ E, decoding): :meth:`_forward_per_slot`. Otherwise only experts with tokens run,
+        one host sync reading how many each got."""
+        if top_k_index.numel() <= self.num_experts:
+            return self._forward_per_slot(hidden_states, top_k_index, top_k_weights)
+        return self._forward_per_expert(hidden_states, top_k_index, top_k_weights)
+
+    def _forward_per_expert(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Each expert that got tokens runs once over them; the outputs are summed in fp32 in expert order."""
         num_tokens, top_k = top_k_index.shape
         expert_ids = top_k_index.flatten()
         order = expert_ids.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
@@ -128,6 +138,26 @@ class DeepseekV41Experts(nn.Module):
             )
             out.index_add_(0, token, F.linear(hidden.to(x.dtype), down_proj[expert]).float())
         return out
+
+    def _forward_per_slot(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The same computation slot by slot, with every slot's expert weights gathered: a fixed number of batched
+        ops with no host sync (one graph under ``torch.compile``), and, with no more slots than experts, no more
+        weight read than the per-expert loop. Each token's experts are summed in ascending order, as the loop does."""
+        num_tokens, top_k = top_k_index.shape
+        order = top_k_index.argsort(dim=1)
+        experts = top_k_index.gather(1, order).flatten()  # [N·k], ascending per token
+        weights = top_k_weights.gather(1, order).reshape(-1, 1)
+        x = hidden_states.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [N·k, D, 1]
+        gate_up = torch.bmm(self.gate_up_proj.index_select(0, experts), x).squeeze(-1)  # [N·k, 2·I]
+        gate, up = gate_up.split(self.intermediate_dim, dim=-1)
+        hidden = (weights * clamped_swiglu(gate, up, self.swiglu_limit)).to(x.dtype).unsqueeze(-1)
+        out = torch.bmm(self.down_proj.index_select(0, experts), hidden).float().view(num_tokens, top_k, -1)
+        total = out[:, 0]
+        for slot in range(1, top_k):  # fixed order: the fp32 sum is the loop's, 0 + e_first + e_second + …
+            total = total + out[:, slot]
+        return total
 
 
 class DeepseekV41MoE(nn.Module):

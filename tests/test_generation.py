@@ -266,7 +266,7 @@ def test_unsupported_uses_raise_clear_errors():
     with pytest.raises(ValueError, match="cannot rewind"):
         model.generate(ids, max_new_tokens=2, assistant_model=model)
     with pytest.raises(ValueError, match="cache_implementation"):
-        model.generate(ids, max_new_tokens=2, cache_implementation="static")
+        model.generate(ids, max_new_tokens=2, cache_implementation="quantized")
     with pytest.raises(ValueError, match="DeepseekV41Cache"):
         model.generate(ids, max_new_tokens=2, cache=DynamicCache())
     with torch.no_grad():

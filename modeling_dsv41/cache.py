@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from .engram import DEAD
@@ -75,21 +76,28 @@ def append_rows(
 class DeepseekV41LayerCache:
     """Decode state of one attention layer, every tensor batch-first.
 
-    window_kv [B, W, D]: K=V of each row's last W tokens, newest last (zeros before a row's first token).
+    window_kv [B, W, D]: K=V of each row's last W tokens, newest last (zeros before a row's first token); while
+    past recording is on (assisted decoding, see :meth:`rewind`), every token's since the prefill too.
     compressed_kv [B, T, D] (KV sources): rotated compressed K=V, row b valid in ``[: lengths[b] // r]``.
     index_keys [B, T, Di] (key owners): the indexer keys of those rows.
     pending_kv / pending_score [B, r, D] fp32 (KV sources with r > 1): projections of the open group's tokens,
     slot ``i`` holding the token at ``position % r == i``.
+    projections_kv / projections_score [B, P, D] fp32 (KV sources with r > 1, while recording): the projections of
+    each row's last P tokens, newest last, from which a rewind rebuilds the open group.
     """
 
     is_compileable = False
-    is_croppable = False  # the window and the pooled groups cannot be rewound
     is_sliding = True
     supports_early_init = False
-    _STATE = ("window_kv", "compressed_kv", "index_keys", "pending_kv", "pending_score")
+    _STATE = (
+        "window_kv", "compressed_kv", "index_keys", "pending_kv", "pending_score", "projections_kv", "projections_score"
+    )
 
     def __init__(self, window: int, ratio: int):
         self.window, self.ratio = window, ratio
+        self.record_past = False
+        self.projections_kv: torch.Tensor | None = None
+        self.projections_score: torch.Tensor | None = None
         self.window_kv: torch.Tensor | None = None
         self.compressed_kv: torch.Tensor | None = None
         self.index_keys: torch.Tensor | None = None
@@ -102,16 +110,18 @@ class DeepseekV41LayerCache:
 
     # ---- writes ---------------------------------------------------------------------------------------
     def store_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
-        """After a full pass over kv [B, S, D] holding ``lengths[b]`` real tokens per row: keep each row's last W."""
-        index = lengths.unsqueeze(1) - self.window + torch.arange(self.window, device=kv.device)
+        """After a full pass over kv [B, S, D] holding ``lengths[b]`` real tokens per row: keep each row's last W
+        (all of them while recording the past)."""
+        width = max(self.window, kv.shape[1]) if self.record_past else self.window
+        index = lengths.unsqueeze(1) - width + torch.arange(width, device=kv.device)
         self._write("window_kv", gather_rows(kv, index))
 
     def extend_window(self, kv: torch.Tensor) -> torch.Tensor:
         """Append the call's K=V [B, S, D] (all real tokens); returns the keys they may attend to [B, W + S, D]
         (positions ``past - W`` … ``past + S - 1`` of each row) and keeps the last W."""
         keys = torch.cat([self.window_kv, kv], dim=1)
-        self._write("window_kv", keys[:, -self.window :])
-        return keys
+        self._write("window_kv", keys if self.record_past else keys[:, -self.window :])
+        return keys[:, -(self.window + kv.shape[1]) :]
 
     def append_compressed(
         self, compressed_kv: torch.Tensor, index_keys: torch.Tensor | None, counts: torch.Tensor, new_counts: torch.Tensor
@@ -135,6 +145,8 @@ class DeepseekV41LayerCache:
         ``complete`` [B]; the new open group becomes the pending state.
         """
         r, seq_len = self.ratio, kv.shape[1]
+        if self.record_past:
+            self._record_projections(kv, score, past)
         held = (past % r).unsqueeze(1)  # [B, 1] tokens of the open group seen in earlier calls
         n_groups = (r - 1 + seq_len) // r
         # offset i of the group-aligned sequence (open group first) reads slot i of the pending state while
@@ -155,6 +167,57 @@ class DeepseekV41LayerCache:
             aligned_score[:, :groups].unflatten(1, (n_groups, r)),
             complete,
         )
+
+    # ---- rewinding (assisted decoding) ------------------------------------------------------------------
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past
+
+    def activate_past_recording(self) -> None:
+        """Keep what a :meth:`rewind` needs: every window K=V and open-group projection from now on."""
+        self.record_past = True
+
+    def record_prefill_projections(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor) -> None:
+        """While recording: the projections [B, S, D] of a full pass's tokens, ``lengths[b]`` real in row b."""
+        index = lengths.unsqueeze(1) - kv.shape[1] + torch.arange(kv.shape[1], device=kv.device)
+        self.projections_kv, self.projections_score = gather_rows(kv, index), gather_rows(score, index)
+
+    def _record_projections(self, kv: torch.Tensor, score: torch.Tensor, past: torch.Tensor) -> None:
+        """Append the call's projections [B, S, D] to the recorded ones, the first time after the pending open
+        group's (``past % r`` real slots of row b), right-aligned so that each row's newest token is last."""
+        if self.projections_kv is None:
+            r = self.ratio
+            slots = (past % r - r).unsqueeze(1) + torch.arange(r, device=kv.device)  # -1… for slots before the group
+            self.projections_kv = gather_rows(self.pending_kv, slots)
+            self.projections_score = gather_rows(self.pending_score, slots)
+        self.projections_kv = torch.cat([self.projections_kv, kv], dim=1)
+        self.projections_score = torch.cat([self.projections_score, score], dim=1)
+
+    def rewind(self, tokens: int, lengths: torch.Tensor) -> None:
+        """Forget each row's last ``tokens`` tokens (all rows decode in step, so they are the same columns), leaving
+        ``lengths`` [B] real tokens per row: the state as it was after the earlier of them, from what was recorded."""
+        if not self.record_past:
+            raise ValueError("a DeepSeek-V4.1 cache can be cropped only after activate_past_recording()")
+        kept = self.window_kv.shape[1] - tokens
+        if kept < min(self.window, int(lengths.max())):
+            raise ValueError(f"cannot rewind {tokens} tokens: only {self.window_kv.shape[1] - self.window} were recorded")
+        # a window shorter than W after the rewind only lacks positions before the rows' first tokens: zeros
+        self.window_kv = F.pad(self.window_kv[:, :kept], (0, 0, max(self.window - kept, 0), 0))
+        if self.compressed_kv is not None:
+            rows = int((lengths // self.ratio).max())  # as wide as a cache that never held the removed tokens
+            self.compressed_kv = self.compressed_kv[:, :rows]
+            self.index_keys = None if self.index_keys is None else self.index_keys[:, :rows]
+        if self.pending_kv is not None and self.projections_kv is not None:
+            r, recorded = self.ratio, self.projections_kv.shape[1]
+            held = lengths % r  # [B] tokens of the open group after the rewind; slot i at column:
+            column = (recorded - tokens - held).unsqueeze(1) + torch.arange(r, device=lengths.device)
+            if bool(((column[:, 0] < 0) & (held > 0)).any()):
+                raise ValueError(f"cannot rewind {tokens} tokens: not enough of them were recorded")
+            column = column.masked_fill(torch.arange(r, device=lengths.device) >= held.unsqueeze(1), -1)
+            self.pending_kv = gather_rows(self.projections_kv, column)
+            self.pending_score = gather_rows(self.projections_score, column)
+            self.projections_kv = self.projections_kv[:, : recorded - tokens]
+            self.projections_score = self.projections_score[:, : recorded - tokens]
 
     def _write(self, name: str, value: torch.Tensor) -> None:
         """Replace one piece of state (out of place: earlier outputs that alias it stay valid)."""
@@ -185,7 +248,7 @@ class DeepseekV41LayerCache:
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
-            raise ValueError("a DeepSeek-V4.1 cache cannot be cropped: window slots and pooled groups are not reversible")
+            raise ValueError("crop the whole DeepseekV41Cache: a layer's rewind needs each row's length")
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per kind of state."""
@@ -204,8 +267,10 @@ class DeepseekV41Cache(Cache):
     one row every ``r`` tokens for each KV source; the pending groups and the Engram history are constant.
 
     ``get_seq_length()`` counts the input columns consumed so far, prompt padding included (what ``generate``
-    slices the next inputs by); ``lengths`` counts each row's real tokens. Cropping (assisted generation) is not
-    supported; ``reorder_cache`` (beam search) and batch repeat/select are.
+    slices the next inputs by); ``lengths`` counts each row's real tokens. ``reorder_cache`` (beam search) and
+    batch repeat/select are supported, and so is ``crop`` (assisted generation) of tokens decoded after
+    ``activate_past_recording()``: while recording, the cache also keeps every window K=V, open-group projection
+    and Engram id since then (memory growing with the decoded tokens, as a per-token cache does).
     """
 
     def __init__(self, config):
@@ -216,9 +281,39 @@ class DeepseekV41Cache(Cache):
         self.seen_tokens = 0
         self.lengths: torch.Tensor | None = None  # [B] real tokens per row
         self.engram_history: torch.Tensor | None = None  # [B, max_ngram - 1] compressed ids, DEAD where none
+        self.record_past = False
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
+
+    def activate_past_recording(self) -> None:
+        super().activate_past_recording()
+        self.record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` columns (transformers' convention: a negative count), decoded since
+        :meth:`activate_past_recording`. ``crop(0)`` keeps everything."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of tokens to remove, got {tokens_to_remove}")
+        tokens = -tokens_to_remove
+        if tokens == 0:
+            return
+        if tokens > self.seen_tokens:
+            raise ValueError(f"cannot remove {tokens} tokens from a cache holding {self.seen_tokens}")
+        lengths = self.lengths - tokens
+        for layer in self.layers:
+            layer.rewind(tokens, lengths)
+        if self.engram_history is not None:
+            size = self.engram_history.shape[1] - tokens
+            if size < 1:
+                raise ValueError(f"cannot rewind {tokens} tokens: not enough Engram ids were recorded")
+            self.engram_history = self.engram_history[:, :size]
+        self.lengths = lengths
+        self.seen_tokens -= tokens
+
+    def engram_past(self, size: int) -> torch.Tensor | None:
+        """The ``size`` compressed ids before the next call's tokens [B, size] (None before the prefill)."""
+        return None if self.engram_history is None else self.engram_history[:, -size:]
 
     @property
     def is_empty(self) -> bool:
@@ -259,7 +354,10 @@ class DeepseekV41Cache(Cache):
         if past is None:
             past = compressed.new_full((compressed.shape[0], size), DEAD)
         sequence = torch.cat([past, compressed], dim=1)
-        self._store("engram_history", sequence.gather(1, new_tokens.unsqueeze(1) + torch.arange(size, device=compressed.device)))
+        keep = past.shape[1] + compressed.shape[1] if self.record_past else size
+        # row b's newest id sits at past width + new_tokens[b] - 1 (compressed is left-aligned): keep the last `keep`
+        start = new_tokens + past.shape[1] - keep
+        self._store("engram_history", gather_rows(sequence, start.unsqueeze(1) + torch.arange(keep, device=compressed.device), DEAD))
 
     def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in ("lengths", "engram_history"):
@@ -313,6 +411,12 @@ class DeepseekV41StaticLayerCache(DeepseekV41LayerCache):
     """
 
     is_compileable = True
+
+    def activate_past_recording(self) -> None:
+        raise ValueError(
+            "a static DeepSeek-V4.1 cache cannot record its past (its buffers have fixed sizes): assisted generation "
+            "needs the dynamic DeepseekV41Cache"
+        )
 
     def __init__(self, window: int, ratio: int, max_cache_len: int):
         super().__init__(window, ratio)

@@ -282,7 +282,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             return self.engram_hasher(input_ids, image_mask, attention_mask)
         hasher = self.engram_hasher
         compressed = hasher.compress(input_ids, image_mask, attention_mask)
-        hash_ids = hasher.hash_ids_from_compressed(compressed, cache.engram_history)
+        hash_ids = hasher.hash_ids_from_compressed(compressed, cache.engram_past(hasher.history_size))
         cache.update_engram_history(compressed, step.lengths - step.past, hasher.history_size)
         return hash_ids
 
@@ -432,12 +432,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     Takes images when the config has a vision part: it is also registered for ``AutoModelForImageTextToText``."""
 
     _tied_weights_keys = None
-    # generate(): greedy, sampling and beam search (DeepseekV41Cache reorders its rows). Assisted and other
-    # speculative modes must roll the cache back over rejected tokens, which the sliding window and the pooled
-    # compression groups cannot do; `generate` rejects them with these flags.
-    _is_stateful = True
+    # generate(): greedy, sampling and beam search (DeepseekV41Cache reorders its rows), and assisted generation (the
+    # cache records its past and rolls back over rejected tokens: DeepseekV41Cache.crop). Contrastive and other modes
+    # that are not transformers' core ones are rejected.
     _supported_generation_modes = (
         GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE,
+        GenerationMode.ASSISTED_GENERATION,
     )
 
     def __init__(self, config: DeepseekV41Config):
@@ -496,9 +496,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs) -> None:
         if generation_mode not in self._supported_generation_modes:
             raise ValueError(
-                f"{type(self).__name__} supports greedy search, sampling and beam search, not {generation_mode.value} "
-                "(assisted and contrastive decoding roll the cache back over rejected tokens, and a DeepseekV41Cache "
-                "cannot rewind its sliding window or its pooled compression groups)"
+                f"{type(self).__name__} supports greedy search, sampling, beam search and assisted generation, not "
+                f"{generation_mode.value}"
             )
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
@@ -531,6 +530,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                 model_kwargs["cache"] = DeepseekV41StaticCache(self.config, max_cache_len=max_cache_length)
             else:
                 model_kwargs["cache"] = DeepseekV41Cache(self.config)
+            if generation_config.is_assistant:  # a draft model's cache is cropped to the accepted tokens
+                model_kwargs["cache"].activate_past_recording()
 
     def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, is_first_iteration: bool = False,
                                   **kwargs) -> torch.Tensor | None:

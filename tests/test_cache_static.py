@@ -1,5 +1,6 @@
 """DeepseekV41StaticCache: ``generate(cache_implementation="static")`` decodes what the dynamic cache decodes, and a
-decode step compiles as one graph (``torch.compile(fullgraph=True)``) that is reused step after step.
+decode step compiles as one graph (``torch.compile(fullgraph=True)``) that is reused step after step. And the
+dynamic cache's ``crop`` (past recording): assisted generation decodes what plain greedy decoding does.
 
 Tiny config, random fp32 weights (see tests/test_generation.py for the preset's layer kinds).
 """
@@ -12,7 +13,7 @@ from modeling_dsv41.moe import DeepseekV41Experts
 
 from test_generation import TOL, image_prompt, random_prompt, tiny_model
 
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 GREEDY = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
@@ -34,8 +35,14 @@ def assert_same_generation(dynamic, static):
     assert worst <= TOL, worst
 
 
-@pytest.mark.parametrize("engram", [True, False], ids=["engram", "text"])
-@pytest.mark.parametrize("prompt_len", [37, 10])
+@pytest.mark.parametrize(
+    "engram, prompt_len",
+    [
+        (True, 37),  # ends mid ratio-2 group, longer than the window
+        (False, 10),  # shorter than the window: the window and the groups fill during decoding
+    ],
+    ids=["engram", "text"],
+)
 def test_static_cache_generates_what_the_dynamic_cache_generates(engram, prompt_len):
     model = tiny_model() if engram else text_only_model()
     assert (model.model.engram_hasher is not None) == engram
@@ -44,7 +51,7 @@ def test_static_cache_generates_what_the_dynamic_cache_generates(engram, prompt_
 
 
 def test_static_cache_with_left_padding_an_image_and_beams():
-    """Rows at different positions (left padding) with an image, then beam search, whose reordering is in place."""
+    """Rows at different positions (left padding) with an image; beam search, whose reordering is in place."""
     model = tiny_model()
     image = image_prompt(3, before=4, after=12)  # 24 tokens
     text = random_prompt(30, 1)
@@ -59,8 +66,9 @@ def test_static_cache_with_left_padding_an_image_and_beams():
         "image_grid_hw": image["image_grid_hw"],
     }
     assert_same_generation(model.generate(**batch, **GREEDY), model.generate(**batch, cache_implementation="static", **GREEDY))
-    beams = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False)
-    assert torch.equal(model.generate(**batch, **beams), model.generate(**batch, cache_implementation="static", **beams))
+    beams = dict(max_new_tokens=5, num_beams=2, num_return_sequences=2, do_sample=False)
+    text = {"input_ids": batch["input_ids"][1:], "attention_mask": batch["attention_mask"][1:]}
+    assert torch.equal(model.generate(**text, **beams), model.generate(**text, cache_implementation="static", **beams))
 
 
 def test_static_cache_is_sized_once_and_refuses_to_overflow():
@@ -138,3 +146,42 @@ def test_decode_step_compiles_with_inductor():
     worst, frames = _decode_compiled(tiny_model(), "inductor")
     assert frames == 1
     assert worst <= 1e-5, worst  # inductor fuses and reorders fp32 elementwise math
+
+
+def test_assisted_generation_matches_greedy(monkeypatch):
+    """A draft model with other weights proposes tokens the model mostly rejects: every rejection crops both
+    caches (the model's inside its prompt on the first round), and the result must be plain greedy decoding."""
+    model = tiny_model()
+    torch.manual_seed(1)
+    draft = type(model)(model.config).eval()
+    draft.model.engram_hasher.token_map.copy_(model.model.engram_hasher.token_map)
+    draft.generation_config.eos_token_id = None
+    crops = []
+    crop = DeepseekV41Cache.crop
+    monkeypatch.setattr(DeepseekV41Cache, "crop", lambda self, n: (crops.append(n), crop(self, n))[1])
+    prompt = random_prompt(37, 0)
+    greedy = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    assisted = model.generate(prompt, assistant_model=draft, **greedy)
+    assert any(n < 0 for n in crops)  # rejected draft tokens were rolled back
+    assert torch.equal(assisted, model.generate(prompt, **greedy))
+
+
+def test_crop_restores_the_state_before_the_removed_tokens():
+    """Decode tokens, crop them (into the prompt too), decode others: the logits are those of a cache that never
+    saw the removed tokens (up to fp32 rounding: its prompt's K=V came from GEMMs over 35 tokens, not 37)."""
+    model = tiny_model()
+    ids, other = random_prompt(45, 0), random_prompt(6, 1)
+    with torch.no_grad():
+        recorded = DeepseekV41Cache(model.config)
+        recorded.activate_past_recording()
+        model(ids[:, :37], cache=recorded)
+        model(other[:, :4], cache=recorded)
+        model(other[:, 4:5], cache=recorded)
+        recorded.crop(-7)  # the 5 decoded tokens and the prompt's last 2
+        assert recorded.get_seq_length() == 35 and recorded.lengths.tolist() == [35]
+        plain = DeepseekV41Cache(model.config)
+        model(ids[:, :35], cache=plain)
+        for new in (ids[:, 35:40], ids[:, 40:41]):  # 5 tokens (ratio-2 groups across the crop point), then 1
+            torch.testing.assert_close(
+                model(new, cache=recorded).logits, model(new, cache=plain).logits, rtol=0, atol=TOL
+            )

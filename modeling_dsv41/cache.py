@@ -13,6 +13,11 @@ A CSA2 layer needs far less than every past K=V vector:
 Top-k selections and candidate blocks depend on the new queries only, so they are recomputed in each step and
 handed to consumer layers through that step's :class:`~.attention.CompressedContext`; nothing of them is kept.
 
+:class:`DeepseekV41StaticCache` holds the same state in buffers sized once (for ``max_cache_len`` columns) and
+updated in place, for ``generate(cache_implementation="static")`` and compiled decode steps. The dynamic cache
+rolls back over its last tokens (``crop``, for assisted generation) once ``activate_past_recording()`` has made it
+keep what a rollback needs.
+
 Rows count positions from their own first real token (a left-padded prompt is aligned to start at 0), so rows
 of one batch sit at different positions and complete their compression groups at different steps:
 ``lengths`` holds each row's count of real tokens, and compressed rows are stored left-aligned per batch row.

@@ -474,6 +474,7 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
             ],
         )
         self.max_cache_len = max_cache_len
+        self.record_past = False  # fixed buffers: no rollback (see DeepseekV41StaticLayerCache.activate_past_recording)
         self.seen: torch.Tensor | None = None  # 0-d long: columns consumed
         self.lengths: torch.Tensor | None = None
         self.engram_history: torch.Tensor | None = None

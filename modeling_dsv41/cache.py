@@ -212,17 +212,19 @@ class DeepseekV41LayerCache:
             rows = int((lengths // self.ratio).max())  # as wide as a cache that never held the removed tokens
             self.compressed_kv = self.compressed_kv[:, :rows]
             self.index_keys = None if self.index_keys is None else self.index_keys[:, :rows]
-        if self.pending_kv is not None and self.projections_kv is not None:
-            r, recorded = self.ratio, self.projections_kv.shape[1]
+        if self.pending_kv is not None:
+            r = self.ratio
+            recorded = 0 if self.projections_kv is None else self.projections_kv.shape[1]
             held = lengths % r  # [B] tokens of the open group after the rewind; slot i at column:
             column = (recorded - tokens - held).unsqueeze(1) + torch.arange(r, device=lengths.device)
             if bool(((column[:, 0] < 0) & (held > 0)).any()):
                 raise ValueError(f"cannot rewind {tokens} tokens: not enough of them were recorded")
-            column = column.masked_fill(torch.arange(r, device=lengths.device) >= held.unsqueeze(1), -1)
-            self.pending_kv = gather_rows(self.projections_kv, column)
-            self.pending_score = gather_rows(self.projections_score, column)
-            self.projections_kv = self.projections_kv[:, : recorded - tokens]
-            self.projections_score = self.projections_score[:, : recorded - tokens]
+            if self.projections_kv is not None:  # else no row has an open group left: the pending slots go unread
+                column = column.masked_fill(torch.arange(r, device=lengths.device) >= held.unsqueeze(1), -1)
+                self.pending_kv = gather_rows(self.projections_kv, column)
+                self.pending_score = gather_rows(self.projections_score, column)
+                self.projections_kv = self.projections_kv[:, : max(recorded - tokens, 0)]
+                self.projections_score = self.projections_score[:, : max(recorded - tokens, 0)]
 
     def _write(self, name: str, value: torch.Tensor) -> None:
         """Replace one piece of state (out of place: earlier outputs that alias it stay valid)."""

@@ -273,6 +273,7 @@ def test_unsupported_uses_raise_clear_errors():
             model(ids[:, :2], attention_mask=torch.tensor([[1] * 9 + [0, 1]]), cache=cache)
         with pytest.raises(ValueError, match="activate_past_recording"):
             cache.crop(-1)  # a cache that did not record its past cannot rewind
+        cache = model(random_prompt(20, 0), use_cache=True).cache  # longer than the 16-token window
         cache.activate_past_recording()
         with pytest.raises(ValueError, match="cannot rewind 1 tokens"):
             cache.crop(-1)  # nor past the point where it started recording

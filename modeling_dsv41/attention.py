@@ -446,6 +446,8 @@ class DeepseekV41Attention(nn.Module):
         if r > 1:
             open_group = (counts * r).unsqueeze(1) + torch.arange(r, device=x.device)
             layer_cache.store_pending(*self.compressor.project(gather_rows(x, open_group)))
+            if layer_cache.record_past:  # what a rewind into this prompt rebuilds open groups from
+                layer_cache.record_prefill_projections(*self.compressor.project(x), lengths)
 
     def _forward_incremental(
         self, x: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, layer_cache: DeepseekV41LayerCache,

@@ -28,7 +28,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from configuration.configuration_dsv41 import DeepseekV41Config
 
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
-from .cache import CacheStep, DeepseekV41Cache
+from .cache import CacheStep, DeepseekV41Cache, DeepseekV41StaticCache
 from .hub.checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
@@ -292,7 +292,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             return self.engram_hasher(input_ids, image_mask, attention_mask)
         hasher = self.engram_hasher
         compressed = hasher.compress(input_ids, image_mask, attention_mask)
-        hash_ids = hasher.hash_ids_from_compressed(compressed, cache.engram_history)
+        hash_ids = hasher.hash_ids_from_compressed(compressed, cache.engram_past(hasher.history_size))
         cache.update_engram_history(compressed, step.lengths - step.past, hasher.history_size)
         return hash_ids
 
@@ -358,9 +358,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
         cache = self._resolve_cache(cache, use_cache)
-        past_length = 0 if cache is None else cache.get_seq_length()
-        check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
-        if cache is not None and cache.get_seq_length() > 0:
+        if not torch.compiler.is_compiling():  # the checks read values on the host
+            past_length = 0 if cache is None else cache.get_seq_length()
+            check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
+        if cache is not None and not cache.is_empty:
             last, all_hidden = self._forward_cached(
                 input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
                 output_hidden_states, cache,
@@ -419,7 +420,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """The new tokens of every row, at each row's own next positions."""
         embeds = self._embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types)
         bsz, seq_len = embeds.shape[:2]
-        if attention_mask is not None and not bool(attention_mask[:, -seq_len:].bool().all()):
+        if (
+            attention_mask is not None
+            and not torch.compiler.is_compiling()
+            and not bool(attention_mask[:, -seq_len:].bool().all())
+        ):
             raise ValueError(
                 "with a non-empty cache the new tokens must all be real (attention_mask 1): only the first call "
                 "(the prefill) may be padded"
@@ -462,12 +467,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
 
     _tied_weights_keys = None
     _tp_plan = {"lm_head": "colwise_gather_output"}  # vocabulary-sharded, logits gathered
-    # generate(): greedy, sampling and beam search (DeepseekV41Cache reorders its rows). Assisted and other
-    # speculative modes must roll the cache back over rejected tokens, which the sliding window and the pooled
-    # compression groups cannot do; `generate` rejects them with these flags.
-    _is_stateful = True
+    # generate(): greedy, sampling and beam search (DeepseekV41Cache reorders its rows), and assisted generation (the
+    # cache records its past and rolls back over rejected tokens: DeepseekV41Cache.crop). Contrastive and other modes
+    # that are not transformers' core ones are rejected.
     _supported_generation_modes = (
         GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE,
+        GenerationMode.ASSISTED_GENERATION,
     )
 
     def __init__(self, config: DeepseekV41Config):
@@ -526,9 +531,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs) -> None:
         if generation_mode not in self._supported_generation_modes:
             raise ValueError(
-                f"{type(self).__name__} supports greedy search, sampling and beam search, not {generation_mode.value} "
-                "(assisted and contrastive decoding roll the cache back over rejected tokens, and a DeepseekV41Cache "
-                "cannot rewind its sliding window or its pooled compression groups)"
+                f"{type(self).__name__} supports greedy search, sampling, beam search and assisted generation, not "
+                f"{generation_mode.value}"
             )
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
@@ -539,20 +543,37 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ) -> None:
-        """``generate`` decodes with a :class:`DeepseekV41Cache` (the caller's, or a new one)."""
+        """``generate`` decodes with a :class:`DeepseekV41Cache` (the caller's, or a new one), or with a
+        :class:`DeepseekV41StaticCache` for ``cache_implementation="static"`` (sized as transformers sizes its
+        ``StaticCache``: this call's maximum length, or ``max_cache_len`` if larger)."""
         cache = model_kwargs.get("cache")
         if cache is not None and not isinstance(cache, DeepseekV41Cache):
             raise ValueError(f"DeepSeek-V4.1 generates with a DeepseekV41Cache, got {type(cache).__name__}")
-        if cache is None and generation_config.cache_implementation is not None:
+        implementation = generation_config.cache_implementation
+        if cache is None and implementation not in (None, "dynamic", "static"):
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported: DeepSeek-V4.1 "
-                "decodes with its own DeepseekV41Cache (leave cache_implementation unset)"
+                f"cache_implementation={implementation!r} is not supported: DeepSeek-V4.1 decodes with its own "
+                "DeepseekV41Cache (cache_implementation unset or 'dynamic') or DeepseekV41StaticCache ('static')"
             )
-        super()._prepare_cache_for_generation(
-            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-        )
-        if cache is None and generation_config.use_cache:
-            model_kwargs["cache"] = DeepseekV41Cache(self.config)
+        if cache is not None or not generation_config.use_cache:
+            super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
+        else:
+            if implementation == "static":
+                max_cache_length = max(max_cache_length, generation_config.max_cache_len or 0)
+                model_kwargs["cache"] = DeepseekV41StaticCache(self.config, max_cache_len=max_cache_length)
+            else:
+                model_kwargs["cache"] = DeepseekV41Cache(self.config)
+            if generation_config.is_assistant:  # a draft model's cache is cropped to the accepted tokens
+                model_kwargs["cache"].activate_past_recording()
+
+    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, is_first_iteration: bool = False,
+                                  **kwargs) -> torch.Tensor | None:
+        """What ``generate`` passes as the mask with a compileable (static) cache: the 2-D mask of the prefill, and
+        nothing on decode steps, whose tokens are all real (a mask growing by a column a step would be a new shape
+        to compile each time)."""
+        return attention_mask if is_first_iteration else None
 
     def prepare_inputs_for_generation(
         self, input_ids: torch.LongTensor, image_token_types: torch.LongTensor | None = None, **kwargs
@@ -628,6 +649,7 @@ __all__ = [
     "DeepseekV41Model",
     "DeepseekV41ForCausalLM",
     "DeepseekV41Cache",
+    "DeepseekV41StaticCache",
     "DeepseekV41DecoderLayer",
     "DeepseekV41Indexer",
 ]

@@ -109,12 +109,40 @@ class DeepseekV41Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
+        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D].
+
+        Few routed slots (N·k ≤ E, decoding): :meth:`_forward_per_slot`. Otherwise only experts with tokens run
+        (:func:`routed_experts_forward`, one host sync reading how many each got)."""
+        if top_k_index.numel() <= self.num_experts:
+            return self._forward_per_slot(hidden_states, top_k_index, top_k_weights)
         gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # read once (a PEFT parametrization computes it)
         return routed_experts_forward(
             hidden_states, top_k_index, top_k_weights, self.num_experts, self.swiglu_limit,
             lambda expert: (gate_up_proj[expert], down_proj[expert]),
         )
+
+    def _forward_per_slot(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The same computation slot by slot, with every slot's expert weights gathered: a fixed number of batched
+        ops with no host sync (one graph under ``torch.compile``), and, with no more slots than experts, no more
+        weight read than the per-expert loop. Each token's experts are summed in ascending order, as the loop does."""
+        num_tokens, top_k = top_k_index.shape
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # read once (a PEFT parametrization computes it)
+        order = top_k_index.argsort(dim=1)
+        # [N·k], ascending per token; expert parallelism's off-rank slots (id = local count, weight 0) read the
+        # last local expert and add 0
+        experts = top_k_index.gather(1, order).flatten().clamp(max=gate_up_proj.shape[0] - 1)
+        weights = top_k_weights.gather(1, order).reshape(-1, 1)
+        x = hidden_states.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [N·k, D, 1]
+        gate_up = torch.bmm(gate_up_proj.index_select(0, experts), x).squeeze(-1)  # [N·k, 2·I] (I/tp under TP)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = (weights * clamped_swiglu(gate, up, self.swiglu_limit)).to(x.dtype).unsqueeze(-1)
+        out = torch.bmm(down_proj.index_select(0, experts), hidden).float().view(num_tokens, top_k, -1)
+        total = out[:, 0]
+        for slot in range(1, top_k):  # fixed order: the fp32 sum is the loop's, 0 + e_first + e_second + …
+            total = total + out[:, slot]
+        return total
 
 
 def routed_experts_forward(
@@ -149,7 +177,6 @@ def routed_experts_forward(
         )
         out.index_add_(0, token, F.linear(hidden.to(x.dtype), down).float())
     return out
-
 
 class DeepseekV41MoE(nn.Module):
     """Routed ``experts`` (:class:`DeepseekV41Experts`) plus ``shared_experts``."""

@@ -263,18 +263,20 @@ def test_beam_search_and_sampling_match_uncached_generation():
 def test_unsupported_uses_raise_clear_errors():
     model = tiny_model()
     ids = random_prompt(9, 0)
-    with pytest.raises(ValueError, match="cannot rewind"):
-        model.generate(ids, max_new_tokens=2, assistant_model=model)
     with pytest.raises(ValueError, match="cache_implementation"):
-        model.generate(ids, max_new_tokens=2, cache_implementation="static")
+        model.generate(ids, max_new_tokens=2, cache_implementation="quantized")
     with pytest.raises(ValueError, match="DeepseekV41Cache"):
         model.generate(ids, max_new_tokens=2, cache=DynamicCache())
     with torch.no_grad():
         cache = model(ids, use_cache=True).cache
         with pytest.raises(ValueError, match="only the first call"):
             model(ids[:, :2], attention_mask=torch.tensor([[1] * 9 + [0, 1]]), cache=cache)
-    with pytest.raises(ValueError, match="cannot be cropped"):
-        cache.crop(1)
+        with pytest.raises(ValueError, match="activate_past_recording"):
+            cache.crop(-1)  # a cache that did not record its past cannot rewind
+        cache = model(random_prompt(20, 0), use_cache=True).cache  # longer than the 16-token window
+        cache.activate_past_recording()
+        with pytest.raises(ValueError, match="cannot rewind 1 tokens"):
+            cache.crop(-1)  # nor past the point where it started recording
 
 
 def test_generation_config_defaults_come_from_the_text_config():

@@ -15,7 +15,8 @@ import torch
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.cli import main, parse_devices
+from modeling_dsv41.cli import main
+from modeling_dsv41.cli.commands import parse_devices
 from modeling_dsv41.cli.inspection import build_meta_model
 from modeling_dsv41.placement import (
     ENGRAM_TABLE,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from modeling_dsv41.cache import DeepseekV41Cache, DeepseekV41StaticCache
-from modeling_dsv41.moe import DeepseekV41Experts
+from modeling_dsv41.moe import DeepseekV41Experts, routed_experts_forward
 
 from test_generation import TOL, image_prompt, random_prompt, tiny_model
 
@@ -105,7 +105,10 @@ def test_per_slot_experts_equal_the_per_expert_loop():
     weights = torch.rand(2, 2)
     assert index.numel() <= experts.num_experts  # the per-slot path is what forward takes here
     per_slot = experts(x, index, weights)
-    per_expert = experts._forward_per_expert(x, index, weights)
+    per_expert = routed_experts_forward(
+        x, index, weights, experts.num_experts, experts.swiglu_limit,
+        lambda e: (experts.gate_up_proj[e], experts.down_proj[e]),
+    )
     # fp32 rounding of GEMMs of other shapes (one slot vs an expert's two tokens) on outputs of scale ~100
     torch.testing.assert_close(per_slot, per_expert, rtol=1e-6, atol=1e-6 * per_expert.abs().max().item())
 

@@ -468,6 +468,17 @@ def test_experts_implementations_agree_with_eager(implementation, dtype):
             torch.testing.assert_close(theirs, ours, rtol=0, atol=6 * 2**-8 * ours.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_runs_torchs_grouped_gemm_on_cpu(dtype):
+    """On CPU, transformers' ``grouped_mm`` reaches torch's own grouped GEMM (torch ≥ 2.9 has a CPU kernel), forward
+    and backward, rather than its per-expert fallback."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        _experts_case(dtype, "grouped_mm")
+    calls = {event.key: event.count for event in profile.key_averages()}
+    assert calls.get("aten::_grouped_mm", 0) >= 2 + 2  # gate_up and down in the forward, and their input gradients
+    assert not [name for name in calls if "fallback" in name]
+
+
 def test_model_experts_implementation_switch_agrees_with_eager(model, input_ids, reference):
     assert model.config.get_text_config()._experts_implementation == "eager"  # the reference's computation by default
     try:

@@ -525,3 +525,43 @@ def test_router_biases_are_saved_fp32_buffers(tmp_path, model):
     finally:
         with torch.no_grad():
             model.model.layers[0].ffn.gate.bias.zero_()
+
+
+# ---------------------------------------------------------------------------------------------------
+# mHC collapse / expand: the reference's forward, a matmul backward
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hyper_connection_mixing_gradients_match_autograd_of_the_formula(dtype):
+    """collapse and expand run the reference's broadcast products forward (same bits) and small matmuls backward:
+    the gradients agree with autograd of the plain formula to the rounding of a 4-term sum (fp32: 1e-6 relative;
+    bf16 inputs' gradients: one bf16 ulp, 2^-8 relative, of the largest, as the two sums may round either way)."""
+    from modeling_dsv41.hyper_connections import DeepseekV41HyperConnection as HC
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 4, 32, generator=g).to(dtype)
+    out = torch.randn(2, 5, 32, generator=g).to(dtype)
+    pre, post = torch.rand(2, 5, 4, generator=g), torch.rand(2, 5, 4, generator=g)
+    comb = torch.rand(2, 5, 4, 4, generator=g)
+    formulas = {
+        "collapse": (HC.collapse, lambda x, pre: (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype), (x, pre)),
+        "expand": (
+            HC.expand,
+            lambda out, res, post, comb: (
+                post.unsqueeze(-1) * out.unsqueeze(-2) + (comb.unsqueeze(-1) * res.unsqueeze(-2)).sum(dim=2)
+            ).to(out.dtype),
+            (out, x, post, comb),
+        ),
+    }
+    for name, (ours, formula, inputs) in formulas.items():
+        results = []
+        for function in (ours, formula):
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            result = function(*leaves)
+            result.float().mul(torch.linspace(-1, 1, result.shape[-1])).sum().backward()
+            results.append((result.detach(), [leaf.grad for leaf in leaves]))
+        (value, grads), (expected_value, expected_grads) = results
+        assert torch.equal(value, expected_value), name
+        for grad, expected in zip(grads, expected_grads):
+            assert grad.dtype == expected.dtype, name
+            ulp = 2**-8 if grad.dtype == torch.bfloat16 else 1e-6
+            torch.testing.assert_close(grad, expected, rtol=0, atol=ulp * expected.abs().max().item())

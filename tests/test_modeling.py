@@ -565,3 +565,22 @@ def test_hyper_connection_mixing_gradients_match_autograd_of_the_formula(dtype):
             assert grad.dtype == expected.dtype, name
             ulp = 2**-8 if grad.dtype == torch.bfloat16 else 1e-6
             torch.testing.assert_close(grad, expected, rtol=0, atol=ulp * expected.abs().max().item())
+
+
+def test_hyper_connection_mixing_compiles_in_one_graph():
+    """The custom-backward collapse / expand do not break a ``torch.compile(fullgraph=True)`` graph (compiled decode),
+    with or without gradients."""
+    from modeling_dsv41.hyper_connections import DeepseekV41HyperConnection as HC
+
+    def mix(out, residual, post, comb, pre):
+        return HC.collapse(HC.expand(out, residual, post, comb), pre)
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 4, 8, generator=g)]
+    inputs += [torch.rand(2, 3, 4, generator=g), torch.rand(2, 3, 4, 4, generator=g), torch.rand(2, 3, 4, generator=g)]
+    compiled = torch.compile(mix, backend="eager", fullgraph=True)  # fullgraph: any graph break raises
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), mix(*inputs))
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    compiled(*leaves).sum().backward()
+    assert all(leaf.grad is not None for leaf in leaves)

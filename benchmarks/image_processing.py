@@ -6,8 +6,14 @@ is the median over rounds, so the ratios come from one run under the same machin
 
     python benchmarks/image_processing.py [--rounds 5] [--threads 2]
 
-transformers' Pixtral / Qwen2-VL default to their torchvision backend; where torchvision is not installed they fall
-back to their PIL backend, and the table says which one ran.
+transformers' Pixtral / Qwen2-VL default to their torchvision backend, the baseline to beat; where torchvision is not
+installed they fall back to their PIL backend, and the output says which one ran. torchvision has no build for the
+project's torch 2.13 CPU, so measure against it from a separate virtual environment (torch and torchvision from
+the same release, run with this repository on ``PYTHONPATH``):
+
+    python3 -m venv /tmp/tv
+    /tmp/tv/bin/pip install torch==2.14.1 torchvision==0.29.1 transformers==5.24.0 pillow
+    PYTHONPATH=. /tmp/tv/bin/python benchmarks/image_processing.py
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers.utils import is_torchvision_available
+from transformers.utils import logging as hf_logging
 
 from processing.image_processing_dsv41 import DeepseekV41ImageProcessor
 from processing.image_processing_pil_dsv41 import DeepseekV41ImageProcessorPil
@@ -48,6 +55,7 @@ def competitor_processors() -> dict[str, object]:
         return {"pixtral (torchvision)": PixtralImageProcessor(), "qwen2_vl (torchvision)": Qwen2VLImageProcessor()}
     from transformers import PixtralImageProcessorPil, Qwen2VLImageProcessorPil
 
+    print("torchvision is not installed: the baselines are Pixtral's and Qwen2-VL's PIL backends (see the docstring)")
     return {"pixtral (pil)": PixtralImageProcessorPil(), "qwen2_vl (pil)": Qwen2VLImageProcessorPil()}
 
 
@@ -71,6 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
+    hf_logging.set_verbosity_error()  # Pixtral's "channel dimension is ambiguous" for the 1×1 image, every round
 
     ours = {"dsv41 torch": DeepseekV41ImageProcessor(), "dsv41 pil": DeepseekV41ImageProcessorPil()}
     theirs = competitor_processors()

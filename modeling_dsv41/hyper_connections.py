@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 def sinkhorn_split(
@@ -58,13 +59,56 @@ class DeepseekV41HyperConnection(nn.Module):
     @staticmethod
     def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """[B,S,hc,D] × [B,S,hc] → [B,S,D]: the sub-block input."""
-        return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
+        return _Collapse.apply(x, pre)
 
     @staticmethod
     def expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """post·out + combᵀ·residual → [B,S,hc,D]: copy j gets Σ_i comb[i, j]·residual_i."""
+        return _Expand.apply(out, residual, post, comb)
+
+
+# The forwards below are the reference's arithmetic (fp32 broadcast products summed over the copies, so the bits
+# match it); their backwards are small matmuls over the copies. Autograd of the broadcast products would form
+# [B,S,hc,hc,D] products and reduce them again: on CPU most of mHC's backward, for the same values up to fp32
+# rounding of the sums' order.
+
+
+class _Collapse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, pre)
+        return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, pre = ctx.saved_tensors
+        grad = grad.float().unsqueeze(-2)  # [B,S,1,D]
+        grad_x = (pre.unsqueeze(-1) * grad).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_pre = (x.float() @ grad.transpose(-1, -2)).squeeze(-1) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_pre
+
+
+class _Expand(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(out, residual, post, comb)
         mixed = (comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(dim=2)
         return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).to(out.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out, residual, post, comb = ctx.saved_tensors
+        grad = grad.float()  # [B,S,hc,D]
+        needs = ctx.needs_input_grad
+        grad_out = (post.unsqueeze(-2) @ grad).squeeze(-2).to(out.dtype) if needs[0] else None
+        grad_residual = (comb @ grad).to(residual.dtype) if needs[1] else None
+        grad_post = (grad @ out.float().unsqueeze(-1)).squeeze(-1) if needs[2] else None
+        grad_comb = residual.float() @ grad.transpose(-1, -2) if needs[3] else None
+        return grad_out, grad_residual, grad_post, grad_comb
 
 
 def identity_pre_mix(x: torch.Tensor, hc_mult: int) -> torch.Tensor:

@@ -302,6 +302,22 @@ def test_bad_inputs_name_the_image(backend, tmp_path):
         processor([good, 42])
 
 
+def test_threads_take_large_images_first_but_keep_order_and_the_first_error():
+    """On CPU the torch backend hands the largest images out first; outputs and errors stay in input order."""
+    processor = DeepseekV41ImageProcessor(**TINY)
+    small_bad, large_bad = np.zeros((4, 4, 3), np.int32), np.zeros((90, 90, 3), np.int32)
+    images = [random_image(30, 20, 1), random_image(300, 200, 2), random_image(5, 8, 3), random_image(120, 90, 4)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = processor(images)["pixel_values"]
+        with pytest.raises(ValueError, match="image 1: .*dtype"):
+            processor([images[0], small_bad, large_bad])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, torch.cat([processor(image)["pixel_values"] for image in images]))
+
+
 def test_empty_batch():
     outputs = DeepseekV41ImageProcessor()([])
     assert outputs["pixel_values"].shape == (0, 3, 14, 14) and outputs["image_grid_hw"].shape == (0, 2)

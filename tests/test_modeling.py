@@ -468,6 +468,17 @@ def test_experts_implementations_agree_with_eager(implementation, dtype):
             torch.testing.assert_close(theirs, ours, rtol=0, atol=6 * 2**-8 * ours.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_runs_torchs_grouped_gemm_on_cpu(dtype):
+    """On CPU, transformers' ``grouped_mm`` reaches torch's own grouped GEMM (torch ≥ 2.9 has a CPU kernel), forward
+    and backward, rather than its per-expert fallback."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        _experts_case(dtype, "grouped_mm")
+    calls = {event.key: event.count for event in profile.key_averages()}
+    assert calls.get("aten::_grouped_mm", 0) >= 2 + 2  # gate_up and down in the forward, and their input gradients
+    assert not [name for name in calls if "fallback" in name]
+
+
 def test_model_experts_implementation_switch_agrees_with_eager(model, input_ids, reference):
     assert model.config.get_text_config()._experts_implementation == "eager"  # the reference's computation by default
     try:
@@ -514,3 +525,62 @@ def test_router_biases_are_saved_fp32_buffers(tmp_path, model):
     finally:
         with torch.no_grad():
             model.model.layers[0].ffn.gate.bias.zero_()
+
+
+# ---------------------------------------------------------------------------------------------------
+# mHC collapse / expand: the reference's forward, a matmul backward
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hyper_connection_mixing_gradients_match_autograd_of_the_formula(dtype):
+    """collapse and expand run the reference's broadcast products forward (same bits) and small matmuls backward:
+    the gradients agree with autograd of the plain formula to the rounding of a 4-term sum (fp32: 1e-6 relative;
+    bf16 inputs' gradients: one bf16 ulp, 2^-8 relative, of the largest, as the two sums may round either way)."""
+    from modeling_dsv41.hyper_connections import DeepseekV41HyperConnection as HC
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 4, 32, generator=g).to(dtype)
+    out = torch.randn(2, 5, 32, generator=g).to(dtype)
+    pre, post = torch.rand(2, 5, 4, generator=g), torch.rand(2, 5, 4, generator=g)
+    comb = torch.rand(2, 5, 4, 4, generator=g)
+    formulas = {
+        "collapse": (HC.collapse, lambda x, pre: (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype), (x, pre)),
+        "expand": (
+            HC.expand,
+            lambda out, res, post, comb: (
+                post.unsqueeze(-1) * out.unsqueeze(-2) + (comb.unsqueeze(-1) * res.unsqueeze(-2)).sum(dim=2)
+            ).to(out.dtype),
+            (out, x, post, comb),
+        ),
+    }
+    for name, (ours, formula, inputs) in formulas.items():
+        results = []
+        for function in (ours, formula):
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            result = function(*leaves)
+            result.float().mul(torch.linspace(-1, 1, result.shape[-1])).sum().backward()
+            results.append((result.detach(), [leaf.grad for leaf in leaves]))
+        (value, grads), (expected_value, expected_grads) = results
+        assert torch.equal(value, expected_value), name
+        for grad, expected in zip(grads, expected_grads):
+            assert grad.dtype == expected.dtype, name
+            ulp = 2**-8 if grad.dtype == torch.bfloat16 else 1e-6
+            torch.testing.assert_close(grad, expected, rtol=0, atol=ulp * expected.abs().max().item())
+
+
+def test_hyper_connection_mixing_compiles_in_one_graph():
+    """The custom-backward collapse / expand do not break a ``torch.compile(fullgraph=True)`` graph (compiled decode),
+    with or without gradients."""
+    from modeling_dsv41.hyper_connections import DeepseekV41HyperConnection as HC
+
+    def mix(out, residual, post, comb, pre):
+        return HC.collapse(HC.expand(out, residual, post, comb), pre)
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 4, 8, generator=g)]
+    inputs += [torch.rand(2, 3, 4, generator=g), torch.rand(2, 3, 4, 4, generator=g), torch.rand(2, 3, 4, generator=g)]
+    compiled = torch.compile(mix, backend="eager", fullgraph=True)  # fullgraph: any graph break raises
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), mix(*inputs))
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    compiled(*leaves).sum().backward()
+    assert all(leaf.grad is not None for leaf in leaves)

@@ -116,12 +116,11 @@ class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedMo
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
-    # fp32 in the reference whatever the model dtype: mHC, sinks, router biases, LM head, ViT norms (and, per
-    # instance, the ratio-2 compressors: see post_init). Names are matched with and without the `model.` prefix.
+    # fp32 in the reference whatever the model dtype: mHC, sinks, router biases (and, per instance, what only some
+    # configs have: see post_init). Plain module names, matched as transformers does (`(?:^|\.)name(?:\.|$)`).
     _keep_in_fp32_modules_strict = [
-        "hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale",
-        "attn_sink", "gate.bias", "gate.bias_vl", r"^lm_head\.", r"^(?:model\.)?vision\.blocks\.\d+\.norm[12]\.",
-        r"^(?:model\.)?vision\.norm\.",
+        "hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale", "attn_sink",
+        "gate.bias",
     ]
     # the released checkpoint also carries the DSpark draft head (mtp.*) and an unused image_pad vector
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^image_pad$"]
@@ -131,14 +130,25 @@ class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedMo
     _supports_flash_attn = False
 
     def post_init(self) -> None:
-        # ratio-2 compressors pool in fp32 (reference dtypes); ratio-1 compressors are plain model-dtype projections
+        # per instance, the fp32 modules this model has: the LM head, the ratio-2 compressors (they pool in fp32),
+        # the image-token router bias and the ViT norms
         text = self.config.get_text_config()
-        self._keep_in_fp32_modules_strict = [*self._keep_in_fp32_modules_strict] + [
-            rf"^(?:model\.)?layers\.{i}\.attn\.compressor\.w(kv|gate)\."
+        extra = [
+            f"layers.{i}.attn.compressor.{name}"
             for i in text.kv_source_layer_ids
             if i < text.num_hidden_layers and text.compress_ratios[i] > 1
+            for name in ("wkv", "wgate")
         ]
+        if self.config.has_vision:
+            extra += ["gate.bias_vl", "norm1", "norm2", "vision.norm"]
+        if isinstance(getattr(self, "lm_head", None), nn.Module):
+            extra.append("lm_head")
+        self._keep_in_fp32_modules_strict = [*type(self)._keep_in_fp32_modules_strict, *extra]
         super().post_init()
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return False  # CSA2 sink attention over per-query slots is eager only (attention.py); no SDPA/flash kernel
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """``eager`` unless asked otherwise: it is the reference's computation (routing weight before ``w2``, fp32 sum

@@ -198,6 +198,9 @@ class DeepseekV41ModelTester:
         self.vocab_size, self.hidden_size = text["vocab_size"], text["hidden_size"]
         self.num_hidden_layers, self.num_attention_heads = text["num_hidden_layers"], text["num_attention_heads"]
         self.pad_token_id = 2
+        # an attention map's keys are each query's slots (see DeepseekV41ModelOutputWithPast): the window's, then,
+        # on the compressed layer 0, its top-k compressed rows
+        self.key_length = min(seq_length, text["sliding_window"]) + text["index_topk"]
 
     def get_config(self) -> DeepseekV41Config:
         return DeepseekV41Config(

@@ -508,7 +508,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         pre_mix = identity_pre_mix(hidden, text.hc_mult)
         compressed = (None,) * 4  # the CompressedContext handed up the stack, field by field
         collapse = DeepseekV41HyperConnection.collapse
-        all_hidden = [collapse(hidden, pre_mix)] if output_hidden_states else None
+        all_hidden = [embeds] if output_hidden_states else None  # = the copies collapsed onto copy 0
         all_attentions, all_slots = ([], []) if output_attentions else (None, None)
         for layer in self.layers:
             rotation = rotations[text.compress_ratios[layer.layer_id] > 0]

@@ -423,6 +423,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             )
 
         shift = left_padding_shift(attention_mask)
+        if shift is not None and (output_hidden_states or output_attentions) and not bool(shift.any()):
+            # rolling by 0 is an exact no-op; skipped (one host read, only when intermediate outputs are asked
+            # for) so that hidden_states and attentions are the forward's own tensors (retain_grad works on them)
+            shift = None
         if shift is not None:  # align left-padded rows so positions count from each row's first real token
             input_ids, inputs_embeds, image_token_types, attention_mask = (
                 roll_rows(t, -shift) for t in (input_ids, inputs_embeds, image_token_types, attention_mask)

@@ -84,7 +84,7 @@ def write_checkpoints(workdir: Path, shard_bytes: int) -> dict[str, Path]:
     import modeling_dsv41  # noqa: F401
     from configuration import DeepseekV41Config
     from modeling_dsv41 import DeepseekV41ForCausalLM
-    from modeling_dsv41.checkpoint_loading import save_released_checkpoint
+    from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
     from tokenizers import Tokenizer, models
 
     torch.manual_seed(0)

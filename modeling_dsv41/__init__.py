@@ -21,11 +21,11 @@ _EXPORTS = {
     "DeepseekV41PreTrainedModel": "modeling_dsv41.modeling_dsv41",
     "DeepseekV41Model": "modeling_dsv41.modeling_dsv41",
     "DeepseekV41ForCausalLM": "modeling_dsv41.modeling_dsv41",
-    "export_for_hub": "modeling_dsv41.export",
-    "push_to_hub": "modeling_dsv41.export",
+    "export_for_hub": "modeling_dsv41.hub.export",
+    "push_to_hub": "modeling_dsv41.hub.export",
     # Trainer and accelerate are loaded on first use everywhere: inference and the exported model do not need them
-    "DeepseekV41Trainer": "modeling_dsv41.trainer",
-    "DeepseekV41TrainingArguments": "modeling_dsv41.trainer",
+    "DeepseekV41Trainer": "modeling_dsv41.training.trainer",
+    "DeepseekV41TrainingArguments": "modeling_dsv41.training.trainer",
 }
 
 __all__ = [
@@ -76,7 +76,7 @@ def _imported_by_the_cli() -> bool:
 if not _imported_by_the_cli():
     from configuration import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
 
-    from .export import export_for_hub, push_to_hub
+    from .hub.export import export_for_hub, push_to_hub
     from .modeling_dsv41 import DeepseekV41ForCausalLM, DeepseekV41Model, DeepseekV41PreTrainedModel
 
     register()

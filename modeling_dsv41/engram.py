@@ -390,8 +390,20 @@ class DeepseekV41Fp8EngramTable(nn.Module):
             requires_grad=False,
         )
 
-    def forward(self, indices: torch.LongTensor) -> torch.Tensor:
-        return dequantize_engram_table(self.weight[indices], self.scale[indices])
+    def forward(self, indices: torch.LongTensor, device: torch.device | None = None) -> torch.Tensor:
+        """Rows ``indices`` in bf16 on ``device`` (default: the table's). Only the FP8 rows and their scales
+        travel; they are dequantized where they land."""
+        weight, scale = self.weight[indices], self.scale[indices]
+        if device is not None:
+            weight, scale = weight.to(device, non_blocking=True), scale.to(device, non_blocking=True)
+        return dequantize_engram_table(weight, scale)
+
+
+def _gather_pinned(table: torch.Tensor, indices: torch.LongTensor) -> torch.Tensor:
+    """``table[indices]`` into page-locked memory, so the copy to an accelerator can run asynchronously."""
+    out = torch.empty((indices.numel(), *table.shape[1:]), dtype=table.dtype, pin_memory=True)
+    torch.index_select(table, 0, indices.flatten(), out=out)
+    return out.view(*indices.shape, *table.shape[1:])
 
 
 class DeepseekV41Engram(nn.Module):
@@ -424,17 +436,47 @@ class DeepseekV41Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden_size))
 
+    @property
+    def table_device(self) -> torch.device:
+        """Where the table lives: any device, independently of the rest of the layer (see :meth:`lookup`)."""
+        return self.embed.weight.device
+
+    def lookup(self, hash_ids: torch.LongTensor, device: torch.device | str) -> torch.Tensor:
+        """The table rows that ``hash_ids`` ``[B, S, n_cols]`` address, ``[B, S, n_cols * head_dim]`` on ``device``.
+
+        The rows are gathered where the table lives (an accelerator, host memory, pinned or memory-mapped) and only
+        they travel to ``device``: the table itself never moves. From a pinned table they are gathered into pinned
+        memory and copied without blocking the host.
+        """
+        device = torch.device(device)
+        ids = hash_ids.to(self.table_device)
+        if isinstance(self.embed, DeepseekV41Fp8EngramTable):
+            rows = self.embed(ids, device)
+        elif (
+            self.table_device.type == "cpu" and device.type != "cpu" and self.embed.weight.is_pinned()
+            and not (torch.is_grad_enabled() and self.embed.weight.requires_grad)
+        ):
+            rows = _gather_pinned(self.embed.weight, ids).to(device, non_blocking=True)
+        else:
+            rows = self.embed(ids).to(device, non_blocking=True)
+        return rows.flatten(-2)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
-        hash_ids: torch.LongTensor,
+        hash_ids: torch.LongTensor | None = None,
         token_mask: torch.BoolTensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden_states ``[B, S, hc_mult, D]``, hash_ids ``[B, S, n_cols]`` (this layer's slice of the
-        hasher output), token_mask ``[B, S]`` with False where the gate is shut (image spans; those
-        positions come back unchanged). Returns ``[B, S, hc_mult, D]`` in the dtype of ``hidden_states``.
+        """hidden_states ``[B, S, hc_mult, D]``; hash_ids ``[B, S, n_cols]`` (this layer's slice of the hasher
+        output) or the ``rows`` they address, already gathered by :meth:`lookup` (``DeepseekV41Model`` gathers
+        them before the first layer runs); token_mask ``[B, S]`` with False where the gate is shut (image spans;
+        those positions come back unchanged). Returns ``[B, S, hc_mult, D]`` in the dtype of ``hidden_states``.
         """
-        rows = self.embed(hash_ids).flatten(-2)  # [B, S, n_cols * head_dim]
+        if rows is None:
+            if hash_ids is None:
+                raise ValueError("the Engram block needs hash_ids or the table rows they address")
+            rows = self.lookup(hash_ids, hidden_states.device)  # [B, S, n_cols * head_dim]
         key, value = self.wkv(rows.to(self.wkv.weight.dtype)).split(
             [self.hc_mult * self.hidden_size, self.hidden_size], dim=-1
         )

@@ -31,7 +31,7 @@ from configuration.configuration_dsv41 import DeepseekV41Config
 
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
 from .cache import CacheStep, DeepseekV41Cache
-from .checkpoint_loading import DeepseekV41CheckpointLoadingMixin
+from .hub.checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
@@ -39,6 +39,7 @@ from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
+from .placement import DeepseekV41PlacementMixin
 from .rotary import DeepseekV41RotaryEmbedding
 from .validation import check_pixel_values, check_text_inputs
 from .vision import (
@@ -118,6 +119,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         index_k: torch.Tensor | None,
         selection: torch.Tensor | None,
         candidates: torch.Tensor | None,
+        engram_rows: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
         engram_hash_ids: torch.Tensor | None = None,
         engram_mask: torch.Tensor | None = None,
@@ -129,13 +131,17 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         up, field by field → (hidden_states, this FFN's pre, the context this layer hands up, field by field, and
         with ``output_attentions`` this layer's attention map and slot index, else two ``None``).
 
-        The context travels as positional tensors so that reentrant gradient checkpointing, which tracks tensor
-        arguments only, carries the gradient of compressed KV into the layer that made it.
+        The context travels as positional tensors, and so do the Engram rows, so that reentrant gradient
+        checkpointing, which tracks tensor arguments only, carries their gradients back (to the layer that made
+        the compressed KV, to the Engram table).
+        An Engram layer takes its table rows already gathered (``engram_rows``, see
+        :meth:`DeepseekV41Model.gather_engram_rows`) or gathers them from ``engram_hash_ids`` [B,S,n_layers,n_cols].
         With a ``cache``, attention reads and extends this layer's decode state (see :class:`DeepseekV41Cache`).
         """
         x = hidden_states
         if self.engram is not None:
-            x = self.engram(x, engram_hash_ids[:, :, self.engram.hash_index], engram_mask)
+            hash_ids = None if engram_hash_ids is None else engram_hash_ids[:, :, self.engram.hash_index]
+            x = self.engram(x, hash_ids, engram_mask, rows=engram_rows)
         ctx = CompressedContext(compress_kv, index_k, selection, candidates)
 
         residual = x
@@ -155,7 +161,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         return x, ffn_pre, ctx.compress_kv, ctx.index_k, ctx.selection, ctx.candidates, probs, slots
 
 
-class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
+class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
     config_class = DeepseekV41Config
     config: DeepseekV41Config
     base_model_prefix = "model"
@@ -163,6 +169,10 @@ class DeepseekV41PreTrainedModel(DeepseekV41CheckpointLoadingMixin, PreTrainedMo
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
+    # The Engram tables are not bound to their layer's device: our planned device maps may leave them off the map, in
+    # host memory (placement.py), and accelerate's dispatch then must not require them on it. When transformers plans
+    # the map itself (device_map="auto" with a quantization_config), a table that fits no fresh accelerator stays off.
+    _no_placement_params = ["engram.embed.weight", "engram.embed.scale"]
     # fp32 in the reference whatever the model dtype: mHC, sinks, router biases (and, per instance, what only some
     # configs have: see post_init). Plain module names, matched as transformers does (`(?:^|\.)name(?:\.|$)`).
     _keep_in_fp32_modules_strict = [
@@ -372,6 +382,27 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         cache.update_engram_history(compressed, step.lengths - step.past, hasher.history_size)
         return hash_ids
 
+    def gather_engram_rows(self, hash_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        """The rows every Engram layer reads, gathered before the first layer runs: layer id → ``[B, S, n_cols·d]``.
+
+        The hash ids follow from the input ids alone, so all the lookups are issued up front, each from wherever
+        its table lives (an accelerator, host memory, pinned host memory or a memory-mapped checkpoint: see
+        :mod:`.placement`) to the device its layer runs on. Only the addressed rows move; from a pinned table the copy
+        is asynchronous for the host, which goes on to launch the layers (it is queued on the current stream, ahead of
+        them: no side stream). Cost: the rows of every Engram layer are held at once, ``n_engram_layers × n_cols ×
+        engram_head_dim`` values per token (24 KiB per token in bf16 for DeepSeek-V4.1-Flash). A table that
+        accelerate offloads (its weights on the meta device until its layer runs) is looked up by its layer instead.
+        """
+        if hash_ids is None:
+            return {}
+        rows = {}
+        for layer in self.layers:
+            engram = layer.engram
+            if engram is None or engram.table_device.type == "meta":
+                continue
+            rows[layer.layer_id] = engram.lookup(hash_ids[:, :, engram.hash_index], _execution_device(layer, hash_ids))
+        return rows
+
     # ---- forward --------------------------------------------------------------------------------------
     @capture_outputs
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -508,6 +539,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         step,
     ) -> DeepseekV41ModelOutputWithPast:
         text = self.text_config
+        engram_rows = self.gather_engram_rows(hash_ids)
         hidden = embeds.unsqueeze(2).repeat(1, 1, text.hc_mult, 1)  # [B, S, hc, D]
         pre_mix = identity_pre_mix(hidden, text.hc_mult)
         compressed = (None,) * 4  # the CompressedContext handed up the stack, field by field
@@ -517,8 +549,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         for layer in self.layers:
             rotation = rotations[text.compress_ratios[layer.layer_id] > 0]
             hidden, pre_mix, *compressed, probs, slots = layer(
-                hidden, pre_mix, rotation, *compressed, image_mask=image_mask, engram_hash_ids=hash_ids,
-                engram_mask=engram_mask, cache=cache, step=step, output_attentions=output_attentions,
+                hidden, pre_mix, rotation, *compressed, engram_rows.get(layer.layer_id), image_mask=image_mask,
+                engram_hash_ids=hash_ids, engram_mask=engram_mask, cache=cache, step=step,
+                output_attentions=output_attentions,
             )
             if output_hidden_states:
                 all_hidden.append(collapse(hidden, pre_mix))
@@ -677,6 +710,16 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
 def _flag(value: bool | None, config, name: str) -> bool:
     """An ``output_*`` argument, or the config's setting when it is None."""
     return bool(getattr(config, name, False)) if value is None else value
+
+
+def _execution_device(layer: nn.Module, fallback: torch.Tensor) -> torch.device:
+    """Where ``layer`` computes: accelerate's execution device when it dispatched the model, else the device of the
+    layer's weights outside its Engram table (the table may live elsewhere)."""
+    hook = getattr(layer, "_hf_hook", None)
+    if getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)  # an int names an accelerator index
+    device = layer.hc_attn_fn.device
+    return fallback.device if device.type == "meta" else device
 
 
 def _real_tokens_per_row(attention_mask: torch.Tensor | None, embeds: torch.Tensor) -> torch.Tensor:

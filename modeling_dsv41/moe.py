@@ -15,7 +15,7 @@ class DeepseekV41Gate(nn.Module):
     weights come from the unbiased scores, renormalized over the chosen ones and scaled by ``route_scale``.
 
     Both biases are fp32 buffers (saved with the model): the aux-loss-free balancing rule moves them, never a
-    gradient or an optimizer (see :mod:`~modeling_dsv41.router_balancing`).
+    gradient or an optimizer (see :mod:`~modeling_dsv41.training.router_balancing`).
     """
 
     def __init__(self, config, use_vision_bias: bool):
@@ -89,7 +89,7 @@ class DeepseekV41Experts(nn.Module):
     """The routed experts as two fused tensors, in the layout of transformers' MoE experts: ``gate_up_proj``
     [E, 2·I, D] (each expert's ``w1`` rows, then its ``w3`` rows) and ``down_proj`` [E, D, I] (its ``w2``).
     The released per-expert ``w1``/``w2``/``w3`` are merged on load and split again on save (see
-    :mod:`~modeling_dsv41.checkpoint_loading`).
+    :mod:`~modeling_dsv41.hub.checkpoint_loading`).
 
     ``experts_implementation="eager"`` (this ``forward``, the default) is the reference's computation: the routing
     weight scales the clamped SwiGLU activation before ``w2`` and the experts' outputs are summed in fp32 in expert

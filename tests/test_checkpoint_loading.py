@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41 import checkpoint_loading
-from modeling_dsv41.checkpoint_loading import (
+from modeling_dsv41.hub import checkpoint_loading
+from modeling_dsv41.hub.checkpoint_loading import (
     dequantize_released_weight,
     quantize_fp4_rows,
     quantize_fp8_block,

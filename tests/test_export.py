@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.engram import build_compressed_token_map
-from modeling_dsv41.export import EXPORT_MANIFEST, export_for_hub, flatten_module_source, push_to_hub
+from modeling_dsv41.hub.export import EXPORT_MANIFEST, export_for_hub, flatten_module_source, push_to_hub
 from processing import DeepseekV41ImageProcessor, DeepseekV41Processor, build_tiny_tokenizer  # (registers them)
 
 PROJECT_PACKAGES = {"configuration", "processing", "modeling_dsv41"}

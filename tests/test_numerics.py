@@ -102,14 +102,17 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(sys.argv[1]) / "tests"))
 from reference_fixture import reference_inputs, reference_model
 torch.set_num_threads(2)
-fixtures, out = Path(sys.argv[2]), sys.argv[3]
+fixtures, out, runs = Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
 logits = {}
-for variant, qdq in (("dense", True), ("sparse", False)):
-    model = reference_model(fixtures, variant, emulate_quantization=qdq)
+for run in runs:
+    variant, mode = run.split("-")
+    model = reference_model(fixtures, variant, emulate_quantization=(mode == "qdq"))
     with torch.no_grad():
-        logits[variant] = model(**reference_inputs(fixtures)).logits[0].contiguous()
+        logits[run] = model(**reference_inputs(fixtures)).logits[0].contiguous()
 save_file(logits, out)
 """
+# variant-mode; the sparse selection with QDQ is the most sensitive one (test_parity's REFERENCE_QDQ goldens)
+PARITY_RUNS = ("dense-qdq", "sparse-noqdq", "sparse-qdq")
 
 
 @pytest.mark.slow
@@ -119,10 +122,10 @@ def test_parity_logits_are_identical_under_isa_limits(fixtures_dir, tmp_path):
         out = tmp_path / f"{name}.safetensors"
         env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
         subprocess.run(
-            [sys.executable, "-c", _PARITY_RUN, str(REPO_ROOT), str(fixtures_dir), str(out)],
+            [sys.executable, "-c", _PARITY_RUN, str(REPO_ROOT), str(fixtures_dir), str(out), *PARITY_RUNS],
             env={**env, **limits, "PYTHONPATH": str(REPO_ROOT)}, check=True, timeout=600,
         )
         results[name] = load_file(out)
     for name in ("avx2", "default"):
-        for variant in ("dense", "sparse"):
-            assert torch.equal(results[name][variant], results["unlimited"][variant]), (name, variant)
+        for run in PARITY_RUNS:
+            assert torch.equal(results[name][run], results["unlimited"][run]), (name, run)

@@ -9,22 +9,16 @@ half-batch gradients), so what remains is float32 summation order, amplified by 
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_processes import WORLD, spawn
 from torch import nn
 
 from modeling_dsv41.optim import MixedOptimizer
 
-WORLD = 2
-TIMEOUT_S = 120
 MAX_RELATIVE_ERROR = 0.02
 STEPS = 3
 
@@ -189,53 +183,12 @@ def _two_dim_mesh_layouts(rank: int, tmp: Path) -> None:
         MixedOptimizer([{"kind": "muon_headwise", "params": [strided_rows], "num_heads": 3}])
 
 
-# ----------------------------------------------------------------------------- spawning
-
-
-def _worker(rank: int, fn_name: str, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        globals()[fn_name](rank, Path(tmp))
-    except BaseException:
-        (Path(tmp) / f"failure_{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn_name: str, tmp: Path) -> None:
-    """Run ``fn_name(rank, tmp)`` on 2 gloo processes; fail (not hang) after TIMEOUT_S."""
-    context = mp.start_processes(
-        _worker, args=(fn_name, _free_port(), str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{fn_name} did not finish within {TIMEOUT_S} s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException):
-        failures = sorted(tmp.glob("failure_*.txt"))
-        pytest.fail("\n".join(f.read_text() for f in failures) or "a worker failed")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-
-
 @pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 def test_fsdp2_three_steps_match_one_process_per_kind_and_dcp_resume_is_exact(tmp_path):
-    spawn("_fsdp_matches_single_process_and_resumes", tmp_path)
+    spawn(_fsdp_matches_single_process_and_resumes, tmp_path)
     print((tmp_path / "errors.txt").read_text())
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 def test_two_dim_mesh_row_and_column_shards_match_one_process(tmp_path):
-    spawn("_two_dim_mesh_layouts", tmp_path)
+    spawn(_two_dim_mesh_layouts, tmp_path)

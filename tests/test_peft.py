@@ -9,7 +9,7 @@ from torch.utils.data import Dataset
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
 
 # the released names: attention, shared experts (w1/w2/w3), ViT (wqkv, wo, mlp w1/w2, patch proj), aligner (w1/w2).
 # Suffix matching also reaches the compressor's and Engram's `wkv` and the indexer's `wq_b`.

@@ -238,7 +238,7 @@ def test_tokenizer_pads_on_the_left_so_batched_generation_continues_every_row(to
     text = {**preset.text_config.to_dict(), "num_hidden_layers": 2, "engram_compressed_vocab_size": compressed}
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)).eval()
-    model.engram_hasher.load_tokenizer(tokenizer)
+    model.model.engram_hasher.load_tokenizer(tokenizer)
     prompts = ["A cat", "The quick brown fox jumps over the lazy dog and"]
     batch = tokenizer(prompts, padding=True, return_tensors="pt")
     assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][0, -1] == 1

@@ -27,8 +27,8 @@ from transformers import TrainerCallback
 
 from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM
 from modeling_dsv41.optim import MixedOptimizer, assignment_table, build_param_groups
-from modeling_dsv41.router_balancing import IMAGE, TEXT, RouterBiasBalancer, bias_update
-from modeling_dsv41.trainer import (
+from modeling_dsv41.training.router_balancing import IMAGE, TEXT, RouterBiasBalancer, bias_update
+from modeling_dsv41.training.trainer import (
     DeepseekV41Trainer,
     DeepseekV41TrainingArguments,
     RouterBiasBalancingCallback,
@@ -144,7 +144,7 @@ def test_create_optimizer_builds_the_mixed_optimizer_and_logs_the_table_once(tmp
     model = tiny_model()
     args = training_args(tmp_path, weight_decay=0.05)
     trainer = DeepseekV41Trainer(model=model, args=args)
-    with caplog.at_level(logging.INFO, logger="modeling_dsv41.trainer"):
+    with caplog.at_level(logging.INFO, logger="modeling_dsv41.training.trainer"):
         optimizer = trainer.create_optimizer()
         assert trainer.create_optimizer() is optimizer
 
@@ -170,7 +170,7 @@ def test_create_optimizer_builds_the_mixed_optimizer_and_logs_the_table_once(tmp
     assert not optimized & frozen
     assert optimized | frozen == {n for n, _ in model.named_parameters()}
 
-    logged = [r.getMessage() for r in caplog.records if r.name == "modeling_dsv41.trainer"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "modeling_dsv41.training.trainer"]
     assert len(logged) == 1 and str(assignment_table(model)) in logged[0]
     assert trainer.assignment_table.kinds["frozen"].tensors == len(frozen)
 
@@ -362,7 +362,7 @@ def test_gradient_checkpointing_and_bf16_autocast(tmp_path):
 def test_a_nan_loss_is_logged_as_nan_not_zero(tmp_path):
     model = tiny_model()
     with torch.no_grad():
-        model.head.weight[0] = float("nan")  # every logit row holds a NaN: the loss is NaN from the first step
+        model.lm_head.weight[0] = float("nan")  # every logit row holds a NaN: the loss is NaN from the first step
     args = training_args(tmp_path, max_steps=1, logging_strategy="steps", logging_steps=1, bias_update_speed=0)
     trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=Rows(2))
     trainer.train()
@@ -385,7 +385,7 @@ def test_an_incomplete_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
     (partial / "trainer_state.json").unlink()
     (run / "tmp-checkpoint-3" / "checkpoint-3").mkdir(parents=True)
 
-    with caplog.at_level(logging.WARNING, logger="modeling_dsv41.trainer"):
+    with caplog.at_level(logging.WARNING, logger="modeling_dsv41.training.trainer"):
         assert last_complete_checkpoint(run) == str(run / "checkpoint-1")
     warnings = " ".join(r.getMessage() for r in caplog.records)
     assert "incomplete checkpoint" in warnings and "checkpoint-2" in warnings and "tmp-checkpoint-3" in warnings

@@ -20,7 +20,7 @@ def model() -> DeepseekV41ForCausalLM:
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)).eval()
     text = model.config.text_config
-    model.engram_hasher.token_map.copy_(torch.arange(text.vocab_size) % text.engram_compressed_vocab_size)
+    model.model.engram_hasher.token_map.copy_(torch.arange(text.vocab_size) % text.engram_compressed_vocab_size)
     return model
 
 
@@ -90,7 +90,7 @@ def test_non_finite_pixel_values_stop_before_the_vit(model, bad):
     inputs = image_inputs()
     inputs["pixel_values"][17, 1, 3, 4] = bad
     vit_calls = []
-    handle = model.vision.register_forward_pre_hook(lambda module, args: vit_calls.append(1))
+    handle = model.model.vision.register_forward_pre_hook(lambda module, args: vit_calls.append(1))
     try:
         with pytest.raises(ValueError, match=r"pixel_values holds 1 NaN/inf values \(image 0\)"):
             model(**inputs)

@@ -82,7 +82,8 @@ class MixedOptimizer(torch.optim.Optimizer):
     rank must step the same parameters. DeepSpeed ZeRO's flat partitions are refused (``ValueError``).
 
     State per parameter: ``momentum_buffer`` (muon kinds, sinkhorn) or ``step``, ``exp_avg``, ``exp_avg_sq``
-    (adamw), all tensors, so ``torch.load(weights_only=True)`` reads a saved ``state_dict``. Momentum follows
+    (adamw), all tensors, so ``torch.load(weights_only=True)`` reads a saved ``state_dict``; from the first step
+    on every parameter has it, zeros (the same as none) for those that got no gradient yet. Momentum follows
     torch.optim.Muon's convention ``B ← μ·B + (1 − μ)·g``, Nesterov ``g + μ·(B − g)``. Keys a group leaves
     out come from :data:`KIND_DEFAULTS` (torch.optim.Muon's and torch.optim.AdamW's defaults plus SPEC §6's), then
     from ``lr``; unknown keys raise.
@@ -135,14 +136,27 @@ class MixedOptimizer(torch.optim.Optimizer):
                 if group["kind"] != "adamw":
                     _check_shape(group["kind"], p)  # DeepSpeed ZeRO-1/2 swap in flat partitions after __init__
         for group, params in work:
+            self._init_state(group)
             if params:
                 _STEPS[group["kind"]](self, group, params)
         return loss
 
+    def _init_state(self, group: dict[str, Any]) -> None:
+        """Zero state, equal to none, for every parameter of ``group``, gradient or not: a checkpoint then holds
+        the same keys whichever parameters got gradients (e.g. the ViT in text-only batches), which sharded
+        (DCP) checkpoints need to resume, since their loader asks for the state of every parameter."""
+        for p in group["params"]:
+            state = self.state[p]
+            if state:
+                continue
+            if group["kind"] == "adamw":
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            else:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     def _momentum_buffers(self, params: list[Tensor]) -> list[Tensor]:
-        for p in params:
-            if "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return [self.state[p]["momentum_buffer"] for p in params]
 
 
@@ -288,12 +302,6 @@ def _dense_sinkhorn(group: dict[str, Any], updates: Tensor) -> Tensor:
 
 def _adamw_step(opt: MixedOptimizer, group: dict[str, Any], params: list[Tensor]) -> None:
     """torch's functional AdamW on exactly the state ``torch.optim.AdamW`` would hold."""
-    for p in params:
-        state = opt.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     beta1, beta2 = group["betas"]
     # On the local shards (the same storage as the DTensors): element-wise, so exactly torch's update,
     # without DTensor's per-op dispatch.

@@ -1,8 +1,10 @@
 """The ``dsv41`` command.
 
 - ``dsv41 demo``: build, measure, fine-tune, publish, reload and caption a tiny DeepSeek-V4.1 (see :mod:`.demo`).
-- ``dsv41 inspect [PRESET|PATH]``: parameters, optimizer state and image token budgets, on the meta device.
-- ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see :mod:`.conversion`).
+- ``dsv41 inspect [PRESET|PATH] [--devices 8x141GiB]``: parameters, optimizer state and image token budgets, on the
+  meta device; with ``--devices``, where ``device_map="auto"`` puts the weights (see :mod:`modeling_dsv41.placement`).
+- ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see
+  :mod:`modeling_dsv41.hub.conversion`).
 
 Errors are one line on stderr (``dsv41 <command>: error: …``) with exit status 2; Ctrl-C exits with 130.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,6 +47,22 @@ def _int_at_least(minimum: int):
     return parse
 
 
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_devices(text: str) -> dict[int, int]:
+    """``"8x141GiB"`` (or ``"4x80GB,4x141GiB"``) → ``{0: bytes, 1: bytes, ...}`` (an argparse ``type``)."""
+    devices: dict[int, int] = {}
+    for part in text.replace(" ", "").split(","):
+        match = re.fullmatch(r"(?:(\d+)[x×*])?(\d+(?:\.\d+)?)([kmgt]i?b|b)", part.lower())
+        if match is None or int(match.group(1) or 1) < 1 or float(match.group(2)) <= 0:
+            raise argparse.ArgumentTypeError(f"expected COUNTxSIZE such as 8x141GiB (comma-separated), got {text!r}")
+        for _ in range(int(match.group(1) or 1)):
+            devices[len(devices)] = int(float(match.group(2)) * _UNITS[match.group(3)])
+    return devices
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dsv41", description="DeepSeek-V4.1 for Hugging Face transformers.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -69,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("target", nargs="?", default="deepseek-v4.1-flash", metavar="PRESET|PATH",
                          help=f"a preset ({', '.join(PRESETS)}) or a folder / config.json (default: %(default)s)")
+    inspect.add_argument("--devices", type=parse_devices, default=None, metavar="NxSIZE",
+                         help="also plan device_map=\"auto\" on these accelerators (e.g. 8x141GiB): weights per "
+                         "device, host memory for the Engram tables, decode cache bytes per token")
+    inspect.add_argument("--storage", choices=("released", "loaded"), default="released",
+                         help="weight sizes for --devices: the released storage (FP8 Linears, FP4 experts, FP8 Engram "
+                         "tables, as native loading keeps them) or the dtypes of a model loaded in bfloat16 "
+                         "(default: %(default)s)")
     inspect.set_defaults(handler=_run_inspect)
 
     convert = commands.add_parser(
@@ -90,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from . import register
+    from .. import register
     from .demo import DemoInterrupted, DemoSettings, run_demo
 
     register()  # the export writes the Auto classes registered for the model into config.json
@@ -198,6 +224,12 @@ def _run_inspect(args: argparse.Namespace) -> int:
     config = load_config(args.target)
     print(f"DeepSeek-V4.1 configuration: {args.target}")
     print(format_inspection(inspect_config(config)))
+    if args.devices:
+        from ..placement import format_plan, plan_device_map
+
+        native = args.storage == "released"
+        print()
+        print(format_plan(plan_device_map(config, args.devices, native=native), args.devices, native))
     return 0
 
 
@@ -220,8 +252,8 @@ def _check_writable(folder: Path) -> None:
 def _run_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from .conversion import convert_released_checkpoint
-    from .validation import check_safetensors_folder
+    from ..hub.conversion import convert_released_checkpoint
+    from ..validation import check_safetensors_folder
 
     destination = args.destination
     if args.source.is_dir():  # fail on a truncated shard or a read-only destination before converting anything
@@ -251,6 +283,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prefix}: error: {message}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

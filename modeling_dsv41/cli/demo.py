@@ -43,10 +43,10 @@ from processing import IMAGE_TOKEN, DeepseekV41ImageProcessor, DeepseekV41Proces
 
 from . import demo_reload
 from .demo_data import CAPTIONS, IMAGE_SIZE, PROMPT, ShapesDataset, build_demo_tokenizer
-from .engram import build_compressed_token_map
-from .export import export_for_hub
-from .modeling_dsv41 import DeepseekV41ForCausalLM
-from .trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments, last_complete_checkpoint
+from ..engram import build_compressed_token_map
+from ..hub.export import export_for_hub
+from ..modeling_dsv41 import DeepseekV41ForCausalLM
+from ..training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments, last_complete_checkpoint
 
 # LoRA on the language model's attention and shared-expert matrices, by released name (the block-diagonal `wo_a`
 # cannot take one), and per expert on the fused routed experts; the LM head trains in full, as new words need their

@@ -14,9 +14,9 @@ from transformers import initialization as init
 from configuration import DeepseekV41Config
 from processing.image_processing_dsv41 import ImageGridPlan, plan_image_grid
 
-from .modeling_dsv41 import DeepseekV41ForCausalLM
-from .optim import KINDS, AssignmentTable, KindSummary, assign_kinds, state_bytes
-from .optim.policy import FROZEN
+from ..modeling_dsv41 import DeepseekV41ForCausalLM
+from ..optim import KINDS, AssignmentTable, KindSummary, assign_kinds, state_bytes
+from ..optim.policy import FROZEN
 
 # component name → pattern searched in the parameter name; the first match wins
 COMPONENTS: tuple[tuple[str, str], ...] = (

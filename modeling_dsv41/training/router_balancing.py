@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .modeling_dsv41 import IMAGE_TOKEN_TYPE_TEXT
-from .moe import DeepseekV41MoE
-from .padding import left_padding_shift, roll_rows
+from ..modeling_dsv41 import IMAGE_TOKEN_TYPE_TEXT
+from ..moe import DeepseekV41MoE
+from ..padding import left_padding_shift, roll_rows
 
 PADDING, TEXT, IMAGE = -1, 0, 1
 

@@ -55,7 +55,7 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, revert_weight_conversion
 from transformers.utils import cached_file, logging
 
-from .quantization import (
+from ..quantization import (
     FP4_E2M1_MAX,
     FP8_E4M3_MAX,
     RELEASED_BLOCK_SIZE,
@@ -63,7 +63,7 @@ from .quantization import (
     dequantize_fp8_rows,
     unpack_fp4,
 )
-from .validation import check_safetensors_folder
+from ..validation import check_safetensors_folder
 
 logger = logging.get_logger(__name__)
 

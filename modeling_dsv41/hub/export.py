@@ -37,7 +37,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextT
 PROJECT_PACKAGES = ("configuration", "processing", "modeling_dsv41")
 # the Auto classes a model's config.json maps, as far as this package registered a class for them
 MODEL_AUTO_CLASSES = (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText)
-DEFAULT_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_card.md"
+DEFAULT_CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "model_card.md"
 BASE_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 DEFAULT_TAGS = ("custom_code", "deepseek", "deepseek_v41", "moe", "engram", "vision-language", "image-text-to-text")
 

@@ -13,6 +13,10 @@ complete, so a process killed mid-save leaves no ``checkpoint-N`` that resuming 
 skips, with a warning, any ``checkpoint-N`` without ``trainer_state.json`` (written last; left by older saves).
 NaN / inf losses are logged as they are (``logging_nan_inf_filter`` defaults to ``False``).
 
+Under accelerate's FSDP2 plugin (``fsdp_version: 2``) it shards the model itself with :func:`~.fsdp.shard_model`
+before accelerate prepares it, so that the units are the ones that keep the forward exact and the fp32 modules stay
+fp32 under bf16 mixed precision.
+
 Everything else (gradient accumulation, bf16 autocast, gradient checkpointing, DDP, checkpoints and resuming) is
 ``Trainer``'s own: the biases are persistent model buffers, so checkpoints carry them, and the counts are empty whenever
 a checkpoint is written (right after an optimizer step).
@@ -35,7 +39,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.training_args import OptimizerNames
 
-from .optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
+from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
 from .router_balancing import RouterBiasBalancer
 
 logger = logging.getLogger(__name__)
@@ -171,7 +175,7 @@ class DeepseekV41Trainer(Trainer):
 
     Takes :class:`DeepseekV41TrainingArguments`. With ``freeze_default_parameters`` (default) the indexer is frozen
     at construction (the balancing biases are buffers, moved only by the balancing rule). The assignment table (tensors, parameters and optimizer-state
-    bytes per kind) is logged at INFO by ``modeling_dsv41.trainer`` and kept in ``self.assignment_table``.
+    bytes per kind) is logged at INFO by ``modeling_dsv41.training.trainer`` and kept in ``self.assignment_table``.
     """
 
     args: DeepseekV41TrainingArguments
@@ -222,6 +226,53 @@ class DeepseekV41Trainer(Trainer):
         self.assignment_table = assignment_table(opt_model, args.optimizer_overrides)
         logger.info("DeepSeek-V4.1 optimizer assignment:\n%s", self.assignment_table)
         return self.optimizer
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
+            self._shard_with_fsdp2()
+        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def _shard_with_fsdp2(self) -> None:
+        """Shard the model with :func:`~.fsdp.shard_model` before accelerate sees it (accelerate leaves a model
+        that is already an ``FSDPModule`` as it is): the units are the decoder layers and ViT blocks, and under
+        a low-precision ``mixed_precision`` the modules the model keeps in fp32 stay fp32, which accelerate's own
+        wrapping (one policy for every unit) would cast."""
+        from torch.distributed.fsdp import FSDPModule
+
+        from .fsdp import shard_model
+
+        if isinstance(self.model, FSDPModule):
+            return
+        plugin = self.accelerator.state.fsdp_plugin
+        if plugin.cpu_ram_efficient_loading:
+            raise ValueError(
+                "DeepseekV41Trainer shards the model itself under FSDP2 and needs its weights on every process: "
+                "set fsdp_cpu_ram_efficient_loading: false"
+            )
+        if plugin.activation_checkpointing:
+            raise ValueError(
+                "fsdp_activation_checkpointing would wrap the layers after DeepseekV41Trainer sharded them: use "
+                "gradient_checkpointing=True (TrainingArguments) instead"
+            )
+        plugin.set_auto_wrap_policy(self.model)  # resolved on the unsharded classes, as accelerate expects
+        units = set(getattr(self.model, "_no_split_modules", None) or ())
+        if set(plugin.transformer_cls_names_to_wrap or units) != units or plugin.min_num_params:
+            logger.warning(
+                "DeepseekV41Trainer shards %s as FSDP2 units; the configured wrap policy (%s) is not used",
+                sorted(units), plugin.transformer_cls_names_to_wrap or f"min_num_params={plugin.min_num_params}",
+            )
+        policy = plugin.mixed_precision_policy
+        if policy is not None and policy.param_dtype not in (None, torch.float32):
+            for param in self.model.parameters():  # fp32 masters, as accelerate's FSDP2 preparation makes them
+                if param.requires_grad and param.dtype != torch.float32:
+                    param.data = param.data.float()
+        mesh = getattr(self.accelerator, "torch_device_mesh", None)
+        if mesh is not None:
+            mesh = mesh[tuple(self.accelerator.parallelism_config.fsdp_dim_names)]
+        shard_model(
+            self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=plugin.reshard_after_forward,
+            offload_policy=plugin.cpu_offload,
+        )
 
     def compute_loss(
         self,

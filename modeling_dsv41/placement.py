@@ -1,0 +1,470 @@
+"""Where DeepSeek-V4.1's weights go: device maps that keep the Engram tables out of the decoder layers, and the plan
+``dsv41 inspect --devices`` prints.
+
+The two Engram tables of DeepSeek-V4.1-Flash hold ~94 GiB each (FP8 with E8M0 scales), about ten times a decoder
+layer. Each layer reads only the rows its hash ids address (:meth:`~.engram.DeepseekV41Engram.lookup`), so a table
+can live anywhere: on an accelerator, in host memory (pinned for asynchronous copies) or memory-mapped from the
+checkpoint. Left inside its no-split decoder layer, a table drags the whole layer to CPU offload as soon as it fits
+no accelerator. Here a device map is planned with transformers' own :func:`infer_auto_device_map`, either counting
+the tables with their layers (they go to accelerators when everything fits there) or leaving them out of the map
+(they stay in host memory, unhooked, and only gathered rows travel).
+
+* :func:`plan_device_map` plans for a model or a config: per-device weights, host bytes of the tables, decode cache
+  bytes per token. With ``native=True`` weights count at the released storage (FP8 Linears, FP4 experts and FP8
+  tables with their E8M0 scales), as native loading holds them.
+* :class:`DeepseekV41PlacementMixin` gives ``from_pretrained`` an ``engram_tables=`` argument (``"auto"``, an
+  accelerator, ``"cpu"``, ``"pinned"`` or ``"mmap"``) and routes a string ``device_map`` through the planner.
+* :func:`place_engram_tables` and :func:`memory_map_engram_tables` move the tables of a loaded model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import mmap
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from configuration.configuration_dsv41 import DeepseekV41Config
+
+# the tables, as module names (the checkpoint keeps them inside their layers: layers.{i}.engram.embed.*)
+ENGRAM_TABLE = re.compile(r"(^|\.)layers\.\d+\.engram\.embed$")
+# host placements of the tables (anything else is a device)
+HOST_PLACEMENTS = ("cpu", "pinned", "mmap")
+# device_map strings transformers plans itself (the rest name one device)
+PLANNED_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+# Released storage (fixtures README §7): what each of our parameters occupies per element, scales included.
+# Dense Linears: FP8 e4m3 + one E8M0 byte per 32x32 block. Routed experts: packed FP4 (half a byte) + one E8M0 byte
+# per row and 32 columns. Engram tables: FP8 + one E8M0 byte per row and 32 columns.
+_BLOCK = 32
+_FP8_BLOCK_LINEARS = re.compile(
+    r"(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$"
+)
+_FP4_EXPERTS = re.compile(r"(^|\.)layers\.\d+\.ffn\.experts\.(gate_up_proj|down_proj)$")
+_FP8_TABLE_PARTS = re.compile(r"(^|\.)layers\.\d+\.engram\.embed\.(weight|scale)$")
+
+
+def released_storage_bytes(name: str, param: torch.Tensor) -> float:
+    """Bytes of ``name`` as the release stores it (and native loading holds it); other tensors as they are."""
+    if _FP8_BLOCK_LINEARS.search(name):
+        rows, columns = param.numel() // param.shape[-1], param.shape[-1]
+        return param.numel() + math.ceil(rows / _BLOCK) * math.ceil(columns / _BLOCK)
+    if _FP4_EXPERTS.search(name):
+        return param.numel() * (0.5 + 1 / _BLOCK)
+    if _FP8_TABLE_PARTS.search(name):
+        if name.endswith(".scale"):  # an FP8 table module already holds its scales: counted as they are
+            return param.numel() * param.element_size()
+        if param.dtype == torch.float8_e4m3fn:
+            return param.numel()
+        return param.numel() * (1 + 1 / _BLOCK)
+    return param.numel() * param.element_size()
+
+
+def is_engram_table_tensor(name: str) -> bool:
+    return bool(ENGRAM_TABLE.search(name.rsplit(".", 1)[0]))
+
+
+class TensorSizes:
+    """Sizes transformers' device-map planning asks for (``param_element_size``, the hook its quantizers implement):
+    the released storage when ``native``, the tensors' own dtypes otherwise; ``0`` for the Engram tables when they
+    stay off the map (``tables_on_map=False``)."""
+
+    def __init__(self, native: bool, tables_on_map: bool):
+        self.native, self.tables_on_map = native, tables_on_map
+
+    def nbytes(self, name: str, param: torch.Tensor) -> float:
+        return released_storage_bytes(name, param) if self.native else param.numel() * param.element_size()
+
+    def param_element_size(self, model: nn.Module, name: str, param: torch.Tensor) -> float:
+        if not self.tables_on_map and is_engram_table_tensor(name):
+            return 0
+        return self.nbytes(name, param) / max(param.numel(), 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DevicePlan:
+    """A device map and what it costs. ``device_map`` leaves out the tables kept in host memory."""
+
+    device_map: dict[str, int | str]
+    weights: dict[int | str, int] = field(default_factory=dict)  # bytes per device (tables on the map included)
+    engram_tables: dict[int, int | str] = field(default_factory=dict)  # Engram layer id → device, or "host"
+    engram_host_bytes: int = 0
+    cache_bytes_per_token: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        """Every weight on an accelerator (the tables may be in host memory: they are read row by row)."""
+        return all(device not in ("cpu", "disk") for device in self.device_map.values())
+
+
+def _expand_without(device_map: dict, model: nn.Module, excluded: str) -> dict:
+    """``device_map`` with module ``excluded`` off it: the entry covering it is replaced by its parts (submodules,
+    own parameters and buffers) on the same device, down to ``excluded``, which is dropped."""
+    device_map = dict(device_map)
+    while True:
+        covering = [key for key in device_map if key == "" or excluded == key or excluded.startswith(key + ".")]
+        if not covering:
+            return device_map
+        key = max(covering, key=len)
+        device = device_map.pop(key)
+        if key == excluded:
+            return device_map
+        module = model.get_submodule(key)
+        prefix = f"{key}." if key else ""
+        parts = [name for name, _ in module.named_children()]
+        parts += [name for name, _ in module.named_parameters(recurse=False)]
+        parts += [name for name, _ in module.named_buffers(recurse=False)]
+        device_map.update({prefix + name: device for name in parts})
+
+
+def engram_tables_off_map(device_map: dict, model: nn.Module) -> dict:
+    """``device_map`` with every Engram table left out (it then loads in host memory and is not hooked)."""
+    for name, module in model.named_modules():
+        if ENGRAM_TABLE.search(name):
+            device_map = _expand_without(device_map, model, name)
+    return device_map
+
+
+@contextmanager
+def _quiet_about_absent_devices(max_memory):
+    """Planning for devices this machine lacks (``dsv41 inspect --devices``): accelerate warns once per device."""
+    logger = logging.getLogger("accelerate.utils.modeling")
+    level = logger.level
+    if max_memory:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _infer(model, max_memory, sizes: TensorSizes, strategy: str) -> dict:
+    with _quiet_about_absent_devices(max_memory):
+        return _infer_device_map(model, max_memory, sizes, strategy)
+
+
+def _infer_device_map(model, max_memory, sizes: TensorSizes, strategy: str) -> dict:
+    from transformers.integrations.accelerate import get_balanced_memory, get_max_memory, infer_auto_device_map
+
+    no_split = list(model._no_split_modules or [])
+    if strategy == "sequential":
+        budget = get_max_memory(dict(max_memory) if max_memory else None)
+    else:
+        budget = get_balanced_memory(
+            model, max_memory=dict(max_memory) if max_memory else None, no_split_module_classes=no_split,
+            hf_quantizer=sizes, low_zero=strategy == "balanced_low_0",
+        )
+    return infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, hf_quantizer=sizes)
+
+
+def _meta_model(config: DeepseekV41Config, cls: type | None = None, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """``cls`` (the causal LM by default) with every tensor on the meta device: modules kept in fp32 stay fp32, the
+    rest take ``dtype``."""
+    from transformers import initialization as init
+
+    if cls is None:
+        from .modeling_dsv41 import DeepseekV41ForCausalLM as cls
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"), init.no_init_weights():
+            return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def plan_device_map(
+    model_or_config: nn.Module | DeepseekV41Config,
+    max_memory: dict[int | str, int] | None = None,
+    engram_tables: str | int = "auto",
+    native: bool = False,
+    strategy: str = "auto",
+) -> DevicePlan:
+    """Place ``model_or_config`` (a config is built on the meta device) on the devices of ``max_memory`` (bytes per
+    device, as transformers takes it; ``None`` for the visible devices).
+
+    ``engram_tables``: ``"auto"`` counts the tables with their layers and keeps them there if every weight then fits
+    an accelerator, else plans again with the tables in host memory; ``"host"`` (or ``"cpu"``/``"pinned"``/``"mmap"``)
+    leaves them off the map; a device puts them on it, on top of what ``max_memory`` grants that device. ``native``
+    counts released storage bytes.
+    """
+    model = _meta_model(model_or_config) if isinstance(model_or_config, DeepseekV41Config) else model_or_config
+    if strategy not in PLANNED_DEVICE_MAPS:
+        raise ValueError(f"strategy must be one of {PLANNED_DEVICE_MAPS}, got {strategy!r}")
+    if engram_tables == "auto":
+        device_map = _infer(model, max_memory, TensorSizes(native, tables_on_map=True), strategy)
+        host = any(device in ("cpu", "disk") for device in device_map.values())
+    else:
+        host = engram_tables in ("host", *HOST_PLACEMENTS)
+        device_map = None
+    if host or device_map is None:
+        device_map = _infer(model, max_memory, TensorSizes(native, tables_on_map=False), strategy)
+        device_map = engram_tables_off_map(device_map, model)
+        if not host:  # tables on one named device
+            device_map.update({name: engram_tables for name, _ in model.named_modules() if ENGRAM_TABLE.search(name)})
+    return _describe(model, device_map, TensorSizes(native, tables_on_map=True))
+
+
+def _describe(model: nn.Module, device_map: dict, sizes: TensorSizes) -> DevicePlan:
+    from transformers.integrations.accelerate import expand_device_map
+
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    placed = expand_device_map({k: v for k, v in device_map.items()}, list(tensors))
+    plan = DevicePlan(device_map=device_map)
+    table_modules = [name for name, _ in model.named_modules() if ENGRAM_TABLE.search(name)]
+    for name, tensor in tensors.items():
+        nbytes = int(sizes.nbytes(name, tensor))
+        table = next((t for t in table_modules if name.startswith(t + ".")), None)
+        covered = any(name == key or name.startswith(key + ".") for key in device_map) or "" in device_map
+        if table is not None and not covered:
+            plan.engram_host_bytes += nbytes
+            continue
+        plan.weights[placed[name]] = plan.weights.get(placed[name], 0) + nbytes
+    for table in table_modules:
+        layer_id = int(table.split("layers.")[-1].split(".")[0])
+        covering = [key for key in device_map if key == "" or table == key or table.startswith(key + ".")]
+        plan.engram_tables[layer_id] = device_map[max(covering, key=len)] if covering else "host"
+    plan.cache_bytes_per_token = cache_bytes_per_token(model.config, model.dtype)
+    return plan
+
+
+def cache_bytes_per_token(config: DeepseekV41Config, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Bytes a :class:`~.cache.DeepseekV41Cache` grows by per token of context, per sequence: each KV source keeps
+    one compressed K=V row (``head_dim``) per ``r`` tokens, and each key owner (a KV source with an indexer) one
+    index key (``index_head_dim``) per compressed row. The sliding window, the open groups and the Engram history
+    are a fixed size per sequence, not counted here."""
+    text = config.get_text_config()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0.0
+    for layer_id in text.kv_source_layer_ids:
+        ratio = text.compress_ratios[layer_id]
+        if layer_id >= text.num_hidden_layers or ratio <= 0:
+            continue
+        total += text.head_dim * itemsize / ratio
+        if layer_id in text.index_source_layer_ids:
+            total += text.index_head_dim * itemsize / ratio
+    return total
+
+
+def _bytes(n: float) -> str:
+    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or suffix == "TiB":
+            return f"{n:.1f} {suffix}" if suffix != "B" else f"{n:.0f} B"
+        n /= 1024
+
+
+def format_plan(plan: DevicePlan, max_memory: dict[int | str, int], native: bool) -> str:
+    """The placement table ``dsv41 inspect --devices`` prints."""
+    storage = "released storage (FP8 Linears, FP4 experts, FP8 Engram tables)" if native else "loaded dtypes"
+    lines = [f"Placement with device_map=\"auto\" ({storage}):", f"{'device':<10}{'weights':>14}{'capacity':>14}{'used':>8}"]
+    for device in sorted(max_memory, key=lambda d: (isinstance(d, str), str(d))):
+        used = plan.weights.get(device, 0)
+        if isinstance(device, str) and not used:
+            continue
+        lines.append(f"{device!s:<10}{_bytes(used):>14}{_bytes(max_memory[device]):>14}{used / max_memory[device]:>8.0%}")
+    for device, used in plan.weights.items():
+        if device not in max_memory:
+            lines.append(f"{device!s:<10}{_bytes(used):>14}{'-':>14}{'':>8}")
+    tables = ", ".join(f"layer {layer}: {where if where == 'host' else f'device {where}'}"
+                       for layer, where in plan.engram_tables.items())
+    if plan.engram_tables:
+        lines.append(f"Engram tables ({tables}); host memory for Engram: {_bytes(plan.engram_host_bytes)}")
+    lines.append("all weights on accelerators" if plan.fits else "DOES NOT FIT: some weights would be offloaded to cpu/disk")
+    lines.append(f"decode cache: {_bytes(plan.cache_bytes_per_token)} per token of context per sequence "
+                 f"({_bytes(plan.cache_bytes_per_token * 2**20)} per 1M tokens), plus a fixed sliding window per sequence")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Moving the tables of a loaded model
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _engram_blocks(model: nn.Module):
+    base = getattr(model, "base_model", model)
+    return [layer.engram for layer in base.layers if layer.engram is not None]
+
+
+def place_engram_tables(model: nn.Module, where: str | torch.device) -> None:
+    """Move every Engram table to ``where``: a device, ``"cpu"`` or ``"pinned"`` (page-locked host memory, whose
+    gathered rows copy to an accelerator asynchronously). The rest of the model stays put."""
+    if where == "pinned" and not torch.accelerator.is_available():
+        raise ValueError("engram_tables='pinned' needs an accelerator to copy to; use 'cpu' on this machine")
+    for engram in _engram_blocks(model):
+        for param in engram.embed.parameters():
+            if where == "pinned":
+                param.data = param.data if param.data.is_pinned() else param.data.cpu().pin_memory()
+            else:
+                param.data = param.data.to(where)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+}
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict]:
+    """(byte offset of the data, header) of a safetensors file: an 8-byte little-endian length, then JSON."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        return 8 + length, json.loads(handle.read(length))
+
+
+def _mapped_tensor(path: Path, data_start: int, entry: dict) -> torch.Tensor:
+    """A tensor of a safetensors file backed by a private memory map, advised for random access: a lookup reads the
+    pages of its rows and no read-ahead around them."""
+    begin, end = entry["data_offsets"]
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable, never written
+    if hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_RANDOM)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
+    return raw.view(_SAFETENSORS_DTYPES[entry["dtype"]]).view(entry["shape"])  # keeps `mapping` alive
+
+
+def memory_map_engram_tables(model: nn.Module, checkpoint: str | Path) -> None:
+    """Replace every Engram table of ``model`` by a memory map of the checkpoint folder ``checkpoint`` (safetensors,
+    ours or the release's names): pages are read from disk only where hash ids point, and stay reclaimable page
+    cache. The table must be stored as the model holds it (plain weights in our checkpoints; FP8 with scales for a
+    released one loaded with ``engram_table_dtype="fp8"``)."""
+    entries = {}
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        data_start, header = _safetensors_header(path)
+        entries.update({name: (path, data_start, entry) for name, entry in header.items() if name != "__metadata__"})
+    base = getattr(model, "base_model", model)
+    for layer in base.layers:
+        if layer.engram is None:
+            continue
+        for part, param in layer.engram.embed.named_parameters():
+            candidates = [f"{prefix}layers.{layer.layer_id}.engram.embed.{part}" for prefix in ("model.", "")]
+            key = next((k for k in candidates if k in entries), None)
+            if key is None:
+                raise ValueError(f"{checkpoint} holds no {candidates[0]}: cannot memory-map that Engram table")
+            path, data_start, entry = entries[key]
+            dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            if tuple(entry["shape"]) != tuple(param.shape) or dtype != param.dtype:
+                raise ValueError(
+                    f"{key} is stored as {dtype or entry['dtype']} {tuple(entry['shape'])} but the model holds "
+                    f"{param.dtype} {tuple(param.shape)}: only a table stored as it is held can be memory-mapped"
+                )
+            param.data = _mapped_tensor(path, data_start, entry)
+
+
+def _hook_split_layers(model: nn.Module) -> None:
+    """A decoder layer whose table is off a multi-device map has no entry of its own, hence no accelerate hook to
+    bring its inputs to its device: give it one (its parts all sit on one device)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    if len(set((getattr(model, "hf_device_map", None) or {}).values())) < 2:
+        return  # not dispatched: no hooks anywhere
+    base = getattr(model, "base_model", model)
+    for layer in base.layers:
+        if layer.engram is not None and not hasattr(layer, "_hf_hook"):
+            hook = AlignDevicesHook(execution_device=layer.hc_attn_fn.device, skip_keys=model._skip_keys_device_placement)
+            add_hook_to_module(layer, hook)
+
+
+def _check_placement(engram_tables) -> str | torch.device:
+    if engram_tables in ("auto", *HOST_PLACEMENTS):
+        return engram_tables
+    try:
+        return torch.device(engram_tables)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"engram_tables must be 'auto', 'cpu', 'pinned', 'mmap' or a device, got {engram_tables!r}"
+        ) from None
+
+
+class DeepseekV41PlacementMixin:
+    """``from_pretrained(..., engram_tables=...)``: where the Engram tables live, whatever ``device_map`` does with
+    the rest of the model."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, engram_tables=None, **kwargs):
+        """Also takes:
+
+        Args:
+            engram_tables: ``"auto"`` (default with a planned ``device_map``): on accelerators with their layers when
+                every weight fits there, else in host memory; a device (``"cuda:0"``); ``"cpu"``; ``"pinned"``
+                (page-locked host memory: asynchronous row copies); ``"mmap"``: memory-mapped from the local
+                checkpoint folder, read from disk only where addressed (the table must be stored as the model holds
+                it; the load itself still reads it once into memory before the map replaces it).
+
+        A planned ``device_map`` (``"auto"``, ``"balanced"``, ...) is computed by :func:`plan_device_map` (with the
+        loaded dtypes), unless a ``quantization_config`` is given and ``engram_tables`` is not (transformers then
+        plans with the quantizer's sizes). Tables kept in host memory stay off the map: they are not offloaded by
+        accelerate, and only the rows the hash ids address reach the accelerators.
+        """
+        device_map = kwargs.get("device_map")
+        planned = isinstance(device_map, str) and device_map in PLANNED_DEVICE_MAPS
+        if engram_tables is None and (not planned or kwargs.get("quantization_config") is not None):
+            loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            _hook_split_layers(loaded[0] if isinstance(loaded, tuple) else loaded)
+            return loaded
+        placement = _check_placement("auto" if engram_tables is None else engram_tables)
+        if placement == "mmap" and not Path(str(pretrained_model_name_or_path)).is_dir():
+            raise ValueError("engram_tables='mmap' maps the tables from a local checkpoint folder; download it first")
+        if device_map is not None:
+            kwargs["device_map"] = cls._engram_device_map(pretrained_model_name_or_path, placement, kwargs)
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if placement == "pinned" or (isinstance(placement, torch.device) and device_map is None):
+            place_engram_tables(model, placement)
+        elif placement == "mmap":
+            memory_map_engram_tables(model, pretrained_model_name_or_path)
+        _hook_split_layers(model)
+        return loaded
+
+    @classmethod
+    def _engram_device_map(cls, source, placement, kwargs: dict) -> dict:
+        """The device map to load with: planned, or the caller's with the tables moved off it (host) or onto
+        ``placement`` (a device)."""
+        from transformers import PreTrainedConfig
+        from transformers.integrations.accelerate import check_and_set_device_map
+
+        config = kwargs.get("config")
+        if not isinstance(config, PreTrainedConfig):
+            hub = {k: kwargs[k] for k in ("cache_dir", "revision", "subfolder", "token", "local_files_only") if k in kwargs}
+            config = cls.config_class.from_pretrained(config or source, **hub)
+        dtype = kwargs.get("dtype")
+        probe = _meta_model(config, cls, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
+        device_map = check_and_set_device_map(kwargs["device_map"])
+        tables = "auto" if placement == "auto" else "host" if placement in HOST_PLACEMENTS else str(placement)
+        if isinstance(device_map, str):
+            return plan_device_map(probe, kwargs.get("max_memory"), tables, strategy=device_map).device_map
+        if placement == "auto":
+            return device_map
+        device_map = engram_tables_off_map(device_map, probe)
+        if tables != "host":
+            device_map.update({name: tables for name, _ in probe.named_modules() if ENGRAM_TABLE.search(name)})
+        return device_map
+
+
+__all__ = [
+    "DeepseekV41PlacementMixin",
+    "DevicePlan",
+    "ENGRAM_TABLE",
+    "TensorSizes",
+    "cache_bytes_per_token",
+    "engram_tables_off_map",
+    "format_plan",
+    "memory_map_engram_tables",
+    "place_engram_tables",
+    "plan_device_map",
+    "released_storage_bytes",
+]

@@ -340,7 +340,8 @@ class DeepseekV41Attention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x [B,S,D] (positions 0..S-1), rotation [S, R] complex for this layer's rope kind → [B,S,D].
 
-        ``output_attentions`` also returns DeepSeek-V4.1's attention map, ``(out, (probs, slot_index))``: a query
+        ``output_attentions`` also returns DeepSeek-V4.1's attention map, ``(out, (probs, slot_index))``, and computes
+        ``out`` from it (:meth:`_attend_with_map`: the same to rounding, with the map on the gradient path): a query
         attends over its own list of slots rather than over all keys, so the map is probs [B, H, S, K], each
         head's softmax probability on each slot (the sink takes the rest of the row), with slot_index [B, S, K]
         saying what each slot is: its first ``min(S, sliding_window)`` slots (``sliding_window`` when decoding)
@@ -369,8 +370,10 @@ class DeepseekV41Attention(nn.Module):
             kv = torch.cat([kv, compress_kv], dim=1)
             slots = torch.cat([slots, _shifted(selection, seq_len)], dim=-1)
             slot_index = torch.cat([slot_index, selection], dim=-1)
-        out = self._attend(q, kv, slots, rot)
-        return (out, (self._slot_probs(q, kv, slots), slot_index)) if output_attentions else out
+        if not output_attentions:
+            return self._attend(q, kv, slots, rot)
+        probs = self._slot_probs(q, kv, slots)
+        return self._attend_with_map(probs, kv, slots, rot), (probs, slot_index)
 
     def _window_kv(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         """Each token's shared K=V [B,S,D], rotated (and FP8 quantize-dequantized, as cached by the reference)."""
@@ -386,6 +389,18 @@ class DeepseekV41Attention(nn.Module):
             sink_attention(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
             for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
         ], dim=1)
+        out = apply_rotary(out, rot, inverse=True)
+        out = out.view(bsz, seq_len, self.n_groups, -1)
+        return self.wo_b(self.wo_a(out).flatten(2))
+
+    def _attend_with_map(
+        self, probs: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`_attend` from the attention map [B, H, S, K] that ``output_attentions`` returns, as transformers'
+        eager attention does, so that the map lies on the gradient path. It agrees with the fused online softmax
+        to rounding (that one rounds per block of slots, as the reference kernel)."""
+        bsz, seq_len = slots.shape[:2]
+        out = torch.einsum("bhsk,bskd->bshd", probs.float(), gather_slots(kv.float(), slots)).to(kv.dtype)
         out = apply_rotary(out, rot, inverse=True)
         out = out.view(bsz, seq_len, self.n_groups, -1)
         return self.wo_b(self.wo_a(out).flatten(2))
@@ -464,8 +479,10 @@ class DeepseekV41Attention(nn.Module):
             slots = torch.cat([slots, _shifted(selection, kv.shape[1])], dim=-1)
             slot_index = torch.cat([slot_index, selection], dim=-1)
             kv = torch.cat([kv, compress_kv], dim=1)
-        out = self._attend(q, kv, slots, rot)
-        return (out, (self._slot_probs(q, kv, slots), slot_index)) if output_attentions else out
+        if not output_attentions:
+            return self._attend(q, kv, slots, rot)
+        probs = self._slot_probs(q, kv, slots)
+        return self._attend_with_map(probs, kv, slots, rot), (probs, slot_index)
 
     def _compressed_incremental(
         self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext,

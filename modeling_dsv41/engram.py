@@ -139,7 +139,7 @@ class DeepseekV41NgramHasher(nn.Module):
     Buffers:
         token_map (`[vocab_size]` int64, persistent): token id → compressed id, ``-1`` where unknown. It
             comes from the tokenizer (:meth:`load_tokenizer`) or from a saved state dict; until then it holds
-            :func:`default_compressed_token_map` (``uses_default_token_map``; the first forward pass warns).
+            :func:`default_compressed_token_map` (``uses_default_token_map``; a forward pass under it warns once).
         multipliers (`[n_layers, max_ngram]`), primes (`[n_layers, max_ngram-1, n_heads]`), offsets
             (`[n_layers, n_cols]`): int64, derived from the config alone, hence not saved.
 
@@ -169,7 +169,8 @@ class DeepseekV41NgramHasher(nn.Module):
                     f"Engram layer {layer_id}: engram_num_embeddings is {rows} but its hash buckets need {needed} rows"
                 )
         self.register_buffer("token_map", default_compressed_token_map(config.vocab_size, self.compressed_vocab_size))
-        self.uses_default_token_map = True
+        self._default_map_placed = True  # False once a checkpoint or a tokenizer gave the map
+        self._default_map_check: tuple | None = None  # ((storage, device, version) of token_map, still default?)
         self.register_buffer("multipliers", multipliers, persistent=False)
         self.register_buffer("primes", primes, persistent=False)
         self.register_buffer("offsets", offsets, persistent=False)
@@ -196,18 +197,36 @@ class DeepseekV41NgramHasher(nn.Module):
         init.copy_(self.primes, primes)
         init.copy_(self.multipliers, multipliers)
         init.copy_(self.offsets, offsets)
-        self.uses_default_token_map = not getattr(self.token_map, "_is_hf_initialized", False)
+        self._default_map_placed = not getattr(self.token_map, "_is_hf_initialized", False)
         init.copy_(self.token_map, default_compressed_token_map(self.token_map.numel(), self.compressed_vocab_size))
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if prefix + "token_map" in state_dict:
-            self.uses_default_token_map = False
 
     @property
     def history_size(self) -> int:
         """How many past compressed ids an incremental step needs (``max_ngram - 1``)."""
         return self.max_ngram_size - 1
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "token_map" in state_dict:
+            self._default_map_placed = False
+
+    @property
+    def uses_default_token_map(self) -> bool:
+        """Whether the default map is in use: it was put in at construction (not loaded from a checkpoint nor built
+        from a tokenizer) and ``token_map`` still holds it. The contents are checked again whenever the buffer was
+        replaced or written in place, so a map filled with ``token_map.copy_(...)`` does not count as the default."""
+        token_map = self.token_map
+        if not self._default_map_placed:
+            return False
+        if token_map.is_meta:
+            return True
+        key = (token_map.data_ptr(), token_map.device, token_map._version)
+        if torch.compiler.is_compiling() and self._default_map_check is not None:
+            return self._default_map_check[1]
+        if self._default_map_check is None or self._default_map_check[0] != key:
+            default = default_compressed_token_map(token_map.numel(), self.compressed_vocab_size)
+            self._default_map_check = (key, torch.equal(token_map, default.to(token_map.device)))
+        return self._default_map_check[1]
 
     @property
     def has_token_map(self) -> bool:
@@ -233,7 +252,7 @@ class DeepseekV41NgramHasher(nn.Module):
             )
         self.token_map.fill_(DEAD)
         self.token_map[: len(lookup)] = torch.tensor(lookup, dtype=torch.long, device=self.token_map.device)
-        self.uses_default_token_map = False
+        self._default_map_placed = False
 
     def compress(
         self,
@@ -255,17 +274,19 @@ class DeepseekV41NgramHasher(nn.Module):
             dead |= image_mask.bool()
         if attention_mask is not None:
             dead |= ~attention_mask.bool()
-        if self.uses_default_token_map and not torch.compiler.is_compiling():
+        uses_default = self.uses_default_token_map
+        if uses_default and not torch.compiler.is_compiling():
             logger.warning_once(
                 "Engram hashes with the default compressed token map (token id mod engram_compressed_vocab_size): "
                 "fine for a model trained from scratch, wrong for released Engram tables, which need the map of "
-                "their tokenizer (`model.engram_hasher.load_tokenizer(tokenizer)`, or from_pretrained with "
-                "`engram_tokenizer=`)"
+                "their tokenizer: `model.model.engram_hasher.load_tokenizer(tokenizer)` on a "
+                "DeepseekV41ForCausalLM (`model.engram_hasher.load_tokenizer(tokenizer)` on a DeepseekV41Model), "
+                "or from_pretrained with `engram_tokenizer=`"
             )
         vocab = self.token_map.numel()
         in_range = (input_ids >= 0) & (input_ids < vocab)
         compressed = self.token_map[input_ids.where(in_range, 0)]
-        if self.uses_default_token_map:  # the default map is arithmetic: ids a resize added beyond it fold alike
+        if uses_default:  # the default map is arithmetic: ids a resize added beyond it fold alike
             beyond = input_ids >= vocab
             compressed = torch.where(beyond, input_ids % self.compressed_vocab_size, compressed)
             in_range = in_range | beyond

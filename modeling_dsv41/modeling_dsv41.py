@@ -9,9 +9,7 @@ routed experts are fused (``layers.{i}.ffn.experts.gate_up_proj`` / ``down_proj`
 conversions registered in :mod:`.checkpoint_loading`.
 """
 
-from __future__ import annotations
-
-from dataclasses import replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +19,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPooling,
+    MultimodalBaseModelOutputWithPast,
+    MultimodalCausalLMOutputWithPast,
+)
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from configuration.configuration_dsv41 import DeepseekV41Config
 
@@ -49,6 +52,38 @@ from .vision import (
 )
 
 IMAGE_TOKEN_TYPE_TEXT = -1
+
+@dataclass
+class DeepseekV41ModelOutputWithPast(MultimodalBaseModelOutputWithPast):
+    """The backbone's output (``cache`` is a :class:`DeepseekV41Cache`). Beyond transformers' fields:
+
+    hidden_states: ``num_hidden_layers + 1`` tensors [B, S, D]: the embeddings, then each layer's output collapsed
+        from its ``hc_mult`` residual copies with the mHC weights the next layer's attention (or the final ``norm``)
+        collapses them with, i.e. what that attention takes in (unless that layer's Engram first adds to the
+        copies). The copies themselves are the decoder layers' first output (a forward hook on
+        :class:`DeepseekV41DecoderLayer` reads them).
+    attentions: one tensor [B, H, S, K] per layer, the CSA2 attention map. A query attends over its own K slots
+        rather than over all keys: an entry is one head's softmax probability on one slot (an empty slot gets 0;
+        a row sums to less than one, the rest going to the attention sink).
+    attention_slots: one tensor [B, S, K] per layer saying what each slot of ``attentions`` is: the first
+        ``min(S, sliding_window)`` slots (``sliding_window`` when decoding) are key positions of the sliding window,
+        oldest first; on compressed layers the rest are the selected compressed rows, ascending (row t pools
+        positions t·r … t·r + r - 1 for ``r = compress_ratios[layer]``); -1 is an empty slot.
+    router_logits: one tensor [B·S, n_routed_experts] per layer (``output_router_logits=True``): the router's
+        logits before its scoring function (the experts are chosen from the scores plus the balancing bias).
+    image_outputs: what :meth:`DeepseekV41Model.get_image_features` returned for this call's images.
+    """
+
+    attention_slots: tuple[torch.LongTensor, ...] | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DeepseekV41CausalLMOutputWithPast(MultimodalCausalLMOutputWithPast):
+    """``loss``, fp32 ``logits`` and the backbone's outputs (see :class:`DeepseekV41ModelOutputWithPast`)."""
+
+    attention_slots: tuple[torch.LongTensor, ...] | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
 class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
@@ -81,16 +116,25 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         pre_mix: torch.Tensor,
         rotation: torch.Tensor,
-        ctx: CompressedContext,
+        compress_kv: torch.Tensor | None,
+        index_k: torch.Tensor | None,
+        selection: torch.Tensor | None,
+        candidates: torch.Tensor | None,
+        engram_rows: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
         engram_hash_ids: torch.Tensor | None = None,
         engram_mask: torch.Tensor | None = None,
         cache: DeepseekV41Cache | None = None,
         step: CacheStep | None = None,
-        engram_rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, CompressedContext]:
-        """hidden_states [B,S,hc,D], pre_mix [B,S,hc] → (hidden_states, this FFN's pre, what this layer publishes).
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """hidden_states [B,S,hc,D], pre_mix [B,S,hc], then the :class:`CompressedContext` the layer below handed
+        up, field by field → (hidden_states, this FFN's pre, the context this layer hands up, field by field, and
+        with ``output_attentions`` this layer's attention map and slot index, else two ``None``).
 
+        The context travels as positional tensors, and so do the Engram rows, so that reentrant gradient
+        checkpointing, which tracks tensor arguments only, carries their gradients back (to the layer that made
+        the compressed KV, to the Engram table).
         An Engram layer takes its table rows already gathered (``engram_rows``, see
         :meth:`DeepseekV41Model.gather_engram_rows`) or gathers them from ``engram_hash_ids`` [B,S,n_layers,n_cols].
         With a ``cache``, attention reads and extends this layer's decode state (see :class:`DeepseekV41Cache`).
@@ -99,19 +143,23 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         if self.engram is not None:
             hash_ids = None if engram_hash_ids is None else engram_hash_ids[:, :, self.engram.hash_index]
             x = self.engram(x, hash_ids, engram_mask, rows=engram_rows)
-        ctx = replace(ctx)  # a private copy: recomputation under gradient checkpointing sees the same inputs
+        ctx = CompressedContext(compress_kv, index_k, selection, candidates)
 
         residual = x
         attn_pre, post, comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         layer_cache = None if cache is None else cache.layers[self.layer_id]
-        out = self.attn(self.attn_norm(self.hc.collapse(x, pre_mix)), rotation, ctx, layer_cache=layer_cache, step=step)
+        out = self.attn(
+            self.attn_norm(self.hc.collapse(x, pre_mix)), rotation, ctx, layer_cache=layer_cache, step=step,
+            output_attentions=output_attentions,
+        )
+        out, (probs, slots) = out if output_attentions else (out, (None, None))
         x = self.hc.expand(out, residual, post, comb)
 
         residual = x
         ffn_pre, post, comb = self.hc.mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         out = self.ffn(self.ffn_norm(self.hc.collapse(x, attn_pre)), image_mask)
         x = self.hc.expand(out, residual, post, comb)
-        return x, ffn_pre, ctx
+        return x, ffn_pre, ctx.compress_kv, ctx.index_k, ctx.selection, ctx.candidates, probs, slots
 
 
 class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
@@ -126,12 +174,11 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
     # host memory (placement.py), and accelerate's dispatch then must not require them on it. When transformers plans
     # the map itself (device_map="auto" with a quantization_config), a table that fits no fresh accelerator stays off.
     _no_placement_params = ["engram.embed.weight", "engram.embed.scale"]
-    # fp32 in the reference whatever the model dtype: mHC, sinks, router biases, LM head, ViT norms (and, per
-    # instance, the ratio-2 compressors: see post_init). Names are matched with and without the `model.` prefix.
+    # fp32 in the reference whatever the model dtype: mHC, sinks, router biases (and, per instance, what only some
+    # configs have: see post_init). Plain module names, matched as transformers does (`(?:^|\.)name(?:\.|$)`).
     _keep_in_fp32_modules_strict = [
-        "hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale",
-        "attn_sink", "gate.bias", "gate.bias_vl", r"^lm_head\.", r"^(?:model\.)?vision\.blocks\.\d+\.norm[12]\.",
-        r"^(?:model\.)?vision\.norm\.",
+        "hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale", "attn_sink",
+        "gate.bias",
     ]
     # the released checkpoint also carries the DSpark draft head (mtp.*) and an unused image_pad vector
     _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^image_pad$"]
@@ -139,16 +186,29 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
     _keys_to_ignore_on_load_missing = [r"(^|\.)engram_hasher\.token_map$"]
     _supports_sdpa = False
     _supports_flash_attn = False
+    # transformers' output capture (`output_router_logits=True`): each router's logits, the first thing it returns
+    _can_record_outputs = {"router_logits": OutputRecorder(DeepseekV41Gate, index=0)}
 
     def post_init(self) -> None:
-        # ratio-2 compressors pool in fp32 (reference dtypes); ratio-1 compressors are plain model-dtype projections
+        # per instance, the fp32 modules this model has: the LM head, the ratio-2 compressors (they pool in fp32),
+        # the image-token router bias and the ViT norms
         text = self.config.get_text_config()
-        self._keep_in_fp32_modules_strict = [*self._keep_in_fp32_modules_strict] + [
-            rf"^(?:model\.)?layers\.{i}\.attn\.compressor\.w(kv|gate)\."
+        extra = [
+            f"layers.{i}.attn.compressor.{name}"
             for i in text.kv_source_layer_ids
             if i < text.num_hidden_layers and text.compress_ratios[i] > 1
+            for name in ("wkv", "wgate")
         ]
+        if self.config.has_vision:
+            extra += ["gate.bias_vl", "norm1", "norm2", "vision.norm"]
+        if isinstance(getattr(self, "lm_head", None), nn.Module):
+            extra.append("lm_head")
+        self._keep_in_fp32_modules_strict = [*type(self)._keep_in_fp32_modules_strict, *extra]
         super().post_init()
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return False  # CSA2 sink attention over per-query slots is eager only (attention.py); no SDPA/flash kernel
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         """``eager`` unless asked otherwise: it is the reference's computation (routing weight before ``w2``, fp32 sum
@@ -164,18 +224,6 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         return True  # the routed experts (moe.py) use @use_experts_implementation
-
-    def _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs) -> None:
-        """Non-reentrant checkpointing only: layers hand compressed KV to later layers through a context object,
-        and reentrant checkpointing tracks tensor arguments alone, so it would silently drop those gradients."""
-        activation_checkpointing_kwargs = dict(activation_checkpointing_kwargs or {})
-        if activation_checkpointing_kwargs.get("use_reentrant", False):
-            raise ValueError(
-                "DeepSeek-V4.1 supports only non-reentrant gradient checkpointing (use_reentrant=False): compressed "
-                "KV flows between layers outside the layers' tensor arguments"
-            )
-        activation_checkpointing_kwargs["use_reentrant"] = False
-        super()._activation_checkpointing_enable(activation_checkpointing_kwargs, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -249,21 +297,55 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         self.embed = value
 
     # ---- inputs ---------------------------------------------------------------------------------------
+    @can_return_tuple
     @under_configured_numerics
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> list[torch.Tensor]:
-        """ViT + aligner: one [h_tok·w_tok, D] tensor per image, rows in reading order."""
+    def get_image_features(
+        self,
+        pixel_values: torch.Tensor,
+        image_grid_hw: torch.Tensor,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPooling:
+        """DeepSeek-ViT, then the aligner.
+
+        Returns ``last_hidden_state``: the ViT output of every patch [total_patches, vision hidden_size], images
+        concatenated as in ``pixel_values``; ``pooler_output``: per image, its LM tokens [h_tok·w_tok, D] in reading
+        order (what the model writes into the image span); ``hidden_states``: ``num_hidden_layers + 1`` tensors
+        [total_patches, vision hidden_size] (patch embeddings, then each block's output); ``attentions``: per ViT
+        block, one map [heads, h·w, h·w] per image (attention never crosses images).
+        """
         if not self.config.has_vision:
             raise ValueError("images were passed but this DeepSeek-V4.1 config has no vision_config")
         check_pixel_values(pixel_values, image_grid_hw)
-        return self.aligner(self.vision(pixel_values, image_grid_hw), image_grid_hw)
+        vision = self.config.vision_config
+        output_hidden_states = _flag(output_hidden_states, vision, "output_hidden_states")
+        output_attentions = _flag(output_attentions, vision, "output_attentions")
+        images = self.vision.encode(pixel_values, image_grid_hw, output_hidden_states, output_attentions)
+        features = [image[0] for image in images]
+        hidden_states = attentions = None
+        if output_hidden_states:
+            hidden_states = tuple(torch.cat(layer) for layer in zip(*(image[1] for image in images)))
+        if output_attentions:
+            attentions = tuple(zip(*(image[2] for image in images)))
+        return BaseModelOutputWithPooling(
+            last_hidden_state=torch.cat(features),
+            pooler_output=self.aligner(features, image_grid_hw),
+            hidden_states=hidden_states,
+            attentions=attentions,
+        )
 
-    def _embed_inputs(self, input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types):
+    def _embed_inputs(
+        self, input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
+        output_attentions,
+    ) -> tuple[torch.Tensor, BaseModelOutputWithPooling | None]:
+        """The LM input [B, S, D] (images merged into their spans) and what the image encoder returned."""
         if inputs_embeds is None:
             if input_ids is None:
                 raise ValueError("pass input_ids or inputs_embeds")
             inputs_embeds = self.embed(input_ids)
         if pixel_values is None:
-            return inputs_embeds
+            return inputs_embeds, None
         if not self.config.has_vision:
             raise ValueError("images were passed but this DeepSeek-V4.1 config has no vision_config")
         if image_grid_hw is None or image_token_types is None:
@@ -276,10 +358,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                     f"image {index} needs {h * (w + 1) + 2} positions, more than max_image_tokens "
                     f"({vision.max_image_tokens}); preprocess it with the DeepseekV41ImageProcessor"
                 )
-        features = self.get_image_features(pixel_values, image_grid_hw)
-        return merge_image_embeddings(
-            inputs_embeds, image_token_types, features, self.image_start, self.image_newline, self.image_end, grids
+        image_outputs = self.get_image_features(
+            pixel_values, image_grid_hw, output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions, return_dict=True,
         )
+        merged = merge_image_embeddings(
+            inputs_embeds, image_token_types, image_outputs.pooler_output, self.image_start, self.image_newline,
+            self.image_end, grids,
+        )
+        return merged, image_outputs
 
     def _engram_hash_ids(self, input_ids, image_mask, attention_mask, cache=None, step=None):
         if self.engram_hasher is None:
@@ -319,7 +406,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return rows
 
     # ---- forward --------------------------------------------------------------------------------------
-    @can_return_tuple
+    @capture_outputs
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @under_configured_numerics
     def forward(
@@ -331,11 +418,12 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         image_grid_hw: torch.LongTensor | None = None,
         image_token_types: torch.LongTensor | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         return_dict: bool | None = None,
         cache: DeepseekV41Cache | None = None,
         use_cache: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> DeepseekV41ModelOutputWithPast:
         """Full-sequence forward from position 0, or the next tokens of a cached sequence.
 
         Args:
@@ -353,29 +441,34 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 ``attention_mask`` then covers the cached columns too.
             use_cache: return a cache (a new one unless ``cache`` is given). Defaults to ``config.use_cache`` in
                 eval mode and to False in training mode; always off under gradient checkpointing in training.
+            output_hidden_states / output_attentions / output_router_logits: see
+                :class:`DeepseekV41ModelOutputWithPast`.
         """
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
+        output_hidden_states = _flag(output_hidden_states, self.config, "output_hidden_states")
+        output_attentions = _flag(output_attentions, self.config, "output_attentions")
         cache = self._resolve_cache(cache, use_cache)
         if not torch.compiler.is_compiling():  # the checks read values on the host
             past_length = 0 if cache is None else cache.get_seq_length()
             check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
         if cache is not None and not cache.is_empty:
-            last, all_hidden = self._forward_cached(
+            return self._forward_cached(
                 input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
-                output_hidden_states, cache,
-            )
-            return BaseModelOutputWithPast(
-                last_hidden_state=last, cache=cache, hidden_states=tuple(all_hidden) if all_hidden else None
+                output_hidden_states, output_attentions, cache,
             )
 
         shift = left_padding_shift(attention_mask)
+        if shift is not None and (output_hidden_states or output_attentions) and not bool(shift.any()):
+            # rolling by 0 is an exact no-op; skipped (one host read, only when intermediate outputs are asked
+            # for) so that hidden_states and attentions are the forward's own tensors (retain_grad works on them)
+            shift = None
         if shift is not None:  # align left-padded rows so positions count from each row's first real token
             input_ids, inputs_embeds, image_token_types, attention_mask = (
                 roll_rows(t, -shift) for t in (input_ids, inputs_embeds, image_token_types, attention_mask)
             )
-        embeds = self._embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types)
+        embeds, image_outputs = self._embed_inputs(
+            input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
+            output_attentions,
+        )
         image_mask = None if image_token_types is None else image_token_types != IMAGE_TOKEN_TYPE_TEXT
         engram_mask = None if image_mask is None else ~image_mask
         step = None
@@ -385,17 +478,20 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
         positions = torch.arange(embeds.shape[1], device=embeds.device)
         rotations = {False: self.window_rotary(positions), True: self.compress_rotary(positions)}
-        last, all_hidden = self._run_layers(
-            embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, cache, step
+        outputs = self._run_layers(
+            embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions, cache, step
         )
         if cache is not None:
             cache.finish_step(step, embeds.shape[1])
-        if shift is not None:
-            last = roll_rows(last, shift)
-            all_hidden = [roll_rows(h, shift) for h in all_hidden] if all_hidden else None
-        return BaseModelOutputWithPast(
-            last_hidden_state=last, cache=cache, hidden_states=tuple(all_hidden) if all_hidden else None
-        )
+        if shift is not None:  # queries back in the caller's layout (slots keep counting from the first real token)
+            outputs.last_hidden_state = roll_rows(outputs.last_hidden_state, shift)
+            for name in ("hidden_states", "attention_slots"):
+                if getattr(outputs, name) is not None:
+                    setattr(outputs, name, tuple(roll_rows(t, shift) for t in getattr(outputs, name)))
+            if outputs.attentions is not None:  # [B, H, S, K]: queries on dim 2
+                outputs.attentions = tuple(roll_rows(t.transpose(1, 2), shift).transpose(1, 2) for t in outputs.attentions)
+        outputs.image_outputs = image_outputs
+        return outputs
 
     def _resolve_cache(self, cache: DeepseekV41Cache | None, use_cache: bool | None) -> DeepseekV41Cache | None:
         if cache is not None and not isinstance(cache, DeepseekV41Cache):
@@ -415,10 +511,13 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
     def _forward_cached(
         self, input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
-        output_hidden_states, cache: DeepseekV41Cache,
-    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        output_hidden_states, output_attentions, cache: DeepseekV41Cache,
+    ) -> DeepseekV41ModelOutputWithPast:
         """The new tokens of every row, at each row's own next positions."""
-        embeds = self._embed_inputs(input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types)
+        embeds, image_outputs = self._embed_inputs(
+            input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
+            output_attentions,
+        )
         bsz, seq_len = embeds.shape[:2]
         if (
             attention_mask is not None
@@ -435,30 +534,44 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         step = cache.step(new_tokens, seq_len, self.compress_rotary)
         hash_ids = self._engram_hash_ids(input_ids, image_mask, None, cache, step)
         rotations = {False: self.window_rotary(step.positions), True: self.compress_rotary(step.positions)}
-        last, all_hidden = self._run_layers(
-            embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, cache, step
+        outputs = self._run_layers(
+            embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions, cache, step
         )
         cache.finish_step(step, seq_len)
-        return last, all_hidden
+        outputs.image_outputs = image_outputs
+        return outputs
 
     def _run_layers(
-        self, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, cache, step
-    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        self, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions, cache,
+        step,
+    ) -> DeepseekV41ModelOutputWithPast:
         text = self.text_config
         engram_rows = self.gather_engram_rows(hash_ids)
         hidden = embeds.unsqueeze(2).repeat(1, 1, text.hc_mult, 1)  # [B, S, hc, D]
         pre_mix = identity_pre_mix(hidden, text.hc_mult)
-        ctx = CompressedContext()
-        all_hidden = [hidden] if output_hidden_states else None
+        compressed = (None,) * 4  # the CompressedContext handed up the stack, field by field
+        collapse = DeepseekV41HyperConnection.collapse
+        all_hidden = [embeds] if output_hidden_states else None  # = the copies collapsed onto copy 0
+        all_attentions, all_slots = ([], []) if output_attentions else (None, None)
         for layer in self.layers:
             rotation = rotations[text.compress_ratios[layer.layer_id] > 0]
-            hidden, pre_mix, ctx = layer(
-                hidden, pre_mix, rotation, ctx, image_mask, hash_ids, engram_mask, cache=cache, step=step,
-                engram_rows=engram_rows.get(layer.layer_id),
+            hidden, pre_mix, *compressed, probs, slots = layer(
+                hidden, pre_mix, rotation, *compressed, engram_rows.get(layer.layer_id), image_mask=image_mask,
+                engram_hash_ids=hash_ids, engram_mask=engram_mask, cache=cache, step=step,
+                output_attentions=output_attentions,
             )
             if output_hidden_states:
-                all_hidden.append(hidden)
-        return self.norm(DeepseekV41HyperConnection.collapse(hidden, pre_mix)), all_hidden
+                all_hidden.append(collapse(hidden, pre_mix))
+            if output_attentions:
+                all_attentions.append(probs)
+                all_slots.append(slots)
+        return DeepseekV41ModelOutputWithPast(
+            last_hidden_state=self.norm(collapse(hidden, pre_mix)),
+            cache=cache,
+            hidden_states=None if all_hidden is None else tuple(all_hidden),
+            attentions=None if all_attentions is None else tuple(all_attentions),
+            attention_slots=None if all_slots is None else tuple(all_slots),
+        )
 
 
 class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
@@ -488,9 +601,11 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> list[torch.Tensor]:
+    def get_image_features(
+        self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor, **kwargs
+    ) -> BaseModelOutputWithPooling:
         """See :meth:`DeepseekV41Model.get_image_features`."""
-        return self.model.get_image_features(pixel_values, image_grid_hw)
+        return self.model.get_image_features(pixel_values, image_grid_hw, **kwargs)
 
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -506,17 +621,21 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        output_router_logits: bool | None = None,
         return_dict: bool | None = None,
         cache: DeepseekV41Cache | None = None,
         use_cache: bool | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> DeepseekV41CausalLMOutputWithPast:
         """As :meth:`DeepseekV41Model.forward`, plus ``labels`` ([B, S], -100 ignored; shifted inside, as in every
         transformers causal LM) and ``logits_to_keep`` (an int keeps the last N positions, a tensor indexes)."""
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             pixel_values=pixel_values, image_grid_hw=image_grid_hw, image_token_types=image_token_types,
-            output_hidden_states=output_hidden_states, cache=cache, use_cache=use_cache, return_dict=True,
+            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+            output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
+            cache=cache, use_cache=use_cache, return_dict=True,
         )
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -525,7 +644,11 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         if labels is not None:
             vocab_size = self.config.get_text_config().vocab_size
             loss = self.loss_function(logits, labels, vocab_size=vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states)
+        return DeepseekV41CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions, image_outputs=outputs.image_outputs,
+            attention_slots=outputs.attention_slots, router_logits=outputs.router_logits,
+        )
 
     # ---- generation -----------------------------------------------------------------------------------
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs) -> None:
@@ -606,6 +729,11 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         )
         model_kwargs.update({key: value for key, value in images.items() if value is not None})
         return input_ids, model_kwargs
+
+
+def _flag(value: bool | None, config, name: str) -> bool:
+    """An ``output_*`` argument, or the config's setting when it is None."""
+    return bool(getattr(config, name, False)) if value is None else value
 
 
 def _execution_device(layer: nn.Module, fallback: torch.Tensor) -> torch.device:

@@ -34,18 +34,25 @@ class DeepseekV41Gate(nn.Module):
         else:
             self.bias_vl = None
 
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """Unbiased expert affinities [N, E] in fp32."""
-        logits = F.linear(x.float(), self.weight.float()) / self.gate_temp
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits [N, E] in fp32, before the scoring function."""
+        return F.linear(x.float(), self.weight.float()) / self.gate_temp
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Unbiased expert affinities [N, E] in fp32 from the logits."""
         if self.scoring_func == "softmax":
             return logits.softmax(dim=-1)
         if self.scoring_func == "sigmoid":
             return logits.sigmoid()
         return F.softplus(logits).sqrt()
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D], image_mask [N] bool → (weights [N, k] fp32, expert indices [N, k])."""
-        scores = self.scores(x)
+    def forward(
+        self, x: torch.Tensor, image_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D], image_mask [N] bool → (router logits [N, E] fp32, weights [N, k] fp32, expert indices [N, k]).
+        The logits come first, as transformers' routers return them (``output_router_logits`` records them)."""
+        logits = self.logits(x)
+        scores = self.scores(logits)
         bias = self.bias.float()
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl.float(), bias)
@@ -53,7 +60,7 @@ class DeepseekV41Gate(nn.Module):
         weights = scores.gather(1, indices)
         if self.norm_topk_prob and self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # not norm_eps: matches training
-        return weights * self.route_scale, indices
+        return logits, weights * self.route_scale, indices
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -192,7 +199,7 @@ class DeepseekV41MoE(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        _, weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         self.last_expert_indices = indices.detach().view(*shape[:-1], -1)
         out = self.experts(x, indices, weights).float() + self.shared_experts(x).float()
         return out.to(x.dtype).view(shape)

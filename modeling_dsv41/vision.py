@@ -92,15 +92,22 @@ class DeepseekV41VisionAttention(nn.Module):
         self.wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.wo = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, output_attentions: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[n, C] → [n, C]; with ``output_attentions`` also the attention map [heads, n, n] (computed beside the
+        fused kernel, which does not return it, so the output is the same bits either way)."""
         n = hidden_states.shape[0]  # patches of one image
         q, k, v = (t.view(n, self.num_heads, self.head_dim) for t in self.wqkv(hidden_states).chunk(3, dim=-1))
         q = apply_vision_rotary(q, cos, sin)
         k = apply_vision_rotary(k, cos, sin)
         # [1, heads, n, head_dim]: the 4D layout lets SDPA use its fused kernels (flash on CPU, as the reference)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v)[0]
-        return self.wo(out.transpose(0, 1).reshape(n, -1))
+        out = self.wo(F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1).reshape(n, -1))
+        if not output_attentions:
+            return out
+        probs = (q[0].float() @ k[0].float().transpose(-1, -2) * self.head_dim**-0.5).softmax(dim=-1)
+        return out, probs.to(q.dtype)
 
 
 class DeepseekV41VisionMLP(nn.Module):
@@ -124,9 +131,15 @@ class DeepseekV41VisionBlock(nn.Module):
         self.norm2 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DeepseekV41VisionMLP(config)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.norm1(hidden_states), cos, sin)
-        return hidden_states + self.mlp(self.norm2(hidden_states))
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, output_attentions: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[n, C] → [n, C]; with ``output_attentions`` also the attention map [heads, n, n]."""
+        attn = self.attn(self.norm1(hidden_states), cos, sin, output_attentions)
+        attn, probs = attn if output_attentions else (attn, None)
+        hidden_states = hidden_states + attn
+        hidden_states = hidden_states + self.mlp(self.norm2(hidden_states))
+        return (hidden_states, probs) if output_attentions else hidden_states
 
 
 def _check_grids(pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> list[tuple[int, int]]:
@@ -156,6 +169,18 @@ class DeepseekV41VisionTransformer(nn.Module):
     def forward(self, pixel_values: torch.Tensor, image_grid_hw: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values: [total_patches, 3, p, p], each image's patches row-major, images concatenated;
         image_grid_hw: [n_images, 2] patch rows and columns. Returns one [h·w, hidden_size] per image."""
+        return [features for features, _, _ in self.encode(pixel_values, image_grid_hw)]
+
+    def encode(
+        self,
+        pixel_values: torch.Tensor,
+        image_grid_hw: torch.Tensor,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> list[tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]]:
+        """As :meth:`forward`, per image: (features, its hidden states, its attention maps). The hidden states are
+        the patch embeddings then each block's output [h·w, hidden_size] (``num_hidden_layers + 1``, before the
+        final ``norm``); the maps are each block's [heads, h·w, h·w]. ``None`` unless asked for."""
         p = self.config.patch_size
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (self.config.num_channels, p, p):
             raise ValueError(
@@ -165,16 +190,27 @@ class DeepseekV41VisionTransformer(nn.Module):
         grids = _check_grids(pixel_values, image_grid_hw)
         pixel_values = pixel_values.to(self.patch_embed.proj.weight.dtype)
         patches = pixel_values.split([h * w for h, w in grids])
-        return [self.encode_image(x, h, w) for x, (h, w) in zip(patches, grids)]
+        return [
+            self._encode_image(x, h, w, output_hidden_states, output_attentions) for x, (h, w) in zip(patches, grids)
+        ]
 
-    def encode_image(self, pixel_values: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
-        """One image: [h·w, 3, p, p] → [h·w, hidden_size]."""
+    def _encode_image(
+        self, pixel_values: torch.Tensor, grid_h: int, grid_w: int, output_hidden_states: bool, output_attentions: bool
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """One image: [h·w, 3, p, p] → ([h·w, hidden_size], hidden states, attention maps)."""
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         cos, sin = vision_rotary_cos_sin(grid_h, grid_w, head_dim, self.config.rope_theta, pixel_values.device)
         hidden_states = self.patch_embed(pixel_values)
+        all_hidden = [hidden_states] if output_hidden_states else None
+        all_attentions = [] if output_attentions else None
         for block in self.blocks:
-            hidden_states = block(hidden_states, cos, sin)
-        return self.norm(hidden_states)
+            hidden_states = block(hidden_states, cos, sin, output_attentions)
+            if output_attentions:
+                hidden_states, probs = hidden_states
+                all_attentions.append(probs)
+            if output_hidden_states:
+                all_hidden.append(hidden_states)
+        return self.norm(hidden_states), all_hidden, all_attentions
 
 
 def unfold_token_grid(features: torch.Tensor, grid_h: int, grid_w: int, ratio: int) -> torch.Tensor:

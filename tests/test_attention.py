@@ -169,7 +169,9 @@ def test_attention_map_recombines_into_the_output():
     ctx = CompressedContext()
     with torch.no_grad():
         out, (probs, slot_index) = attn(x, rotation, ctx, output_attentions=True)
-        assert torch.equal(out, attn(x, rotation, CompressedContext()))
+        # with the map asked for, the output is computed from it (the map on the gradient path, as transformers'
+        # eager attention): fp32 here, so the fused online softmax and this differ by fp32 rounding only
+        torch.testing.assert_close(out, attn(x, rotation, CompressedContext()), rtol=1e-5, atol=1e-6)
         window = min(seq, text.sliding_window)
         assert probs.shape == (bsz, text.num_attention_heads, seq, slot_index.shape[-1])
         assert torch.equal(slot_index[0, :, :window], prefill_window_slots(seq, text.sliding_window, x.device))
@@ -193,7 +195,7 @@ def test_attention_map_of_a_decode_step_matches_the_full_pass():
 
     def recording(forward):
         def wrapped(*args, **kwargs):
-            out, attn_map = forward(*args, **kwargs, output_attentions=True)
+            out, attn_map = forward(*args, **{**kwargs, "output_attentions": True})
             maps.append(attn_map)
             return out
 

@@ -154,6 +154,32 @@ def test_without_a_tokenizer_the_default_map_is_used_with_a_warning(tiny, caplog
     assert not torch.equal(hashes, make_hasher(config, engram["token_map"])(inputs["input_ids"]))
 
 
+def test_warning_names_the_hasher_of_both_classes_and_stops_once_the_map_is_written_in_place(tiny, caplog):
+    config, engram, inputs, _ = tiny
+    hasher = DeepseekV41NgramHasher(config)
+    std_logging.Logger.warning_once.cache_clear()
+    with caplog.at_level("WARNING", logger="modeling_dsv41.engram"):
+        hasher(inputs["input_ids"])
+    assert "`model.model.engram_hasher.load_tokenizer(tokenizer)` on a DeepseekV41ForCausalLM" in caplog.text
+    assert "`model.engram_hasher.load_tokenizer(tokenizer)` on a DeepseekV41Model" in caplog.text
+    # a map written in place (as benchmarks/forward.py does) is no longer the default: no warning, no folding
+    with torch.no_grad():
+        hasher.token_map.copy_(engram["token_map"])
+    assert not hasher.uses_default_token_map and hasher.has_token_map
+    std_logging.Logger.warning_once.cache_clear()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="modeling_dsv41.engram"):
+        hashes = hasher(inputs["input_ids"])
+    assert "default compressed token map" not in caplog.text
+    assert torch.equal(hashes, make_hasher(config, engram["token_map"])(inputs["input_ids"]))
+    with pytest.raises(ValueError, match="no compressed Engram id"):
+        hasher(torch.tensor([[5, config.vocab_size + 3]]))  # ids beyond the map no longer fold as the default's
+    # writing the default map back (or moving the buffer) is the default again
+    with torch.no_grad():
+        hasher.token_map.copy_(torch.arange(config.vocab_size) % config.engram_compressed_vocab_size)
+    assert hasher.uses_default_token_map
+
+
 def test_default_map_covers_ids_added_by_a_resize(tiny):
     config, engram, _, _ = tiny
     hasher = DeepseekV41NgramHasher(config)

@@ -11,7 +11,6 @@ common config kwargs, and a Hub fetcher that refuses (no network while tests run
 
 from __future__ import annotations
 
-import copy
 import importlib
 import os
 import subprocess
@@ -26,6 +25,7 @@ import torch
 import transformers
 
 from configuration import DeepseekV41Config
+from modeling_dsv41.cache import DeepseekV41StaticCache
 
 IMAGE_TOKEN_ID = 250  # inside the testers' vocabulary (256), above the ids the text inputs draw from
 TEXT_TYPE = -1  # image_token_types of a text position
@@ -234,9 +234,6 @@ class DeepseekV41ModelTester:
 # ---------------------------------------------------------------------------------------------------------------------
 # generation: our own checks (the sdist does not ship transformers' GenerationTesterMixin)
 # ---------------------------------------------------------------------------------------------------------------------
-STATIC_CACHE = "static cache: issue 12, branch dec"
-
-
 class GenerationTesterMixin:
     """Generation checks of our own, run by every model tester that inherits them (and recognised by
     ``ModelTesterMixin.test_generation_tester_mixin_inheritance`` under transformers' name).
@@ -254,6 +251,14 @@ class GenerationTesterMixin:
         model.generation_config.eos_token_id = None  # every run generates all tokens
         model.generation_config.pad_token_id = self.model_tester.pad_token_id
         return model, inputs
+
+    @staticmethod
+    def _first_row(inputs: dict) -> dict:
+        """Row 0 of the batch, with its image's patches (one image per row)."""
+        row = {k: v[:1] for k, v in inputs.items() if k != "pixel_values"}
+        if "pixel_values" in inputs:
+            row["pixel_values"] = inputs["pixel_values"].unflatten(0, (len(inputs["input_ids"]), -1))[0]
+        return row
 
     @staticmethod
     def _extend(inputs: dict, sequences: torch.Tensor) -> dict:
@@ -321,7 +326,6 @@ class GenerationTesterMixin:
         logprobs = logits.log_softmax(-1).gather(-1, out.sequences[:, prompt:, None]).sum((1, 2))
         torch.testing.assert_close(out.sequences_scores, logprobs, rtol=1e-4, atol=1e-4)
 
-    @pytest.mark.xfail(strict=True, reason=STATIC_CACHE)
     def test_static_cache_generate_matches_the_default_cache(self):
         model, inputs = self._generation_model()
         default = model.generate(**inputs, do_sample=False, max_new_tokens=self.max_new_tokens)
@@ -330,23 +334,24 @@ class GenerationTesterMixin:
         )
         torch.testing.assert_close(static, default, rtol=0, atol=0)
 
-    @pytest.mark.xfail(strict=True, reason=STATIC_CACHE)
     def test_assisted_decoding_with_itself_as_assistant_is_greedy(self):
         model, inputs = self._generation_model()
+        inputs = self._first_row(inputs)  # transformers' assisted decoding takes one row
         greedy = model.generate(**inputs, do_sample=False, max_new_tokens=self.max_new_tokens)
         assisted = model.generate(**inputs, do_sample=False, max_new_tokens=self.max_new_tokens, assistant_model=model)
         torch.testing.assert_close(assisted, greedy, rtol=0, atol=0)
 
-    @pytest.mark.xfail(strict=True, reason=STATIC_CACHE)
     def test_decode_step_compiles_without_graph_break(self):
         model, inputs = self._generation_model()
+        max_cache_len = inputs["input_ids"].shape[1] + 8
+        eager_cache, compiled_cache = (DeepseekV41StaticCache(model.config, max_cache_len) for _ in range(2))
         with torch.no_grad():
-            prefill = model(**inputs, use_cache=True)
-            token = prefill.logits[:, -1:].argmax(-1)
-            eager = model(input_ids=token, cache=copy.deepcopy(prefill.cache)).logits
+            token = model(**inputs, cache=eager_cache).logits[:, -1:].argmax(-1)
+            model(**inputs, cache=compiled_cache)
+            eager = model(input_ids=token, cache=eager_cache).logits
             # fullgraph: any graph break raises; the eager backend traces without generating kernels (fast on CPU)
-            step = torch.compile(model, fullgraph=True, backend="eager")
-            compiled = step(input_ids=token, cache=copy.deepcopy(prefill.cache)).logits
+            step = torch.compile(model.forward, fullgraph=True, backend="eager")
+            compiled = step(input_ids=token, cache=compiled_cache).logits
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
     def test_left_padded_generate_matches_each_row_alone(self):

@@ -245,7 +245,15 @@ class GenerationTesterMixin:
     max_new_tokens = 4
 
     def _generation_model(self):
+        """The tester's model with every compressed row and candidate block selected.
+
+        Cached decoding and a full pass are compared exactly here, and the indexer's scores (sums of ReLUs) of a
+        tiny random model tie at exactly 0 on many rows; top-k breaks such ties by position in a row dimension that
+        differs between a decode step and a full pass, as DeepSeek's reference does (with the tester's index_topk 4,
+        3 of 20 random prompts decoded 0.07-0.12 away from the full pass; with full selection 0 of 20).
+        tests/test_generation.py checks cached decoding with sparse selection on seeded prompts."""
         config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        config.text_config.index_topk = config.text_config.candidate_topk_blocks = 32  # ≥ rows / blocks of any test
         torch.manual_seed(0)
         model = self.all_generative_model_classes[0](config).eval()
         model.generation_config.eos_token_id = None  # every run generates all tokens

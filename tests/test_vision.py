@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from configuration.configuration_dsv41 import DeepseekV41Config
+from modeling_dsv41.numerics import reference_numerics
 from modeling_dsv41.vision import (
     DeepseekV41Aligner,
     DeepseekV41VisionRMSNorm,
@@ -75,7 +76,9 @@ def test_vit_and_aligner_match_reference_captures(tiny, vit, aligner):
         hooks.append(block.register_forward_hook(lambda m, i, o, j=j: seen.__setitem__(f"vision.blocks.{j}.out", o)))
     grid = torch.tensor([[9, 13]])
     try:
-        with torch.no_grad():
+        # in reference numerics the ViT's products and fused attention round the same on every CPU (ATen's scalar
+        # `default` kernels compute the flash kernel's exp differently: 18% of block outputs moved by an ulp)
+        with torch.no_grad(), reference_numerics():
             (features,) = vit(inputs["pixel_values"], grid)
             (tokens,) = aligner([features], grid)
     finally:

@@ -16,18 +16,11 @@ from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.hub import native_precision
 from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
 from modeling_dsv41.hub.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
-from reference_fixture import stub_tokenizer
+from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
 
 # a two-layer text model with every released storage kind: FP8 attention / indexer / shared-expert Linears, an FP8
 # `wo_a` and Engram `wkv` (dequantized on load), packed FP4 experts, FP8 Engram tables
-TEXT = dict(
-    vocab_size=512, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2, n_routed_experts=4,
-    num_experts_per_tok=2, sliding_window=16, compress_ratios=[0, 2], kv_source_layer_ids=[1],
-    index_source_layer_ids=[1], index_n_heads=4, index_head_dim=64, index_topk=8, candidate_source_layer_id=-1,
-    engram_layer_ids=[0, 1], engram_num_embeddings=[660, 864], engram_vocab_size=100, engram_n_heads=2,
-    engram_head_dim=32, engram_compressed_vocab_size=256, num_nextn_predict_layers=0,
-)
+TEXT = QUANT_FORMAT_TEXT
 
 
 @pytest.fixture(scope="module")

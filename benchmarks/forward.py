@@ -73,8 +73,9 @@ SIZES = {
 }
 
 
-def build_ours(engram: bool, size: str = "tiny") -> DeepseekV41ForCausalLM:
-    overrides = SIZES[size] | ({} if engram else NO_ENGRAM)
+def build_ours(engram: bool, size: str = "tiny", **text_overrides) -> DeepseekV41ForCausalLM:
+    """Ours at ``size``; ``text_overrides`` change further text_config fields (e.g. ``query_chunk_size``)."""
+    overrides = SIZES[size] | ({} if engram else NO_ENGRAM) | text_overrides
     config = DeepseekV41Config.from_preset("tiny")
     if overrides:
         config = DeepseekV41Config.from_preset("tiny", text_config=config.text_config.to_dict() | overrides)

@@ -30,9 +30,11 @@ mode=--compile-mode)``; the default ``reduce-overhead`` captures it as a CUDA gr
 it runs per step (torch.profiler: inductor's fused kernels plus the aten ops the graph still calls, allocations
 and views excluded) against the eager step's non-view ops.
 
+``--greedy-only`` runs the greedy generate comparison alone (e.g. a second run at ``--batch 16``).
+
 Usage: ``python benchmarks/generate.py [--size tiny|medium] [--device cpu|cuda] [--dtype float32|bfloat16]
 [--contexts 256 2048] [--steps 32] [--reps 3] [--batch 1] [--threads 2] [--baseline-src DIR]
-[--compile] [--compile-mode reduce-overhead|default|max-autotune]``
+[--compile] [--compile-mode reduce-overhead|default|max-autotune] [--greedy-only]``
 """
 
 from __future__ import annotations
@@ -126,9 +128,10 @@ class StepClock(LogitsProcessor):
 @torch.no_grad()
 def greedy_decode_seconds(
     models: dict[str, nn.Module], context: int, batch: int, steps: int, reps: int, device: str
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Seconds per decoded token (per row) of each model's ``generate``: the median interval between consecutive
-    tokens' logits (the prefill, before the first, excluded), over ``reps`` calls timed round-robin."""
+    tokens' logits (the prefill, before the first, excluded), over ``reps`` calls timed round-robin. None for a
+    model that runs out of CUDA memory."""
     vocab = min(m.config.get_text_config().vocab_size for m in models.values())
     ids = torch.randint(3, vocab - 16, (batch, context), generator=torch.Generator().manual_seed(context)).to(device)
 
@@ -140,13 +143,25 @@ def greedy_decode_seconds(
         )
         return [b - a for a, b in zip(clock.times, clock.times[1:])]
 
-    for model in models.values():
-        step_intervals(model, 2)  # warm-up
+    out_of_memory = set()
+
+    def intervals_unless_out_of_memory(name: str, new_tokens: int) -> list[float]:
+        if name in out_of_memory:
+            return []
+        try:
+            return step_intervals(models[name], new_tokens)
+        except torch.cuda.OutOfMemoryError:
+            out_of_memory.add(name)
+            torch.cuda.empty_cache()
+            return []
+
+    for name in models:
+        intervals_unless_out_of_memory(name, 2)  # warm-up
     intervals: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(reps):
-        for name, model in models.items():
-            intervals[name] += step_intervals(model, steps + 1)
-    return {name: statistics.median(times) for name, times in intervals.items()}
+        for name in models:
+            intervals[name] += intervals_unless_out_of_memory(name, steps + 1)
+    return {name: None if name in out_of_memory else statistics.median(times) for name, times in intervals.items()}
 
 
 class OpCounter(TorchDispatchMode):
@@ -239,6 +254,21 @@ def compiled_decode(model: nn.Module, context: int, steps: int, mode: str, devic
     return seconds
 
 
+def cached_against_recompute(model: DeepseekV41ForCausalLM, args: argparse.Namespace) -> None:
+    measure(model, [32], 4, 1, args.device)  # warm-up
+    print("\n## ours: cached decode step vs recomputing the prefix (batch 1)")
+    print(f"{'context':>8} {'cached tok/s':>13} {'recompute tok/s':>16} {'speed-up':>9} {'cache KiB':>10}")
+    results = measure(model, args.contexts, args.steps, args.reps, args.device)
+    for context, r in results.items():
+        print(
+            f"{context:>8} {1 / r['decode_s']:>13.1f} {1 / r['full_s']:>16.2f} "
+            f"{r['full_s'] / r['decode_s']:>8.1f}× {r['cache_kib']:>10.1f}"
+        )
+    short, long = min(args.contexts), max(args.contexts)
+    growth = results[long]["decode_s"] / results[short]["decode_s"]
+    print(f"per-token decode time at {long} vs {short}: {growth:.2f}× (context ×{long / short:.0f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -252,6 +282,7 @@ def main() -> None:
     parser.add_argument("--baseline-src", help="a checkout whose dynamic-cache decode step ops are the baseline")
     parser.add_argument("--compile", action="store_true", help="also time and count the compiled static decode step")
     parser.add_argument("--compile-mode", default="reduce-overhead", help="torch.compile mode (CUDA graphs by default)")
+    parser.add_argument("--greedy-only", action="store_true", help="only the greedy generate comparison (at --batch)")
     parser.add_argument("--op-count-only", action="store_true", help=argparse.SUPPRESS)  # --baseline-src's subprocess
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -262,28 +293,21 @@ def main() -> None:
         print(json.dumps(decode_op_count(model, min(args.contexts), False, args.device)))
         return
     model, theirs = build(args.size, args.device, getattr(torch, args.dtype))
-    measure(model, [32], 4, 1, args.device)  # warm-up
-
     print(f"size {args.size}, {args.dtype}, {args.device}, {args.threads} threads, torch {torch.__version__}")
-    print("\n## ours: cached decode step vs recomputing the prefix (batch 1)")
-    print(f"{'context':>8} {'cached tok/s':>13} {'recompute tok/s':>16} {'speed-up':>9} {'cache KiB':>10}")
-    results = measure(model, args.contexts, args.steps, args.reps, args.device)
-    for context, r in results.items():
-        print(
-            f"{context:>8} {1 / r['decode_s']:>13.1f} {1 / r['full_s']:>16.2f} "
-            f"{r['full_s'] / r['decode_s']:>8.1f}× {r['cache_kib']:>10.1f}"
-        )
-    short, long = min(args.contexts), max(args.contexts)
-    growth = results[long]["decode_s"] / results[short]["decode_s"]
-    print(f"per-token decode time at {long} vs {short}: {growth:.2f}× (context ×{long / short:.0f})")
+    if not args.greedy_only:
+        cached_against_recompute(model, args)
 
     models = {"ours": model, "transformers V4": theirs}
     print(f"\n## greedy generate, batch {args.batch}, {args.steps} decoded tokens: tokens/s per row")
     print(f"{'context':>8} {'ours tok/s':>11} {'V4 tok/s':>10} {'ours ÷ V4 (time)':>17}")
     for context in args.contexts:
         seconds = greedy_decode_seconds(models, context, args.batch, args.steps, args.reps, args.device)
-        print(f"{context:>8} {1 / seconds['ours']:>11.1f} {1 / seconds['transformers V4']:>10.1f} "
-              f"{seconds['ours'] / seconds['transformers V4']:>16.2f}×")
+        ours, v4 = seconds["ours"], seconds["transformers V4"]
+        cells = [f"{1 / s:.1f}" if s else "out of memory" for s in (ours, v4)]
+        ratio = f"{ours / v4:.2f}×" if ours and v4 else "—"
+        print(f"{context:>8} {cells[0]:>11} {cells[1]:>10} {ratio:>17}")
+    if args.greedy_only:
+        return
 
     context = min(args.contexts)
     print(f"\n## aten ops of one decode step (batch 1, context {context})")

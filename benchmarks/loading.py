@@ -22,7 +22,13 @@ through ``/proc/self/clear_refs`` once torch and the package are imported. Repor
 
 Goals: native ``held`` ≤ 0.35 x dequantized ``held``, and ≤ 1.15 x the checkpoint's bytes. Linux 5.4+ only.
 
-    python benchmarks/loading.py [--workdir DIR] [--shard-mb 100] [--threads 2]
+Then, on ``--device`` (cpu by default, or cuda), both loads again in this process (``device_map=DEVICE``) and the
+same 2 x 64 tokens through each: max |Δ logit| of native against dequantized, the positions whose greedy token
+(argmax) agrees, which modules computed (transformers' ``FP8Linear`` / ``FP8Experts`` kernels, or our weight-only
+modules where those cannot run) and, on CUDA, ``torch.cuda.max_memory_allocated`` over each load and its forward.
+On CUDA the resident-memory table is skipped (it measures host memory).
+
+    python benchmarks/loading.py [--device cpu|cuda] [--workdir DIR] [--shard-mb 100] [--threads 2]
 """
 
 from __future__ import annotations
@@ -121,6 +127,63 @@ def measure(folder: str, case: str) -> dict:
     }
 
 
+def native_against_dequantized(folder: str, device: str, ids) -> dict:
+    """Load the released ``folder`` natively and dequantized (bf16) on ``device``, one after the other, and run
+    ``ids`` through each: max |Δ logit|, positions whose argmax agrees, the quantized module kinds of the native
+    model and, on CUDA, each case's allocation (after the load, and the peak over load and forward)."""
+    import gc
+    from collections import Counter
+
+    import torch
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+
+    import modeling_dsv41  # noqa: F401
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+
+    cuda = torch.device(device).type == "cuda"
+    logits, result = {}, {"memory": {}}
+    for case, kwargs in (("native", {}), ("dequantized", {"quantization_config": FineGrainedFP8Config(dequantize=True)})):
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        model = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=device, **kwargs)
+        held = torch.cuda.memory_allocated(device) if cuda else None
+        with torch.no_grad():
+            logits[case] = model(ids.to(device), use_cache=False).logits.float().cpu()
+        if cuda:
+            result["memory"][case] = {"held": held, "peak": torch.cuda.max_memory_allocated(device)}
+        if case == "native":
+            result["modules"] = dict(Counter(
+                type(m).__name__ for m in model.modules() if isinstance(m, (FP8Linear, FP8Experts))
+            ))
+        del model
+        gc.collect()
+    native, dequantized = logits["native"], logits["dequantized"]
+    result["max_abs_logit_diff"] = (native - dequantized).abs().max().item()
+    result["argmax_equal"] = int((native.argmax(-1) == dequantized.argmax(-1)).sum())
+    result["positions"] = native.shape[0] * native.shape[1]
+    return result
+
+
+def print_device_comparison(folder: Path, device: str) -> None:
+    import torch
+
+    ids = torch.randint(3, STAND_IN["vocab_size"] - 1, (2, 64), generator=torch.Generator().manual_seed(1))
+    r = native_against_dequantized(str(folder), device, ids)
+    where = f"CUDA ({torch.cuda.get_device_name(device)})" if torch.device(device).type == "cuda" else "CPU"
+    print(f"\nnative vs dequantized on {where}, 2 x 64 tokens, bf16: max |Δ logit| {r['max_abs_logit_diff']:.4g}, "
+          f"greedy argmax equal at {r['argmax_equal']}/{r['positions']} positions")
+    print("native model's quantized modules: " + ", ".join(f"{n} {k}" for k, n in sorted(r["modules"].items()))
+          + " (FP8Linear / FP8Experts: transformers' kernels; WeightOnly*: dequantized in the forward)")
+    for case, memory in r["memory"].items():
+        print(f"{case:12s} allocated after load {memory['held'] / 2**20:8.0f} MiB, "
+              f"max_memory_allocated (load + forward) {memory['peak'] / 2**20:8.0f} MiB")
+    if r["memory"]:
+        print(f"native / dequantized max_memory_allocated: "
+              f"{r['memory']['native']['peak'] / r['memory']['dequantized']['peak']:.2f}")
+
+
 def write_checkpoints(workdir: Path, shard_bytes: int) -> dict[str, Path]:
     import torch
     from tokenizers import Tokenizer, models
@@ -158,11 +221,30 @@ def _child(folder: Path, case: str, threads: int) -> dict:
     return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
 
 
+def resident_memory_table(folders: dict[str, Path], stored: int, threads: int) -> None:
+    """Each case in a fresh process: the resident-memory figures of the module docstring, and the goals."""
+    mib = 2**20
+    print(f"{'case (MiB)':46s} {'load s':>7s} {'model':>6s} {'peak':>6s} {'after':>6s} {'held':>6s} "
+          f"{'/stored':>7s} {'fwd':>6s} {'fwd peak':>8s}")
+    results = {}
+    for case, name in CASES.items():
+        r = results[case] = _child(folders["bf16" if case == "bf16" else "released"], case, threads)
+        print(f"{name:46s} {r['seconds']:7.2f} {r['model_bytes'] / mib:6.0f} {r['peak'] / mib:6.0f} "
+              f"{r['after'] / mib:6.0f} {r['held'] / mib:6.0f} {r['held'] / stored:7.2f} {r['forward'] / mib:6.0f} "
+              f"{r['forward_peak'] / mib:8.0f}")
+    native, dequantized = results["native"], results["dequantized"]
+    print(f"native / dequantized: held {native['held'] / dequantized['held']:.2f} (goal <= 0.35), peak "
+          f"{native['peak'] / dequantized['peak']:.2f}, after one forward {native['forward'] / dequantized['forward']:.2f}; "
+          f"native held / stored bytes {native['held'] / stored:.2f} (goal <= 1.15)")
+
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--shard-mb", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where the native vs dequantized logits check runs (cpu, cuda)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
@@ -173,19 +255,9 @@ def main() -> None:
         mib = 2**20
         print(f"released checkpoint: {stored / mib:.0f} MiB in "
               f"{len(list(folders['released'].glob('*.safetensors')))} shards of <= {args.shard_mb} MiB")
-        print(f"{'case (MiB)':46s} {'load s':>7s} {'model':>6s} {'peak':>6s} {'after':>6s} {'held':>6s} "
-              f"{'/stored':>7s} {'fwd':>6s} {'fwd peak':>8s}")
-        results = {}
-        for case, name in CASES.items():
-            r = results[case] = _child(folders["bf16" if case == "bf16" else "released"], case, args.threads)
-            print(f"{name:46s} {r['seconds']:7.2f} {r['model_bytes'] / mib:6.0f} {r['peak'] / mib:6.0f} "
-                  f"{r['after'] / mib:6.0f} {r['held'] / mib:6.0f} {r['held'] / stored:7.2f} {r['forward'] / mib:6.0f} "
-                  f"{r['forward_peak'] / mib:8.0f}")
-        native, dequantized = results["native"], results["dequantized"]
-        print(f"native / dequantized: held {native['held'] / dequantized['held']:.2f} (goal <= 0.35), peak "
-              f"{native['peak'] / dequantized['peak']:.2f}, after one forward {native['forward'] / dequantized['forward']:.2f}; "
-              f"native held / stored bytes {native['held'] / stored:.2f} (goal <= 1.15)")
-
+        if args.device == "cpu":
+            resident_memory_table(folders, stored, args.threads)
+        print_device_comparison(folders["released"], args.device)
 
 if __name__ == "__main__":
     main()

@@ -1,21 +1,33 @@
 """Peak memory of one forward pass against sequence length: chunked queries vs the whole sequence at once.
 
-What is measured: the rise of the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``)
-over one no-grad forward at batch 1, each in a fresh subprocess with glibc's mmap threshold pinned at 64 KiB, so
-that every large torch CPU tensor is its own mapping, returned to the system when freed, and the peak is that of
-the live tensors (the interpreter, torch and the model are resident before the reset and not counted). Linux only.
+What is measured, over one no-grad forward at batch 1 (``use_cache=False``, logits of the last token only):
+
+- ``--device cpu`` (default): the rise of the process's peak resident set (``VmHWM``, reset through
+  ``/proc/self/clear_refs``), each forward in a fresh subprocess with glibc's mmap threshold pinned at 64 KiB, so
+  that every large torch CPU tensor is its own mapping, returned to the system when freed, and the peak is that of
+  the live tensors (the interpreter, torch and the model are resident before the reset and not counted). Linux only.
+- ``--device cuda``: the rise of ``torch.cuda.max_memory_allocated`` over the memory allocated before the forward
+  (the weights), in this process after a short warm-up forward, and the whole peak (weights included) against the
+  device's memory. A configuration that runs out of memory is reported as such.
 
 Configurations, both in the same run:
 
 - ``chunked``: the config's ``query_chunk_size`` (the indexer's scores, top-k and attention per query chunk);
 - ``whole sequence`` (baseline): ``query_chunk_size`` = S, as before chunking: the indexer's [S, heads, S / ratio]
-  scores exist at once, so memory grows quadratically.
+  scores exist at once, so memory grows quadratically. Skipped above ``--baseline-max-seq`` (it measured 51.8 GiB
+  at S=32768 for the medium model on an H200, so 4× that at 65536).
 
-Model: a 3-layer text model at width 64 (window 16; layers 1-2 ratio 4, layer 1 KV, index and candidate source,
-layer 2 an indexer inside its candidates; 2 index heads of 32, index_topk 64), fp32, no Engram. The target is
-peak(16384) ≤ 4.5 × peak(4096) for the chunked pass (4× is linear).
+``--size``:
 
-Usage: ``python benchmarks/memory.py [--seqs 4096 16384] [--chunk 1024] [--no-baseline]``
+- ``small`` (default): a 3-layer text model at width 64 (window 16; layers 1-2 ratio 4, layer 1 KV, index and
+  candidate source, layer 2 an indexer inside its candidates; 2 index heads of 32, index_topk 64), no Engram;
+- ``medium``: issue 15's ~505M configuration (benchmarks/forward.py's ``SIZES["medium"]``, no Engram), for the GPU.
+
+The target is peak(16384) ≤ 4.5 × peak(4096) for the chunked pass (4× is linear) on CPU; on one H200, the medium
+model's S=131072 forward fits.
+
+Usage: ``python benchmarks/memory.py [--size small|medium] [--device cpu|cuda] [--dtype float32|bfloat16]
+[--seqs 4096 16384] [--chunk 1024] [--no-baseline] [--baseline-max-seq 32768]``
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def memory_config(chunk: int | None = None):
-    """The benchmark's small text model; ``chunk`` sets ``query_chunk_size`` (None: the config's default)."""
+    """The ``small`` text model; ``chunk`` sets ``query_chunk_size`` (None: the config's default)."""
     from configuration import DeepseekV41Config
 
     text = {
@@ -50,6 +62,40 @@ def memory_config(chunk: int | None = None):
     return DeepseekV41Config(text_config=text, vision_config=None)
 
 
+def build_model(size: str, chunk: int | None = None):
+    """The ``small`` or ``medium`` model (random weights, seed 0) with ``query_chunk_size`` = ``chunk`` (None: the
+    config's default), in eval mode."""
+    import torch
+
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+
+    torch.manual_seed(0)
+    if size == "small":
+        return DeepseekV41ForCausalLM(memory_config(chunk)).eval()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling forward.py, however this runs
+    from forward import build_ours
+
+    return build_ours(engram=False, size=size, **({} if chunk is None else {"query_chunk_size": chunk})).eval()
+
+
+def default_chunk(size: str) -> int:
+    if size == "small":
+        return memory_config().text_config.query_chunk_size
+    from configuration import DeepseekV41TextConfig
+
+    return DeepseekV41TextConfig().query_chunk_size  # forward.py's medium size keeps the default
+
+
+def forward_once(model, seq: int) -> None:
+    """One no-grad forward of ``seq`` tokens at batch 1 (the part both measurements share)."""
+    import torch
+
+    device = next(model.parameters()).device
+    ids = torch.randint(3, 500, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        model(ids, use_cache=False, logits_to_keep=1)
+
+
 def peak_rss_bytes() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
@@ -60,51 +106,119 @@ def current_rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
-def measure_in_this_process(seq: int, chunk: int) -> int:
+def measure_in_this_process(seq: int, chunk: int, size: str = "small", dtype: str = "float32") -> int:
     """Bytes the peak RSS rises by over one forward of ``seq`` tokens (after a short warm-up forward)."""
     import torch
 
-    from modeling_dsv41 import DeepseekV41ForCausalLM
-
-    torch.manual_seed(0)
     torch.set_num_threads(int(os.environ.get("DSV41_THREADS", "2")))
-    model = DeepseekV41ForCausalLM(memory_config(chunk)).eval()
-    ids = torch.randint(3, 500, (1, seq), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(ids[:, :256], use_cache=False, logits_to_keep=1)  # warm-up: lazy inits, thread pools
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")  # reset VmHWM to the current RSS
-        before = current_rss_bytes()
-        model(ids, use_cache=False, logits_to_keep=1)
+    model = build_model(size, chunk).to(getattr(torch, dtype))
+    forward_once(model, 256)  # warm-up: lazy inits, thread pools
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # reset VmHWM to the current RSS
+    before = current_rss_bytes()
+    forward_once(model, seq)
     return peak_rss_bytes() - before
 
 
-def peak_forward_bytes(seq: int, chunk: int) -> int:
+def peak_forward_bytes(seq: int, chunk: int, size: str = "small", dtype: str = "float32") -> int:
     """:func:`measure_in_this_process` in a fresh interpreter, so no earlier allocation is already resident."""
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)}
-    code = f"from benchmarks.memory import measure_in_this_process as m; print(m({seq}, {chunk}))"
+    code = f"from benchmarks.memory import measure_in_this_process as m; print(m({seq}, {chunk}, {size!r}, {dtype!r}))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
     return int(done.stdout.split()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, nargs=2, default=[4096, 16384], metavar=("SHORT", "LONG"))
-    parser.add_argument("--chunk", type=int, default=memory_config().text_config.query_chunk_size)
-    parser.add_argument("--no-baseline", action="store_true", help="skip the whole-sequence baseline")
-    args = parser.parse_args()
-    short, long = args.seqs
-    runs = {f"chunked (query_chunk_size {args.chunk})": lambda s: args.chunk}
-    if not args.no_baseline:
-        runs["whole sequence (query_chunk_size = S), baseline"] = lambda s: s
-    print("peak RSS rise over one forward, batch 1, fp32, CPU (fresh process each)")
-    print(f"{'configuration':<50}{f'S={short} MiB':>14}{f'S={long} MiB':>14}{'ratio':>8}")
+def cuda_peak_bytes(model, seq: int) -> tuple[int, int] | None:
+    """(rise of ``torch.cuda.max_memory_allocated`` over the allocation before the forward, the whole peak) over one
+    forward of ``seq`` tokens of ``model`` (on a CUDA device, warmed up); None if it ran out of memory."""
+    import torch
+
+    device = next(model.parameters()).device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    try:
+        forward_once(model, seq)
+        torch.cuda.synchronize(device)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        torch.cuda.empty_cache()
+    peak = torch.cuda.max_memory_allocated(device)
+    return peak - before, peak
+
+
+def cuda_runs(size: str, dtype: str, device: str, runs: dict, seqs: list[int]) -> dict[str, list]:
+    """:func:`cuda_peak_bytes` of each run's model (built once per run: ``query_chunk_size`` is read at
+    construction) at each of ``seqs`` (None where the run skips that length)."""
+    import torch
+
     results = {}
     for name, chunk_of in runs.items():
-        peaks = [peak_forward_bytes(seq, chunk_of(seq)) for seq in (short, long)]
+        peaks, model = [], None
+        for seq in seqs:
+            chunk = chunk_of(seq)
+            if chunk is None:
+                peaks.append(None)
+                continue
+            if model is None or model.config.text_config.query_chunk_size != chunk:
+                del model
+                model = build_model(size, chunk).to(device, getattr(torch, dtype))
+                forward_once(model, 256)  # warm-up: cuBLAS workspaces, lazy inits
+            peaks.append(cuda_peak_bytes(model, seq) or "out of memory")
         results[name] = peaks
-        print(f"{name:<50}{peaks[0] / 2**20:>14.1f}{peaks[1] / 2**20:>14.1f}{peaks[1] / peaks[0]:>7.2f}×")
-    print(f"target: ratio ≤ 4.5× (sequence ×{long / short:.0f}); " + json.dumps({k: v for k, v in results.items()}))
+        del model
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=["small", "medium"], default="small")
+    parser.add_argument("--device", default="cpu", help="cpu (peak RSS, fresh process each) or cuda[:N]")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--seqs", type=int, nargs=2, default=[4096, 16384], metavar=("SHORT", "LONG"))
+    parser.add_argument("--chunk", type=int, default=None, help="query_chunk_size of the chunked run (default: the config's)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the whole-sequence baseline")
+    parser.add_argument("--baseline-max-seq", type=int, default=32768,
+                        help="skip the whole-sequence baseline above this S (its memory is quadratic)")
+    args = parser.parse_args()
+    chunk = args.chunk or default_chunk(args.size)
+    short, long = args.seqs
+    runs = {f"chunked (query_chunk_size {chunk})": lambda s: chunk}
+    if not args.no_baseline:
+        runs["whole sequence (query_chunk_size = S), baseline"] = lambda s: s if s <= args.baseline_max_seq else None
+        for seq in args.seqs:
+            if seq > args.baseline_max_seq:
+                print(f"note: whole-sequence baseline skipped at S={seq} (> --baseline-max-seq {args.baseline_max_seq}: "
+                      "its indexer scores alone would not fit)")
+    if args.device == "cpu":
+        print(f"peak RSS rise over one forward, batch 1, {args.size}, {args.dtype}, CPU (fresh process each)")
+        results = {
+            name: [None if chunk_of(seq) is None else peak_forward_bytes(seq, chunk_of(seq), args.size, args.dtype)
+                   for seq in (short, long)]
+            for name, chunk_of in runs.items()
+        }
+    else:
+        import torch
+
+        total = torch.cuda.get_device_properties(args.device).total_memory
+        print(f"peak CUDA allocation (torch.cuda.max_memory_allocated) over one forward, batch 1, {args.size}, "
+              f"{args.dtype}, {torch.cuda.get_device_name(args.device)} ({total / 2**30:.1f} GiB), torch {torch.__version__}")
+        results = cuda_runs(args.size, args.dtype, args.device, runs, [short, long])
+        for name, peaks in results.items():
+            for seq, peak in zip((short, long), peaks):
+                if isinstance(peak, tuple):
+                    print(f"  {name}, S={seq}: whole peak (weights + forward) {peak[1] / 2**30:.2f} GiB "
+                          f"= {peak[1] / total:.1%} of the device")
+        results = {name: [p[0] if isinstance(p, tuple) else p for p in peaks] for name, peaks in results.items()}
+    print(f"{'configuration':<50}{f'S={short} MiB':>16}{f'S={long} MiB':>16}{'ratio':>8}")
+    for name, peaks in results.items():
+        cells = [f"{p / 2**20:>16.1f}" if isinstance(p, int) else f"{p or 'skipped':>16}" for p in peaks]
+        ratio = f"{peaks[1] / peaks[0]:>7.2f}×" if all(isinstance(p, int) for p in peaks) else f"{'—':>8}"
+        print(f"{name:<50}{cells[0]}{cells[1]}{ratio}")
+    print(f"target: ratio ≤ {1.125 * long / short:.1f}× (sequence ×{long / short:.0f}: linear, +12.5%); "
+          + json.dumps(results))
 
 
 if __name__ == "__main__":

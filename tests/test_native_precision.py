@@ -185,3 +185,22 @@ def test_where_the_fp8_kernels_run_transformers_modules_are_kept(monkeypatch):
         assert (type(linear) is WeightOnlyFP8Linear) == weight_only and isinstance(linear, FP8Linear)
         assert isinstance(experts, WeightOnlyFP4Experts) == weight_only and isinstance(experts, FP8Experts)
         assert experts.gate_up_proj.dtype == torch.int8 and experts.gate_up_proj.shape == (4, 256, 128)
+
+
+def test_the_loading_benchmark_device_check_runs_the_weight_only_path_on_cpu(released, native):
+    """benchmarks/loading.py's native-vs-dequantized check (which benchmarks/gpu.sh runs on CUDA, where transformers'
+    FP8 kernels can run) on the CPU: both loads through ``device_map``, the weight-only modules, logits bit-exact as
+    in the test above, every greedy token the same."""
+    from benchmarks.loading import native_against_dequantized
+
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(2))
+    result = native_against_dequantized(str(released[0]), "cpu", ids)
+    expected = {}
+    for module in native.modules():
+        if isinstance(module, (FP8Linear, FP8Experts)):
+            expected[type(module).__name__] = expected.get(type(module).__name__, 0) + 1
+    assert set(expected) == {"WeightOnlyFP8Linear", "WeightOnlyFP4Experts"}
+    assert result["modules"] == expected
+    assert result["max_abs_logit_diff"] == 0.0
+    assert result["argmax_equal"] == result["positions"] == ids.numel()
+    assert result["memory"] == {}  # allocation figures are CUDA's only

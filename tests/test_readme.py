@@ -4,6 +4,7 @@ The two set-up commands are what CI itself runs; here we only check they are sti
 
 from __future__ import annotations
 
+import argparse
 import re
 import runpy
 import shlex
@@ -104,3 +105,29 @@ def test_benchmark_commands_exist_and_parse_their_arguments(monkeypatch, capsys)
             runpy.run_path(str(script), run_name="__main__")
         assert exit_info.value.code == 0, command
         assert "usage:" in capsys.readouterr().out
+
+
+class ArgumentsParsed(Exception):
+    """Raised in place of running a benchmark once its command line parsed."""
+
+
+def test_gpu_script_commands_parse_their_arguments(monkeypatch):
+    """benchmarks/gpu.sh runs only on a GPU machine (scarce device time): each of its benchmark command lines is run
+    here up to a successful ``parse_args`` (an unknown or misspelt option fails, which ``--help`` would not catch)."""
+    text = (REPO_ROOT / "benchmarks" / "gpu.sh").read_text().replace("\\\n", " ")
+    commands = [shlex.split(line)[2:] for line in text.splitlines() if line.lstrip().startswith("step ")]
+    assert {c[1] for c in commands} == {f"benchmarks/{n}.py" for n in ("forward", "generate", "memory", "loading")}
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        parse_args(self, args, namespace)
+        raise ArgumentsParsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    for interpreter, script, *args in commands:
+        assert interpreter == "$PYTHON" and "--device" in args and "cuda" in args, args
+        monkeypatch.setattr(sys, "argv", [str(REPO_ROOT / script), *args])
+        with pytest.raises(ArgumentsParsed):
+            runpy.run_path(str(REPO_ROOT / script), run_name="__main__")

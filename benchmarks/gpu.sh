@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 14 and 15 in one run, about 9 minutes on one H200, from the repository root:
+#
+#     bash benchmarks/gpu.sh
+#
+# Everything goes to stdout and, when $OUT is set (the device machine's result folder), to $OUT/gpu_report.txt.
+# Each step has its own timeout; a step that fails or times out is reported and the next one runs.
+#
+# The device machine's image has torch 2.11 and transformers 5.17; this package needs transformers >= 5.24 (setup.cfg),
+# which needs regex >= 2025.10.22. Carry both as wheels (see /work/.library/device/README.md, Notes). Once, on the
+# developer machine, in the repository root of the checkout the session was started in (the one the device tool
+# sends; .gitignore already ignores /.whl/):
+#
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#         -d .whl transformers==5.24.0 regex==2026.11.19
+#
+# then one device call: run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=600). This script installs
+# .whl/*.whl into /tmp/dsv41-site (ahead of the image's packages) when the folder is there.
+#
+# transformers' FP8 kernels (FP8Linear / FP8Experts) come from the Hub through the `kernels` package, which the
+# offline machine has not: the native load then runs our weight-only modules on the GPU; loading.py says which ran.
+# image_processing.py is not run: it takes no device (the processors run on the CPU).
+
+
+cd "$(dirname "$0")/.." || exit 1
+export PYTHONUNBUFFERED=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1
+PYTHON=${PYTHON:-python3}
+
+step() {  # step SECONDS COMMAND...: run COMMAND under a timeout, then say how it ended and how long it took
+    local limit=$1 start=$SECONDS status
+    shift
+    echo
+    echo "=== $* (timeout ${limit} s) ==="
+    timeout --kill-after=10 "$limit" "$@"
+    status=$?
+    echo "=== exit status ${status}$([[ $status == 124 || $status == 137 ]] && echo ' (timed out)'), $((SECONDS - start)) s ==="
+}
+
+report() {
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/dsv41-site .whl/*.whl || return 1
+        export PYTHONPATH=/tmp/dsv41-site
+    fi
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+    echo "# dsv41 GPU report, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$PYTHON" - <<'EOF' || return 1
+import sys
+
+import torch
+import transformers
+from packaging.version import Version
+
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"CUDA available {torch.cuda.is_available()}")
+if Version(transformers.__version__) < Version("5.24") or not torch.cuda.is_available():
+    sys.exit("needs transformers >= 5.24 (carry the wheels: see the top of benchmarks/gpu.sh) and a CUDA device")
+EOF
+
+    # issue 15: forward and forward+backward, ours ÷ transformers' DeepSeek-V4 at ~505M, batch 4 × 2048
+    step 110 "$PYTHON" benchmarks/forward.py --size medium --device cuda --dtype bfloat16 --batch 4 --seq 2048 \
+        --reps 5 --profile-rows 12
+    # issue 15: decode at batch 1 after a 1024-token prompt, and the static-cache step compiled (CUDA graphs)
+    step 170 "$PYTHON" benchmarks/generate.py --size medium --device cuda --dtype bfloat16 --contexts 1024 \
+        --batch 1 --steps 32 --compile --compile-mode reduce-overhead
+    # issue 15: greedy decode at batch 16 (transformers' V4 ran out of memory there)
+    step 60 "$PYTHON" benchmarks/generate.py --size medium --device cuda --dtype bfloat16 --contexts 1024 \
+        --batch 16 --steps 16 --reps 2 --greedy-only
+    # issue 15: does the S=131072 forward of the ~505M model fit one H200 (chunked queries vs the whole sequence)
+    step 90 "$PYTHON" benchmarks/memory.py --size medium --device cuda --dtype bfloat16 --seqs 8192 131072
+    # issue 14: the released-format stand-in loaded natively on the GPU, logits against the dequantized load
+    step 100 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100
+
+    echo
+    echo "# done in ${SECONDS} s"
+}
+
+if [[ -n "${OUT:-}" ]]; then
+    set -o pipefail
+    mkdir -p "$OUT"
+    report 2>&1 | tee "$OUT/gpu_report.txt"
+else
+    report
+fi

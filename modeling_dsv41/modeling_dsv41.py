@@ -391,8 +391,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
             output_attentions,
         )
-        hidden = embeds.unsqueeze(2).repeat(1, 1, self.text_config.hc_mult, 1)  # [B, S, hc, D]
-        return (hidden, identity_pre_mix(hidden, self.text_config.hc_mult), None, None, None, None), embeds, image_outputs
+        hc_mult = self.text_config.hc_mult
+        hidden = embeds.unsqueeze(2).repeat(1, 1, hc_mult, 1)  # [B, S, hc, D]
+        return (hidden, identity_pre_mix(hidden, hc_mult), None, None, None, None), embeds, image_outputs
 
     def _stage_layers(self) -> list[DeepseekV41DecoderLayer]:
         """The decoder layers this model runs: all of them, or its pipeline stage's."""
@@ -670,7 +671,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         transformers causal LM) and ``logits_to_keep`` (an int keeps the last N positions, a tensor indexes)."""
         if self._pp_stage is not None:
             check_pipeline_call(
-                labels, self.training, output_hidden_states=_flag(output_hidden_states, self.config, "output_hidden_states"),
+                labels, self.training,
+                output_hidden_states=_flag(output_hidden_states, self.config, "output_hidden_states"),
                 output_attentions=_flag(output_attentions, self.config, "output_attentions"),
                 output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
             )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -66,14 +67,12 @@ class DeepseekV41PipelineStage(PipelineStage):
 
     def recv_stream(self, count: int, device: torch.device) -> list[torch.Tensor | None]:
         """Receive the ``count`` tensors :meth:`send_stream` sent from the previous stage, onto ``device``."""
-        header = self.communicate("recv_forward", device=device, dtype=torch.long, shape=(count, 2 + _MAX_NDIM))
-        tensors = []
-        for code, ndim, *shape in header.tolist():
-            if code < 0:
-                tensors.append(None)
-                continue
-            tensors.append(self.communicate("recv_forward", device=device, dtype=_DTYPES[code], shape=tuple(shape[:ndim])))
-        return tensors
+        receive = partial(self.communicate, "recv_forward", device=device)
+        header = receive(dtype=torch.long, shape=(count, 2 + _MAX_NDIM))
+        return [
+            None if code < 0 else receive(dtype=_DTYPES[code], shape=shape[:ndim])
+            for code, ndim, *shape in header.tolist()
+        ]
 
 
 def maybe_distribute_model(distribute: Callable, model: nn.Module, distributed_config, mesh_manager) -> nn.Module:
@@ -99,7 +98,9 @@ def split_into_stage(model: nn.Module, pp_mesh) -> DeepseekV41PipelineStage:
     base = getattr(model, model.base_model_prefix)
     stage = DeepseekV41PipelineStage(pp_mesh, len(base.layers))
     if len(stage.layer_range) == 0:
-        raise ValueError(f"pp_size={stage.pp_size} leaves stage {stage.pp_rank} without layers ({len(base.layers)} in all)")
+        raise ValueError(
+            f"pp_size={stage.pp_size} leaves stage {stage.pp_rank} without layers ({len(base.layers)} in all)"
+        )
     for index in range(len(base.layers)):
         if index not in stage.layer_range:
             base.layers[index] = PipelineIdentityLayer()

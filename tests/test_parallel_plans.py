@@ -82,7 +82,7 @@ def _load_sharded_and_compare(rank: int, folder: Path, kind: str) -> None:
     # the environment transformers' distributed loading reads (as torchrun sets it)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
     if kind.startswith("pp"):
-        model = _load_pipeline_stage(rank, folder)
+        model = _load_pipeline_stage(rank, folder, kind)
     elif kind == "tp":
         model = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=torch.float32, tp_plan="auto")
         experts = model.model.layers[0].ffn.experts
@@ -107,12 +107,15 @@ def _load_sharded_and_compare(rank: int, folder: Path, kind: str) -> None:
     assert torch.equal(tokens, reference["tokens"]), (tokens, reference["tokens"])
 
 
-def _load_pipeline_stage(rank: int, folder: Path) -> DeepseekV41ForCausalLM:
+def _load_pipeline_stage(rank: int, folder: Path, kind: str) -> DeepseekV41ForCausalLM:
     """Stage ``rank`` of a 2-stage pipeline, checked to hold (and to have loaded) only its own modules."""
     from transformers.distributed import DistributedConfig
 
+    # the text case also memory-maps the Engram tables (as the released model's stay in host memory): each stage maps
+    # only its own layers' tables
     model, info = DeepseekV41ForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, distributed_config=DistributedConfig(pp_size=WORLD), output_loading_info=True
+        folder, dtype=torch.float32, distributed_config=DistributedConfig(pp_size=WORLD), output_loading_info=True,
+        engram_tables="mmap" if kind == "pp" else "auto",
     )
     assert not info["unexpected_keys"] and not info["missing_keys"], info
     own = range(0, 3) if rank == 0 else range(3, 6)

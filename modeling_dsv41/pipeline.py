@@ -13,7 +13,8 @@ its ``pp`` mesh, and :class:`~modeling_dsv41.modeling_dsv41.DeepseekV41Model` re
 * the last stage: receives the stream → its layers → hc collapse → ``norm`` → ``lm_head``; the logits are
   broadcast to every stage, so ``generate`` runs unchanged on every rank, each stage caching its own layers.
 
-Inference only: there is no backward across stages, so ``labels`` and training mode are refused.
+Inference only: there is no backward across stages, so ``labels`` and training mode are refused. Every rank runs
+``generate`` on the same logits, so sampling needs the same seed on every rank (greedy and beam search need nothing).
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from transformers.distributed.pipeline_parallel import PipelineIdentityLayer, Pi
 # what a stream header can name (its index is the code sent); -1 sends None
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
 _MAX_NDIM = 4  # [B, S, hc, D] is the largest tensor of the stream
-# modules of the backbone that only the first stage runs (besides `embed`, which transformers' stage knows as
-# `embed_tokens`): the vision tower and its aligner
+# modules of the backbone that only the first stage holds and loads: `embed` (transformers' stage knows only
+# `embed_tokens`), the vision tower and its aligner
 _FIRST_STAGE_MODULES = ("embed", "vision", "aligner")
 
 

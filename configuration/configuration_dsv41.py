@@ -71,14 +71,24 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     # grouped by `o_groups`) and `wo_b` split consistently, for ~2% of the weights; the compressors, the indexer,
     # mHC (`hc_*`: tiny fp32 mixing matrices of the residual copies), the router and its biases, the shared expert
     # and the Engram tables (looked up by hashed n-gram id, not by a matmul) are small or not matmul-shaped.
-    # No pipeline plan: transformers' pipeline stages pass one [B, S, D] tensor between stages, while our layers
-    # pass the mHC residual copies [B, S, hc, D], the next block's mHC mix and the compressed KV that later layers
-    # share (`kv_source_layer_ids`), so `pp_size > 1` is refused rather than computed wrongly.
     base_model_tp_plan = {
         "embed": "embedding_rowwise",
         "layers.*.ffn.experts.gate_up_proj": "packed_colwise",
         "layers.*.ffn.experts.down_proj": "rowwise",
         "layers.*.ffn.experts": "moe_tp_experts",
+    }
+    # Pipeline plan: what crosses a stage boundary. Between layers that is the whole residual stream, not one
+    # [B, S, D] tensor: the mHC copies [B, S, hc, D], the mix `pre_mix` [B, S, hc] the next block collapses them with
+    # (fp32) and the compressed context later layers share (`kv_source_layer_ids`, index sources, candidates; any may
+    # be None), so `modeling_dsv41.pipeline` sends those rather than transformers' naive `inputs_embeds`. Engram
+    # layers hash the input ids, which every stage keeps. The last stage collapses the copies before `norm`.
+    base_model_pp_plan = {
+        "embed": (["input_ids"], ["inputs_embeds"]),
+        "layers": (
+            ["hidden_states", "pre_mix", "compress_kv", "index_k", "selection", "candidates"],
+            ["hidden_states", "pre_mix", "compress_kv", "index_k", "selection", "candidates"],
+        ),
+        "norm": (["hidden_states", "pre_mix"], ["hidden_states"]),
     }
     # Expert parallelism: whole experts per rank (dim 0 of both fused tensors), tokens routed to them by the
     # `EPImplementation` that `DistributedConfig.ep_implementation` names.
@@ -468,9 +478,10 @@ class DeepseekV41Config(PreTrainedConfig):
 
     model_type = "deepseek_v41"
     # `DeepseekV41Model` holds the text backbone's modules directly (`layers`, `embed`), so its plans are the text
-    # config's; the vision tower is replicated.
+    # config's; the vision tower is replicated (TP/EP) or runs on the first pipeline stage.
     base_model_tp_plan = DeepseekV41TextConfig.base_model_tp_plan
     base_model_ep_plan = DeepseekV41TextConfig.base_model_ep_plan
+    base_model_pp_plan = DeepseekV41TextConfig.base_model_pp_plan
     sub_configs_defaults = {
         "text_config": DeepseekV41TextConfig,
         "vision_config": SubConfigSpec(DeepseekV41VisionConfig, optional=True),

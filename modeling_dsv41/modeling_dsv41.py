@@ -40,6 +40,7 @@ from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
+from .pipeline import DeepseekV41PipelineStage, check_pipeline_call, maybe_distribute_model
 from .placement import DeepseekV41PlacementMixin
 from .rotary import DeepseekV41RotaryEmbedding
 from .validation import check_pixel_values, check_text_inputs
@@ -207,6 +208,11 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
         super().post_init()
 
     @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' TP/EP/FSDP; for ``pp_size > 1``, our own split of the stages (see :mod:`.pipeline`)."""
+        return maybe_distribute_model(super().maybe_distribute_model, model, distributed_config, mesh_manager)
+
+    @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         return False  # CSA2 sink attention over per-query slots is eager only (attention.py); no SDPA/flash kernel
 
@@ -266,6 +272,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     ``forward`` returns ``last_hidden_state`` = ``norm`` of the collapsed stream [B, S, D]; with
     ``output_hidden_states`` the per-layer residual streams [B, S, hc_mult, D] (embedding copies first).
     """
+
+    _pp_stage: DeepseekV41PipelineStage | None = None  # this rank's stage under pipeline parallelism (.pipeline)
 
     def __init__(self, config: DeepseekV41Config):
         super().__init__(config)
@@ -368,6 +376,30 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         )
         return merged, image_outputs
 
+    def _stage_input(
+        self, input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
+        output_attentions,
+    ) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor | None, BaseModelOutputWithPooling | None]:
+        """The residual stream entering this model's first layer: (copies [B, S, hc, D], ``pre_mix`` [B, S, hc], the
+        :class:`CompressedContext` fields), then the embeddings [B, S, D] and what the image encoder returned. A later
+        pipeline stage receives the stream from the stage before it (and has neither)."""
+        stage = self._pp_stage
+        if stage is not None and not stage.pp_is_first_stage:
+            device = self.layers[stage.layer_range.start].hc_attn_fn.device
+            return tuple(stage.recv_stream(6, device)), None, None
+        embeds, image_outputs = self._embed_inputs(
+            input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
+            output_attentions,
+        )
+        hc_mult = self.text_config.hc_mult
+        hidden = embeds.unsqueeze(2).repeat(1, 1, hc_mult, 1)  # [B, S, hc, D]
+        return (hidden, identity_pre_mix(hidden, hc_mult), None, None, None, None), embeds, image_outputs
+
+    def _stage_layers(self) -> list[DeepseekV41DecoderLayer]:
+        """The decoder layers this model runs: all of them, or its pipeline stage's."""
+        stage = self._pp_stage
+        return list(self.layers) if stage is None else [self.layers[i] for i in stage.layer_range]
+
     def _engram_hash_ids(self, input_ids, image_mask, attention_mask, cache=None, step=None):
         if self.engram_hasher is None:
             return None
@@ -398,7 +430,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if hash_ids is None:
             return {}
         rows = {}
-        for layer in self.layers:
+        for layer in self._stage_layers():
             engram = layer.engram
             if engram is None or engram.table_device.type == "meta" or isinstance(engram.embed.weight, DTensor):
                 continue
@@ -465,24 +497,26 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             input_ids, inputs_embeds, image_token_types, attention_mask = (
                 roll_rows(t, -shift) for t in (input_ids, inputs_embeds, image_token_types, attention_mask)
             )
-        embeds, image_outputs = self._embed_inputs(
+        stream, embeds, image_outputs = self._stage_input(
             input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
             output_attentions,
         )
+        seq_len = stream[0].shape[1]
         image_mask = None if image_token_types is None else image_token_types != IMAGE_TOKEN_TYPE_TEXT
         engram_mask = None if image_mask is None else ~image_mask
         step = None
         if cache is not None:
-            step = cache.step(_real_tokens_per_row(attention_mask, embeds), embeds.shape[1], self.compress_rotary)
+            step = cache.step(_real_tokens_per_row(attention_mask, stream[0]), seq_len, self.compress_rotary)
         hash_ids = self._engram_hash_ids(input_ids, image_mask, attention_mask, cache, step)
 
-        positions = torch.arange(embeds.shape[1], device=embeds.device)
+        positions = torch.arange(seq_len, device=stream[0].device)
         rotations = {False: self.window_rotary(positions), True: self.compress_rotary(positions)}
         outputs = self._run_layers(
-            embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions, cache, step
+            stream, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions,
+            cache, step,
         )
         if cache is not None:
-            cache.finish_step(step, embeds.shape[1])
+            cache.finish_step(step, seq_len)
         if shift is not None:  # queries back in the caller's layout (slots keep counting from the first real token)
             outputs.last_hidden_state = roll_rows(outputs.last_hidden_state, shift)
             for name in ("hidden_states", "attention_slots"):
@@ -514,11 +548,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         output_hidden_states, output_attentions, cache: DeepseekV41Cache,
     ) -> DeepseekV41ModelOutputWithPast:
         """The new tokens of every row, at each row's own next positions."""
-        embeds, image_outputs = self._embed_inputs(
+        stream, embeds, image_outputs = self._stage_input(
             input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
             output_attentions,
         )
-        bsz, seq_len = embeds.shape[:2]
+        bsz, seq_len = stream[0].shape[:2]
         if (
             attention_mask is not None
             and not torch.compiler.is_compiling()
@@ -530,30 +564,29 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             )
         image_mask = None if image_token_types is None else image_token_types != IMAGE_TOKEN_TYPE_TEXT
         engram_mask = None if image_mask is None else ~image_mask
-        new_tokens = torch.full((bsz,), seq_len, dtype=torch.long, device=embeds.device)
+        new_tokens = torch.full((bsz,), seq_len, dtype=torch.long, device=stream[0].device)
         step = cache.step(new_tokens, seq_len, self.compress_rotary)
         hash_ids = self._engram_hash_ids(input_ids, image_mask, None, cache, step)
         rotations = {False: self.window_rotary(step.positions), True: self.compress_rotary(step.positions)}
         outputs = self._run_layers(
-            embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions, cache, step
+            stream, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions,
+            cache, step,
         )
         cache.finish_step(step, seq_len)
         outputs.image_outputs = image_outputs
         return outputs
 
     def _run_layers(
-        self, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions, cache,
-        step,
+        self, stream, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions,
+        cache, step,
     ) -> DeepseekV41ModelOutputWithPast:
         text = self.text_config
         engram_rows = self.gather_engram_rows(hash_ids)
-        hidden = embeds.unsqueeze(2).repeat(1, 1, text.hc_mult, 1)  # [B, S, hc, D]
-        pre_mix = identity_pre_mix(hidden, text.hc_mult)
-        compressed = (None,) * 4  # the CompressedContext handed up the stack, field by field
+        hidden, pre_mix, *compressed = stream  # compressed: the CompressedContext handed up the stack, field by field
         collapse = DeepseekV41HyperConnection.collapse
         all_hidden = [embeds] if output_hidden_states else None  # = the copies collapsed onto copy 0
         all_attentions, all_slots = ([], []) if output_attentions else (None, None)
-        for layer in self.layers:
+        for layer in self._stage_layers():
             rotation = rotations[text.compress_ratios[layer.layer_id] > 0]
             hidden, pre_mix, *compressed, probs, slots = layer(
                 hidden, pre_mix, rotation, *compressed, engram_rows.get(layer.layer_id), image_mask=image_mask,
@@ -565,6 +598,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             if output_attentions:
                 all_attentions.append(probs)
                 all_slots.append(slots)
+        stage = self._pp_stage
+        if stage is not None and not stage.pp_is_last_stage:  # the next stage goes on from this stream
+            stage.send_stream((hidden, pre_mix, *compressed))
+            return DeepseekV41ModelOutputWithPast(cache=cache)
         return DeepseekV41ModelOutputWithPast(
             last_hidden_state=self.norm(collapse(hidden, pre_mix)),
             cache=cache,
@@ -580,6 +617,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
 
     _tied_weights_keys = None
     _tp_plan = {"lm_head": "colwise_gather_output"}  # vocabulary-sharded, logits gathered
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}  # on the last stage; the logits go to every stage
+    _pp_stage: DeepseekV41PipelineStage | None = None
     # generate(): greedy, sampling and beam search (DeepseekV41Cache reorders its rows), and assisted generation (the
     # cache records its past and rolls back over rejected tokens: DeepseekV41Cache.crop). Contrastive and other modes
     # that are not transformers' core ones are rejected.
@@ -630,6 +669,13 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     ) -> DeepseekV41CausalLMOutputWithPast:
         """As :meth:`DeepseekV41Model.forward`, plus ``labels`` ([B, S], -100 ignored; shifted inside, as in every
         transformers causal LM) and ``logits_to_keep`` (an int keeps the last N positions, a tensor indexes)."""
+        if self._pp_stage is not None:
+            check_pipeline_call(
+                labels, self.training,
+                output_hidden_states=_flag(output_hidden_states, self.config, "output_hidden_states"),
+                output_attentions=_flag(output_attentions, self.config, "output_attentions"),
+                output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
+            )
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             pixel_values=pixel_values, image_grid_hw=image_grid_hw, image_token_types=image_token_types,
@@ -637,9 +683,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
             cache=cache, use_cache=use_cache, return_dict=True,
         )
-        hidden = outputs.last_hidden_state
+        hidden = outputs.last_hidden_state  # None on all pipeline stages but the last
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden[:, keep])
+        logits = None if hidden is None else self.lm_head(hidden[:, keep])
+        if self._pp_stage is not None:
+            device = (input_ids if input_ids is not None else inputs_embeds).device
+            logits = self._pp_stage.broadcast_from_last(logits, dtype=torch.float32, device=device)
         loss = None
         if labels is not None:
             vocab_size = self.config.get_text_config().vocab_size

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
 from configuration.configuration_dsv41 import DeepseekV41Config
 
@@ -293,9 +294,14 @@ def format_plan(plan: DevicePlan, max_memory: dict[int | str, int], native: bool
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _engram_blocks(model: nn.Module):
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers (under pipeline parallelism, this stage's: the others are placeholders)."""
     base = getattr(model, "base_model", model)
-    return [layer.engram for layer in base.layers if layer.engram is not None]
+    return [layer for layer in base.layers if not isinstance(layer, PipelineIdentityLayer)]
+
+
+def _engram_blocks(model: nn.Module):
+    return [layer.engram for layer in _decoder_layers(model) if layer.engram is not None]
 
 
 def place_engram_tables(model: nn.Module, where: str | torch.device) -> None:
@@ -346,8 +352,7 @@ def memory_map_engram_tables(model: nn.Module, checkpoint: str | Path) -> None:
     for path in sorted(Path(checkpoint).glob("*.safetensors")):
         data_start, header = _safetensors_header(path)
         entries.update({name: (path, data_start, entry) for name, entry in header.items() if name != "__metadata__"})
-    base = getattr(model, "base_model", model)
-    for layer in base.layers:
+    for layer in _decoder_layers(model):
         if layer.engram is None:
             continue
         for part, param in layer.engram.embed.named_parameters():
@@ -372,8 +377,7 @@ def _hook_split_layers(model: nn.Module) -> None:
 
     if len(set((getattr(model, "hf_device_map", None) or {}).values())) < 2:
         return  # not dispatched: no hooks anywhere
-    base = getattr(model, "base_model", model)
-    for layer in base.layers:
+    for layer in _decoder_layers(model):
         if layer.engram is not None and not hasattr(layer, "_hf_hook"):
             hook = AlignDevicesHook(execution_device=layer.hc_attn_fn.device, skip_keys=model._skip_keys_device_placement)
             add_hook_to_module(layer, hook)

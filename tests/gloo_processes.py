@@ -18,12 +18,12 @@ WORLD = 2
 TIMEOUT_S = 120
 
 
-def _worker(rank: int, fn: Callable[[int, Path], None], port: int, tmp: str) -> None:
+def _worker(rank: int, fn: Callable[..., None], port: int, tmp: str, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        fn(rank, Path(tmp))
+        fn(rank, Path(tmp), *args)
     except BaseException:
         (Path(tmp) / f"failure_{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -37,10 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn: Callable[[int, Path], None], tmp: Path, timeout_s: float = TIMEOUT_S) -> None:
-    """Run ``fn(rank, tmp)`` (a module-level function) on 2 gloo processes; fail, not hang, after ``timeout_s``."""
+def spawn(fn: Callable[..., None], tmp: Path, *args, timeout_s: float = TIMEOUT_S) -> None:
+    """Run ``fn(rank, tmp, *args)`` (a module-level function, picklable args) on 2 gloo processes; fail, not hang,
+    after ``timeout_s``."""
     context = mp.start_processes(
-        _worker, args=(fn, free_port(), str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(fn, free_port(), str(tmp), args), nprocs=WORLD, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout_s
     try:

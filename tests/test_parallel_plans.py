@@ -1,60 +1,89 @@
-"""The config's tensor- and expert-parallel plans, run by transformers: ``from_pretrained(tp_plan="auto")`` and
-``DistributedConfig(tp_size=2, ep_size=2, tp_plan={})`` on 2 gloo CPU processes give the logits and the greedy tokens
-of one process.
+"""The config's tensor-, expert- and pipeline-parallel plans, run by transformers: ``from_pretrained(tp_plan="auto")``,
+``DistributedConfig(tp_size=2, ep_size=2, tp_plan={})`` and ``DistributedConfig(pp_size=2)`` on 2 gloo CPU processes
+give the logits and the greedy tokens of one process.
 
 The reference runs in the pytest process on the same saved folder; each worker loads it sharded and compares.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
-import socket
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dsv41_testers import IMAGE_GRID, IMAGE_SPAN_TYPES, TEXT_TYPE
+from gloo_processes import WORLD, spawn
 from safetensors.torch import load_file
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41.modeling_dsv41 import DeepseekV41DecoderLayer
 
-WORLD = 2
-TIMEOUT_S = 120
 PROMPT_LEN, NEW_TOKENS = 12, 6
 # fp32 throughout: sharding changes only the order of the experts' (and the vocabulary's) fp32 sums, measured at
 # ~1e-6 on these logits (|logits| ~ 1); 1e-4 leaves room for other CPUs' kernels while a wrong shard moves them by ~0.1.
+# The pipeline split changes no sum (each stage runs whole layers on the stream it receives, sent at its own dtype):
+# only the workers' single-threaded GEMMs block differently from the reference process's, measured at ~2e-7; held to
+# the same bound.
 ATOL = RTOL = 1e-4
 
 
-def _tiny_config() -> DeepseekV41Config:
-    # text-only tiny preset: 4 experts (2 per rank), I = 32 (16 per rank), vocab 512 (256 per rank)
-    return DeepseekV41Config.from_preset("tiny", vision_config=None)
+def _tiny_config(kind: str = "tp") -> DeepseekV41Config:
+    # tiny preset, text-only but for "pp_image": 4 experts (2 per rank), I = 32 (16 per rank), vocab 512 (256 per rank)
+    config = DeepseekV41Config.from_preset("tiny", **({} if kind == "pp_image" else {"vision_config": None}))
+    if kind.startswith("pp"):
+        # 6 layers: stage 0 runs 0-2, stage 1 runs 3-5. An Engram layer on each stage, and layer 3 (stage 1) reads the
+        # compressed K=V, index keys and candidate blocks that layer 1 (stage 0) made, so all of the stream crosses.
+        text = config.text_config
+        text.engram_layer_ids = [1, 4]
+        text.compress_ratios = [0, 2, 2, 2, 1, 1]
+        text.kv_source_layer_ids, text.index_source_layer_ids, text.candidate_source_layer_id = [1, 4], [1, 3, 4], 1
+        config = DeepseekV41Config.from_dict(config.to_dict())  # validated anew
+    return config
 
 
-def _reference(folder: Path, fixtures: Path) -> dict[str, torch.Tensor]:
+def _reference(folder: Path, fixtures: Path, kind: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(_tiny_config()).eval()
+    model = DeepseekV41ForCausalLM(_tiny_config(kind)).eval()
     model.model.engram_hasher.token_map.copy_(load_file(fixtures / "v41_tiny_vl/engram.safetensors")["token_map"])
     model.save_pretrained(folder)
     model = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    input_ids = torch.randint(3, model.config.text_config.vocab_size, (2, PROMPT_LEN))
+    inputs = _inputs(model.config)
     with torch.no_grad():
-        logits = model(input_ids).logits
-        tokens = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-    reference = {"input_ids": input_ids, "logits": logits, "tokens": tokens}
+        logits = model(**inputs).logits
+        tokens = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    reference = {"inputs": inputs, "logits": logits, "tokens": tokens}
     torch.save(reference, folder / "reference.pt")
     return reference
+
+
+def _inputs(config: DeepseekV41Config) -> dict[str, torch.Tensor]:
+    """Two rows of random text; with a vision config, one image per row (the testers' 6×6-patch image)."""
+    input_ids = torch.randint(3, config.text_config.vocab_size - 2, (2, PROMPT_LEN))
+    if not config.has_vision:
+        return {"input_ids": input_ids}
+    types = torch.full_like(input_ids, TEXT_TYPE)
+    types[:, 2 : 2 + len(IMAGE_SPAN_TYPES)] = torch.tensor(IMAGE_SPAN_TYPES)
+    return {
+        "input_ids": input_ids.masked_fill(types != TEXT_TYPE, config.image_token_id),
+        "image_token_types": types,
+        "pixel_values": torch.rand(2 * IMAGE_GRID[0] * IMAGE_GRID[1], 3, 14, 14) * 2 - 1,
+        "image_grid_hw": torch.tensor([IMAGE_GRID] * 2),
+    }
 
 
 def _load_sharded_and_compare(rank: int, folder: Path, kind: str) -> None:
     from transformers.distributed import DistributedConfig
 
-    if kind == "tp":
+    # the environment transformers' distributed loading reads (as torchrun sets it)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    if kind.startswith("pp"):
+        model = _load_pipeline_stage(rank, folder, kind)
+    elif kind == "tp":
         model = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=torch.float32, tp_plan="auto")
         experts = model.model.layers[0].ffn.experts
         assert experts.gate_up_proj.to_local().shape[1] == 2 * 32 // WORLD  # each rank: its I/2 of gate and of up
@@ -72,51 +101,32 @@ def _load_sharded_and_compare(rank: int, folder: Path, kind: str) -> None:
     model.eval()
     reference = torch.load(folder / "reference.pt")
     with torch.no_grad():
-        logits = model(reference["input_ids"]).logits
-        tokens = model.generate(reference["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False)
+        logits = model(**reference["inputs"]).logits
+        tokens = model.generate(**reference["inputs"], max_new_tokens=NEW_TOKENS, do_sample=False)
     torch.testing.assert_close(logits, reference["logits"], atol=ATOL, rtol=RTOL)
     assert torch.equal(tokens, reference["tokens"]), (tokens, reference["tokens"])
 
 
-def _worker(rank: int, port: int, folder: str, kind: str) -> None:
-    # the environment transformers' distributed loading reads (as torchrun sets it)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD)
+def _load_pipeline_stage(rank: int, folder: Path, kind: str) -> DeepseekV41ForCausalLM:
+    """Stage ``rank`` of a 2-stage pipeline, checked to hold (and to have loaded) only its own modules."""
+    from transformers.distributed import DistributedConfig
+
+    # the text case also memory-maps the Engram tables (as the released model's stay in host memory): each stage maps
+    # only its own layers' tables
+    model, info = DeepseekV41ForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, distributed_config=DistributedConfig(pp_size=WORLD), output_loading_info=True,
+        engram_tables="mmap" if kind == "pp" else "auto",
     )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        _load_sharded_and_compare(rank, Path(folder), kind)
-    except BaseException:
-        (Path(folder) / f"failure_{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(folder: Path, kind: str) -> None:
-    """Run the comparison on 2 gloo processes; fail (not hang) after TIMEOUT_S."""
-    context = mp.start_processes(
-        _worker, args=(_free_port(), str(folder), kind), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{kind} did not finish within {TIMEOUT_S} s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException):
-        failures = sorted(folder.glob("failure_*.txt"))
-        pytest.fail("\n".join(f.read_text() for f in failures) or "a worker failed")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    assert not info["unexpected_keys"] and not info["missing_keys"], info
+    own = range(0, 3) if rank == 0 else range(3, 6)
+    state = model.state_dict()
+    layers = {int(key.split(".")[2]) for key in state if key.startswith("model.layers.")}
+    assert layers == set(own), layers
+    assert ("model.embed.weight" in state) == (rank == 0)
+    vision = {key.split(".")[1] for key in state if key.startswith(("model.vision.", "model.aligner."))}
+    assert vision == ({"vision", "aligner"} if rank == 0 and model.config.has_vision else set()), vision
+    assert ("lm_head.weight" in state) == ("model.norm.weight" in state) == (rank == 1)
+    return model
 
 
 def test_plans_name_only_modules_of_the_model():
@@ -127,11 +137,17 @@ def test_plans_name_only_modules_of_the_model():
         for key in plan:
             pattern = key.replace(".", r"\.").replace("*", r"\d+")
             assert any(re.fullmatch(pattern, name) for name in names), key
-    assert not model.pp_plan  # see the config's comment: our layers pass more than one tensor between stages
+    for key in model.pp_plan:
+        assert key in names, key
+    # what crosses a stage boundary is what a decoder layer takes and hands on (the residual stream), by name
+    stream = list(inspect.signature(DeepseekV41DecoderLayer.forward).parameters)
+    inputs, outputs = model.pp_plan["model.layers"]
+    assert inputs == outputs == [name for name in stream if name in inputs]
+    assert inputs == ["hidden_states", "pre_mix", "compress_kv", "index_k", "selection", "candidates"]
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
-@pytest.mark.parametrize("kind", ["tp", "ep", "ep_all_to_all"])
+@pytest.mark.parametrize("kind", ["tp", "ep", "ep_all_to_all", "pp", "pp_image"])
 def test_two_gloo_processes_match_one(tmp_path, fixtures_dir, kind):
-    _reference(tmp_path, fixtures_dir)
-    _spawn(tmp_path, kind)
+    _reference(tmp_path, fixtures_dir, kind)
+    spawn(_load_sharded_and_compare, tmp_path, kind)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -24,10 +25,12 @@ def _worker(rank: int, fn: Callable[..., None], port: int, tmp: str, args: tuple
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         fn(rank, Path(tmp), *args)
+        dist.barrier()  # no rank tears gloo down while the other still communicates
     except BaseException:
         (Path(tmp) / f"failure_{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
+        gc.collect()  # FSDP2 modules, meshes and DTensors hold the group in reference cycles: free them now
         dist.destroy_process_group()
 
 

@@ -126,6 +126,9 @@ def _load_pipeline_stage(rank: int, folder: Path, kind: str) -> DeepseekV41ForCa
     vision = {key.split(".")[1] for key in state if key.startswith(("model.vision.", "model.aligner."))}
     assert vision == ({"vision", "aligner"} if rank == 0 and model.config.has_vision else set()), vision
     assert ("lm_head.weight" in state) == ("model.norm.weight" in state) == (rank == 1)
+    with pytest.raises(ValueError, match="one pipeline stage"):  # a stage's save would be a partial checkpoint
+        model.save_pretrained(folder.parent / f"stage{rank}")
+    assert not (folder.parent / f"stage{rank}").exists()
     return model
 
 

@@ -553,7 +553,13 @@ class DeepseekV41CheckpointLoadingMixin:
     def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs) -> None:
         """:meth:`PreTrainedModel.save_pretrained`, in our layout by default. ``save_original_format=True`` writes
         the released layout instead (root names, ``head``, per-expert ``w1``/``w2``/``w3``; plain weights), which
-        ``from_pretrained`` reads back unchanged; :func:`save_released_checkpoint` also quantizes as the release."""
+        ``from_pretrained`` reads back unchanged; :func:`save_released_checkpoint` also quantizes as the release.
+        A pipeline stage (``DistributedConfig(pp_size > 1)``) is refused: it holds only its own layers."""
+        if getattr(self, "_pp_stage", None) is not None:
+            raise ValueError(
+                "this model is one pipeline stage (DistributedConfig(pp_size > 1)) and holds only its own layers: "
+                "save the model loaded without pipeline parallelism"
+            )
         super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def _get_dtype_plan(self, dtype: torch.dtype) -> dict:

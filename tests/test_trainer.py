@@ -23,9 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
+from tiny_models import tiny_training_model
 from transformers import TrainerCallback
 
-from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM
+from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.optim import MixedOptimizer, assignment_table, build_param_groups
 from modeling_dsv41.training.router_balancing import IMAGE, TEXT, RouterBiasBalancer, bias_update
 from modeling_dsv41.training.trainer import (
@@ -49,14 +50,7 @@ ADAMW_ONLY = {".": "adamw"}
 
 
 def tiny_model(seed: int = 0) -> DeepseekV41ForCausalLM:
-    preset = DeepseekV41Config.from_preset("tiny")
-    text = {**preset.text_config.to_dict(), "num_hidden_layers": 2, "emulate_quantization": False}
-    config = DeepseekV41Config.from_preset("tiny", text_config=text)
-    torch.manual_seed(seed)
-    model = DeepseekV41ForCausalLM(config)
-    text = config.text_config
-    model.model.engram_hasher.token_map.copy_(torch.arange(text.vocab_size) % text.engram_compressed_vocab_size)
-    return model
+    return tiny_training_model(num_hidden_layers=2, seed=seed)
 
 
 def example(ids: torch.Tensor, image: tuple[int, int] | None = None, pad: int = 0, left: bool = False) -> dict:

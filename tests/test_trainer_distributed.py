@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_processes import TIMEOUT_S, WORLD, free_port, spawn
+from tiny_models import tiny_training_model
 
-from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM
+from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.numerics import reference_numerics
 from modeling_dsv41.optim import MixedOptimizer, assign_kinds, build_param_groups, freeze_default_parameters
 from modeling_dsv41.training.router_balancing import RouterBiasBalancer
@@ -39,13 +40,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built wit
 
 
 def tiny_model(seed: int = 0) -> DeepseekV41ForCausalLM:
-    preset = DeepseekV41Config.from_preset("tiny")
-    text = {**preset.text_config.to_dict(), "num_hidden_layers": 4, "emulate_quantization": False}
-    config = DeepseekV41Config.from_preset("tiny", text_config=text)
-    torch.manual_seed(seed)
-    model = DeepseekV41ForCausalLM(config)
-    text = config.text_config
-    model.model.engram_hasher.token_map.copy_(torch.arange(text.vocab_size) % text.engram_compressed_vocab_size)
+    model = tiny_training_model(num_hidden_layers=4, seed=seed)
     freeze_default_parameters(model)
     return model
 

@@ -40,7 +40,7 @@ from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
-from .pipeline import DeepseekV41PipelineStage, check_pipeline_call, maybe_distribute_model
+from .pipeline import DeepseekV41PipelineStage, check_pipeline_call, check_same_inputs, maybe_distribute_model
 from .placement import DeepseekV41PlacementMixin
 from .rotary import DeepseekV41RotaryEmbedding
 from .validation import check_pixel_values, check_text_inputs
@@ -676,6 +676,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                 output_attentions=_flag(output_attentions, self.config, "output_attentions"),
                 output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
             )
+            check_same_inputs(self._pp_stage, input_ids if input_ids is not None else inputs_embeds)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             pixel_values=pixel_values, image_grid_hw=image_grid_hw, image_token_types=image_token_types,

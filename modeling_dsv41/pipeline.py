@@ -14,7 +14,8 @@ its ``pp`` mesh, and :class:`~modeling_dsv41.modeling_dsv41.DeepseekV41Model` re
   broadcast to every stage, so ``generate`` runs unchanged on every rank, each stage caching its own layers.
 
 Inference only: there is no backward across stages, so ``labels`` and training mode are refused. Every rank runs
-``generate`` on the same logits, so sampling needs the same seed on every rank (greedy and beam search need nothing).
+``generate`` on the same logits, so sampling needs the same seed on every rank (greedy and beam search need nothing);
+each forward checks that every stage was given the same inputs, so a rank that drifted is an error, not garbage.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer, PipelineStage
 
@@ -125,4 +127,21 @@ def check_pipeline_call(labels, training: bool, **outputs: bool | None) -> None:
     if asked := [name for name, flag in outputs.items() if flag]:
         raise ValueError(
             f"{', '.join(asked)}: not returned under pipeline parallelism (each stage sees only its own layers)"
+        )
+
+
+def check_same_inputs(stage: PipelineStage, inputs: torch.Tensor) -> None:
+    """Refuse a forward whose stages were given different input ids (or embeddings): each stage would run its layers
+    on another sequence (e.g. ``generate(do_sample=True)`` seeded differently per rank) and the logits would be
+    garbage. One all-gather of a 3-number digest (size, sum, position-weighted sum) per forward."""
+    flat = inputs.detach().flatten().double()
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    digest = torch.stack([flat.new_tensor(float(flat.numel())), flat.sum(), (flat * weights).sum()])
+    digest = digest.to("cpu" if stage.comm_on_cpu else flat.device)
+    gathered = [torch.empty_like(digest) for _ in range(stage.pp_size)]
+    dist.all_gather(gathered, digest, group=stage.pp_group)
+    if any(not torch.equal(other, gathered[0]) for other in gathered[1:]):
+        raise ValueError(
+            "the pipeline stages were given different inputs: every rank must call the model (or generate) with the "
+            "same input ids, and sampling needs the same seed on every rank"
         )

@@ -105,6 +105,10 @@ def _load_sharded_and_compare(rank: int, folder: Path, kind: str) -> None:
         tokens = model.generate(**reference["inputs"], max_new_tokens=NEW_TOKENS, do_sample=False)
     torch.testing.assert_close(logits, reference["logits"], atol=ATOL, rtol=RTOL)
     assert torch.equal(tokens, reference["tokens"]), (tokens, reference["tokens"])
+    if kind.startswith("pp"):  # a rank given other tokens (as sampling seeded per rank would) is refused on every rank
+        other = {**reference["inputs"], "input_ids": reference["inputs"]["input_ids"] + rank}
+        with pytest.raises(ValueError, match="different inputs"), torch.no_grad():
+            model(**other)
 
 
 def _load_pipeline_stage(rank: int, folder: Path, kind: str) -> DeepseekV41ForCausalLM:

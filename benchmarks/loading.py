@@ -238,7 +238,6 @@ def resident_memory_table(folders: dict[str, Path], stored: int, threads: int) -
           f"native held / stored bytes {native['held'] / stored:.2f} (goal <= 1.15)")
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=None)

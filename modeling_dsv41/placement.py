@@ -170,7 +170,9 @@ def _infer_device_map(model, max_memory, sizes: TensorSizes, strategy: str) -> d
     return infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, hf_quantizer=sizes)
 
 
-def _meta_model(config: DeepseekV41Config, cls: type | None = None, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def build_meta_model(
+    config: DeepseekV41Config, cls: type | None = None, dtype: torch.dtype = torch.bfloat16
+) -> nn.Module:
     """``cls`` (the causal LM by default) with every tensor on the meta device: modules kept in fp32 stay fp32, the
     rest take ``dtype``."""
     from transformers import initialization as init
@@ -201,7 +203,7 @@ def plan_device_map(
     leaves them off the map; a device puts them on it, on top of what ``max_memory`` grants that device. ``native``
     counts released storage bytes.
     """
-    model = _meta_model(model_or_config) if isinstance(model_or_config, DeepseekV41Config) else model_or_config
+    model = build_meta_model(model_or_config) if isinstance(model_or_config, DeepseekV41Config) else model_or_config
     if strategy not in PLANNED_DEVICE_MAPS:
         raise ValueError(f"strategy must be one of {PLANNED_DEVICE_MAPS}, got {strategy!r}")
     if engram_tables == "auto":
@@ -446,7 +448,7 @@ class DeepseekV41PlacementMixin:
             hub = {k: kwargs[k] for k in ("cache_dir", "revision", "subfolder", "token", "local_files_only") if k in kwargs}
             config = cls.config_class.from_pretrained(config or source, **hub)
         dtype = kwargs.get("dtype")
-        probe = _meta_model(config, cls, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
+        probe = build_meta_model(config, cls, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
         device_map = check_and_set_device_map(kwargs["device_map"])
         tables = "auto" if placement == "auto" else "host" if placement in HOST_PLACEMENTS else str(placement)
         if isinstance(device_map, str):

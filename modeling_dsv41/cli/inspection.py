@@ -9,14 +9,13 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-from transformers import initialization as init
 
 from configuration import DeepseekV41Config
 from processing.image_processing_dsv41 import ImageGridPlan, plan_image_grid
 
-from ..modeling_dsv41 import DeepseekV41ForCausalLM
 from ..optim import KINDS, AssignmentTable, KindSummary, assign_kinds, state_bytes
 from ..optim.policy import FROZEN
+from ..placement import build_meta_model
 
 # component name → pattern searched in the parameter name; the first match wins
 COMPONENTS: tuple[tuple[str, str], ...] = (
@@ -67,21 +66,9 @@ def component_of(name: str) -> str:
     raise ValueError(f"parameter {name!r} matches no component")
 
 
-def build_meta_model(config: DeepseekV41Config, dtype: torch.dtype = torch.bfloat16) -> DeepseekV41ForCausalLM:
-    """The model with every tensor on the meta device (shapes and dtypes only); modules the model keeps in fp32
-    stay fp32, the rest take ``dtype``."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"), init.no_init_weights():
-            return DeepseekV41ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def inspect_config(config: DeepseekV41Config, dtype: torch.dtype = torch.bfloat16) -> ModelInspection:
     """Counts for ``config`` with parameters in ``dtype``; optimizer state is kept in the parameter dtype."""
-    model = build_meta_model(config, dtype)  # the routed experts are two fused tensors per layer: quick on meta
+    model = build_meta_model(config, dtype=dtype)  # the routed experts are two fused tensors per layer: quick on meta
     params = list(model.named_parameters())
     kinds = assign_kinds(model)
     result = ModelInspection(config=config, dtype=dtype)

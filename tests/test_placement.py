@@ -85,7 +85,11 @@ _RSS_PROBE = textwrap.dedent(
     from modeling_dsv41 import DeepseekV41ForCausalLM
     folder, placement = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
-    with open(folder + "/model.safetensors", "rb") as handle:  # start from disk, not from a warm page cache
+    # start from disk, not from a warm page cache: a cached page is mapped by the kernel's fault-around along with
+    # its faulting neighbours (clean, reclaimable, but counted in RSS). DONTNEED drops only clean pages, so the
+    # just-written file is flushed first (under a busy disk its pages were still dirty: 140 MiB instead of ~30)
+    with open(folder + "/model.safetensors", "rb") as handle:
+        os.fsync(handle.fileno())
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     process = psutil.Process()
     ids = torch.load(folder + "/ids.pt")

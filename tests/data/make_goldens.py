@@ -1,0 +1,252 @@
+"""Regenerates (or checks) the goldens in ``tests/data`` by running DeepSeek's reference code.
+
+The reference is DeepSeek-V4.1-Flash's ``inference/`` code in the CPU port vendored by ``tenstorrent/tt-metal``
+(``models/demos/deepseek_v3_d_p/reference/deepseek_v41/``). It is not part of this repository: fetch it into a
+folder of its own and pass that folder (see README.md next to this file). Its sources must be the versions the
+fixtures were made with: their sha256 are checked against ``../shared/fixtures/v41_tiny_vl/meta.json``.
+
+The reference runs unmodified on the fixture weights inside ``modeling_dsv41.numerics.reference_numerics()`` of
+the checkout this script lives in, so that rerunning it after the mode changes makes the matching goldens. The
+only patch is the fixtures' own "noqdq" one: ``model.act_quant`` / ``model.fp4_act_quant`` become identities.
+
+    python tests/data/make_goldens.py --reference /tmp/dsref            # writes tests/data/*.safetensors
+    python tests/data/make_goldens.py --reference /tmp/dsref --check    # compares with them bit for bit
+    python tests/data/make_goldens.py --reference /tmp/dsref --native   # native products vs the shipped fixtures
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from unittest import mock
+
+import torch
+from safetensors.torch import load_file, save_file
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+from modeling_dsv41.numerics import portable_attention, reference_numerics  # noqa: E402
+
+FIXTURE = REPO_ROOT.parent / "shared" / "fixtures" / "v41_tiny_vl"
+DATA = Path(__file__).resolve().parent
+# golden file → (QDQ mode, prompts): each holds ``{variant}_{prompt}_logits`` for both variants
+GOLDENS = {
+    "reference_long_noqdq.safetensors": ("noqdq", ("text", "image")),
+    "reference_qdq.safetensors": ("qdq", ("fixture", "text", "image")),
+}
+VARIANTS = ("dense", "sparse")
+REFERENCE_FILES = ("__init__.py", "model.py", "kernel_cpu.py", "engram.py", "vision.py", "image_processor.py")
+PACKAGE = "deepseek_v41_reference"
+
+
+@dataclasses.dataclass
+class Prompt:
+    """One forward's inputs in the reference's form: ids [1, S], token types [1, S] (-1 text, 0-3 the image span's
+    START/IMAGE/NEWLINE/END) and at most one image as ``(start, patches, n_vit_h, n_vit_w)``."""
+
+    input_ids: torch.Tensor
+    token_types: torch.Tensor | None
+    image: tuple[int, torch.Tensor, int, int] | None
+
+
+def import_reference(folder: Path) -> ModuleType:
+    """The reference's ``model`` module, imported as a package from ``folder`` once its sources are checked."""
+    expected = json.loads((FIXTURE / "meta.json").read_text())["reference_sha256"]
+    for name in REFERENCE_FILES:
+        digest = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        if digest != expected[name]:
+            raise SystemExit(f"{folder / name}: sha256 {digest}, the fixtures were made with {expected[name]}")
+    spec = importlib.util.spec_from_file_location(
+        PACKAGE, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[PACKAGE] = package
+    spec.loader.exec_module(package)
+    return importlib.import_module(f"{PACKAGE}.model")
+
+
+class TokenMapTokenizer:
+    """The two methods ``build_compressed_token_map`` calls, answering with the fixture's compressed token map
+    (one distinct text per compressed id), so that the reference's own ``NgramHashState`` rebuilds it."""
+
+    def __init__(self, token_map: torch.Tensor):
+        self.token_map = token_map.tolist()
+        self.backend_tokenizer = self
+
+    def __len__(self) -> int:
+        return len(self.token_map)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return f"c{self.token_map[ids[0]]}"
+
+
+def build_model(ref: ModuleType, variant: str, max_seq_len: int) -> torch.nn.Module:
+    """The reference ``Transformer`` of a fixture variant with the fixture weights and Engram state. ``max_seq_len``
+    only sizes the caches (RoPE tables are per position), so it is raised to fit the longest prompt."""
+    config = json.loads((FIXTURE / variant / "config.json").read_text())
+    args = ref.ModelArgs(**{**config, "max_seq_len": max(config["max_seq_len"], max_seq_len)})
+    engram = load_file(FIXTURE / "engram.safetensors")
+    with ref.set_dtype(torch.bfloat16):
+        model = ref.Transformer(args, TokenMapTokenizer(engram["token_map"])).eval()
+    state = load_file(FIXTURE / "model.safetensors")
+    ours = model.state_dict()
+    wrong = {k for k in state if k not in ours or ours[k].dtype != state[k].dtype} | (ours.keys() - state.keys())
+    assert not wrong, f"fixture weights do not match the reference model: {sorted(wrong)}"
+    model.load_state_dict(state, strict=True)
+    hashes = model.engram_hash
+    for name in ("token_map", "multipliers", "primes", "offsets"):
+        assert torch.equal(getattr(hashes, name), engram[name]), name
+    assert hashes.pad_id == engram["pad_id"].item()
+    return model
+
+
+def _no_act_quant(x: torch.Tensor, block_size: int = 128, scale_fmt: str | None = None,
+                  scale_dtype: torch.dtype = torch.float32, inplace: bool = False) -> torch.Tensor:
+    """``act_quant`` in noqdq mode. With bf16 weights every call is an in-place quantize-dequantize."""
+    assert inplace, "only in-place QDQ is expected with bf16 weights"
+    return x
+
+
+def _no_fp4_act_quant(x: torch.Tensor, block_size: int = 32, inplace: bool = False,
+                      scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> torch.Tensor:
+    """``fp4_act_quant`` in noqdq mode (in place only, as :func:`_no_act_quant`)."""
+    assert inplace, "only in-place QDQ is expected with bf16 weights"
+    return x
+
+
+@contextlib.contextmanager
+def quantization(ref: ModuleType, mode: str) -> Iterator[None]:
+    """``qdq``: the reference as released; ``noqdq``: its activation QDQ steps replaced by identities."""
+    if mode == "qdq":
+        yield
+        return
+    with mock.patch.object(ref, "act_quant", _no_act_quant), mock.patch.object(ref, "fp4_act_quant", _no_fp4_act_quant):
+        yield
+
+
+def numerics(native: bool) -> contextlib.AbstractContextManager:
+    """Reference numerics, or the CPU's native products with only the ViT's fused attention computed as the
+    fixtures' torch 2.14 CPU kernel does (``portable_attention``), which is how the shipped fixtures were made."""
+    if native:
+        return mock.patch("torch.nn.functional.scaled_dot_product_attention", portable_attention)
+    return reference_numerics()
+
+
+def reference_logits(ref: ModuleType, model: torch.nn.Module, prompt: Prompt, mode: str, native: bool) -> torch.Tensor:
+    """Full-position logits [S, vocab] fp32: the reference head returns only the last row, so the final normed
+    hidden state is captured and the same ``head`` applied to every position."""
+    images = None
+    if prompt.image is not None:
+        start, patches, n_vit_h, n_vit_w = prompt.image
+        types = prompt.token_types[0, start:][prompt.token_types[0, start:] >= 0]
+        image_input = importlib.import_module(f"{PACKAGE}.image_processor").ImageInput
+        images = [[image_input(start, patches, n_vit_h, n_vit_w, types)]]
+    captured = {}
+    hook = model.norm.register_forward_hook(lambda module, args, out: captured.__setitem__("normed", out))
+    try:
+        with quantization(ref, mode), numerics(native), ref.set_dtype(torch.bfloat16), torch.inference_mode():
+            _, last, _ = model(prompt.input_ids, 0, images=images, token_types=prompt.token_types)
+            logits = model.head(captured["normed"], full_logits=True)[0]
+    finally:
+        hook.remove()
+    assert torch.allclose(logits[-1], last[0], atol=1e-5), "full-position head disagrees with the model's last row"
+    return logits
+
+
+def prompts() -> dict[str, Prompt]:
+    """The fixture's prompt (57 ids with the image at 20), and the ``text`` (200 ids) / ``image`` (150 ids, the
+    fixture image at 90) prompts whose ids the golden files store."""
+    fixture = load_file(FIXTURE / "inputs.safetensors")
+    pixels = fixture["pixel_values"]
+    stored = [load_file(DATA / name) for name in GOLDENS]
+    for key in ("text_input_ids", "image_input_ids", "image_token_types"):
+        assert all(torch.equal(stored[0][key], golden[key]) for golden in stored), f"{key} differs between files"
+    ids, image_types = stored[0]["image_input_ids"], stored[0]["image_token_types"]
+    return {
+        "fixture": Prompt(fixture["input_ids"], fixture["token_types"], (_image_start(fixture["token_types"]), pixels, 9, 13)),
+        "text": Prompt(stored[0]["text_input_ids"], None, None),
+        "image": Prompt(ids, image_types, (_image_start(image_types), pixels, 9, 13)),
+    }
+
+
+def _image_start(token_types: torch.Tensor) -> int:
+    return int((token_types[0] >= 0).nonzero()[0])
+
+
+def bit_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
+    """Whether two tensors hold the same bits, and their max|Δ|."""
+    same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return same, (a.float() - b.float()).abs().max().item()
+
+
+def make_goldens(ref: ModuleType, check: bool) -> bool:
+    """Computes every tensor of the golden files; writes them, or compares them with the committed ones."""
+    inputs = prompts()
+    longest = max(p.input_ids.shape[1] for p in inputs.values())
+    ok = True
+    for name, (mode, names) in GOLDENS.items():
+        tensors = {}
+        for prompt in names:
+            if prompt != "fixture":
+                tensors[f"{prompt}_input_ids"] = inputs[prompt].input_ids
+        if "image" in names:
+            tensors["image_token_types"] = inputs["image"].token_types
+        for variant in VARIANTS:
+            for prompt in names:
+                model = build_model(ref, variant, longest)
+                tensors[f"{variant}_{prompt}_logits"] = reference_logits(ref, model, inputs[prompt], mode, native=False)
+        if not check:
+            save_file(tensors, DATA / name)
+            print(f"wrote {DATA / name}")
+            continue
+        committed = load_file(DATA / name)
+        assert committed.keys() == tensors.keys(), (sorted(committed), sorted(tensors))
+        for key in sorted(tensors):
+            same, delta = bit_difference(tensors[key], committed[key])
+            ok &= same
+            print(f"{name} {key}: max|Δ| {delta:.3f} ({'same bits' if same else 'DIFFERENT BITS'})")
+    return ok
+
+
+def compare_with_shipped_fixtures(ref: ModuleType) -> bool:
+    """The fixture prompt with native products vs the shipped ``expected_{qdq,noqdq}`` logits."""
+    prompt, ok = prompts()["fixture"], True
+    for variant in VARIANTS:
+        for mode in ("noqdq", "qdq"):
+            model = build_model(ref, variant, prompt.input_ids.shape[1])
+            logits = reference_logits(ref, model, prompt, mode, native=True)
+            shipped = load_file(FIXTURE / variant / f"expected_{mode}.safetensors")["logits"]
+            same, delta = bit_difference(logits, shipped)
+            ok &= same
+            print(f"{variant}/expected_{mode} logits: max|Δ| {delta:.3g} ({'same bits' if same else 'DIFFERENT BITS'})")
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reference", type=Path, required=True, help="folder holding the reference's sources")
+    parser.add_argument("--check", action="store_true", help="compare with the committed files instead of writing")
+    parser.add_argument("--native", action="store_true", help="native products, compared with the shipped fixtures")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (CI runs 2)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ref = import_reference(args.reference.resolve())
+    began = time.perf_counter()
+    ok = compare_with_shipped_fixtures(ref) if args.native else make_goldens(ref, args.check)
+    print(f"torch {torch.__version__}, {args.threads} threads, {time.perf_counter() - began:.1f} s")
+    if (args.check or args.native) and not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -167,15 +167,16 @@ def prompts() -> dict[str, Prompt]:
     """The fixture's prompt (57 ids with the image at 20), and the ``text`` (200 ids) / ``image`` (150 ids, the
     fixture image at 90) prompts whose ids the golden files store."""
     fixture = load_file(FIXTURE / "inputs.safetensors")
-    pixels = fixture["pixel_values"]
+    grid = json.loads((FIXTURE / "meta.json").read_text())["inputs"]
+    image = fixture["pixel_values"], grid["n_vit_h"], grid["n_vit_w"]
     stored = [load_file(DATA / name) for name in GOLDENS]
     for key in ("text_input_ids", "image_input_ids", "image_token_types"):
         assert all(torch.equal(stored[0][key], golden[key]) for golden in stored), f"{key} differs between files"
-    ids, image_types = stored[0]["image_input_ids"], stored[0]["image_token_types"]
+    fixture_types, image_types = fixture["token_types"], stored[0]["image_token_types"]
     return {
-        "fixture": Prompt(fixture["input_ids"], fixture["token_types"], (_image_start(fixture["token_types"]), pixels, 9, 13)),
+        "fixture": Prompt(fixture["input_ids"], fixture_types, (_image_start(fixture_types), *image)),
         "text": Prompt(stored[0]["text_input_ids"], None, None),
-        "image": Prompt(ids, image_types, (_image_start(image_types), pixels, 9, 13)),
+        "image": Prompt(stored[0]["image_input_ids"], image_types, (_image_start(image_types), *image)),
     }
 
 
@@ -183,10 +184,13 @@ def _image_start(token_types: torch.Tensor) -> int:
     return int((token_types[0] >= 0).nonzero()[0])
 
 
-def bit_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
-    """Whether two tensors hold the same bits, and their max|Δ|."""
-    same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return same, (a.float() - b.float()).abs().max().item()
+def same_bits(label: str, ours: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Prints max|Δ| of two tensors and whether they hold the same bits; returns the latter."""
+    same = ours.shape == expected.shape and ours.dtype == expected.dtype
+    same = same and torch.equal(ours.view(torch.uint8), expected.view(torch.uint8))
+    delta = (ours.float() - expected.float()).abs().max().item()
+    print(f"{label}: max|Δ| {delta:.3g} ({'same bits' if same else 'DIFFERENT BITS'})")
+    return same
 
 
 def make_goldens(ref: ModuleType, check: bool) -> bool:
@@ -212,9 +216,7 @@ def make_goldens(ref: ModuleType, check: bool) -> bool:
         committed = load_file(DATA / name)
         assert committed.keys() == tensors.keys(), (sorted(committed), sorted(tensors))
         for key in sorted(tensors):
-            same, delta = bit_difference(tensors[key], committed[key])
-            ok &= same
-            print(f"{name} {key}: max|Δ| {delta:.3f} ({'same bits' if same else 'DIFFERENT BITS'})")
+            ok &= same_bits(f"{name} {key}", tensors[key], committed[key])
     return ok
 
 
@@ -226,9 +228,7 @@ def compare_with_shipped_fixtures(ref: ModuleType) -> bool:
             model = build_model(ref, variant, prompt.input_ids.shape[1])
             logits = reference_logits(ref, model, prompt, mode, native=True)
             shipped = load_file(FIXTURE / variant / f"expected_{mode}.safetensors")["logits"]
-            same, delta = bit_difference(logits, shipped)
-            ok &= same
-            print(f"{variant}/expected_{mode} logits: max|Δ| {delta:.3g} ({'same bits' if same else 'DIFFERENT BITS'})")
+            ok &= same_bits(f"{variant}/expected_{mode} logits", logits, shipped)
     return ok
 
 

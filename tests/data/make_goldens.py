@@ -8,6 +8,7 @@ fixtures were made with: their sha256 are checked against ``../shared/fixtures/v
 The reference runs unmodified on the fixture weights inside ``modeling_dsv41.numerics.reference_numerics()`` of
 the checkout this script lives in, so that rerunning it after the mode changes makes the matching goldens. The
 only patch is the fixtures' own "noqdq" one: ``model.act_quant`` / ``model.fp4_act_quant`` become identities.
+``--native`` drops the mode and patches only the ViT's fused attention (see :func:`numerics`).
 
     python tests/data/make_goldens.py --reference /tmp/dsref            # writes tests/data/*.safetensors
     python tests/data/make_goldens.py --reference /tmp/dsref --check    # compares with them bit for bit

@@ -462,9 +462,9 @@ class DeepseekV41Config(PreTrainedConfig):
     (:class:`DeepseekV41VisionConfig`; ``None`` builds a text-only model).
 
     Args:
-        reference_numerics (`bool`): compute every bf16/fp16 matrix product in fp32 and round it once (and the
-            ViT's attention with portable rounding points), so that outputs do not depend on the CPU's GEMM kernels
-            and match DeepSeek's reference run the same way. Slower; off by default. See
+        reference_numerics (`bool`): compute every matrix product, reduction and transcendental op in fp64 and
+            round it once (and the ViT's attention with portable rounding points), so that outputs do not depend on
+            the CPU's BLAS, vector or scalar kernels and match DeepSeek's reference run the same way. Slower; off by default. See
             :mod:`modeling_dsv41.numerics`.
 
     Example:

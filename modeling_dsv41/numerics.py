@@ -1,26 +1,32 @@
-"""Reference numerics: every matrix product computed one precision wider and rounded once to its own dtype.
+"""Reference numerics: every matrix product and every reduction or transcendental op computed in fp64 and rounded
+once to its own dtype, so that results are the same bits on every CPU.
 
-A bf16 GEMM's result depends on the CPU: AVX-512-BF16 kernels sum pairs of products in hardware, AVX2 kernels
-widen first, and oneDNN blocks the reduction by ISA. An output lying close to a bf16 rounding midpoint then rounds
-one way on one machine and the other way on the next, and a marginal top-k decision (routing, the indexer) turns
-that one ulp into visibly different logits. Summing in fp32 and rounding once gives the correctly rounded bf16
-product on every machine, except where the exact sum lies within the fp32 summation error of a bf16 midpoint (no
-mode can settle those: which way they round depends on the order of the fp32 sum).
+The last bits of a floating-point op depend on the machine in three ways:
 
-fp32 products are left as they are: their kernels add the products of each output in the same order on every x86
-ISA (the vector width changes which outputs are computed together, not the order of one output's sum), and the
-reference computes its attention scores, compressors and head in fp32 too.
+- GEMMs: bf16 kernels sum pairs of products in hardware (AVX-512-BF16, AMX) or widen first (AVX2); fp32 GEMMs go to
+  MKL, which picks its kernel, and so the order in which each output is summed, by CPU vendor and instruction set
+  (``MKL_CBWR`` selects another path on one machine: 3021 of 3648 fp32 outputs of a 57×2304×64 product change).
+- Reductions: ATen's vectorized sums (softmax, RMSNorm means, Sinkhorn normalisations) accumulate in lanes whose
+  number depends on the ISA, and its scalar kernels in another order again.
+- Transcendentals: ``exp``, ``sigmoid``, ``cos``... come from vector libraries (Sleef, MKL VML) or libm by ISA, and
+  differ by an ulp here and there.
+
+A few outputs then round the other way, and FP8 block scales (a power of two of a block's amax), the 8 FP4 levels and
+the top-k decisions of the router and the indexer turn one ulp into visibly different logits. In fp64, the order of
+a sum and the last bit of an ``exp`` change the result by an fp64 ulp or so; rounding that once to bf16 or fp32 gives
+the same bits on every machine, except for values within that error of a rounding midpoint (about 2^-29 of them).
 
 Fused scaled-dot-product attention (the ViT's) is not a plain product: its CPU kernel keeps the scores in fp32,
 rounds the softmax numerators to the input dtype for the PV product and divides by an fp32 sum, with vector
 lengths and ``exp`` approximations that differ by ISA. The mode computes those same rounding points with
 machine-independent ops instead (:func:`portable_attention`).
 
-The mode is a :class:`~torch.overrides.TorchFunctionMode`, so it reaches every product the model runs — its own
-linear layers, wrappers around them (PEFT LoRA), einsums, fused experts, the ViT's attention — without a code path
-of its own in each module. Autograd differentiates through the casts, so it also works in training (slower).
+The mode is a :class:`~torch.overrides.TorchFunctionMode`, so it reaches every op the model runs — its own layers,
+wrappers around them (PEFT LoRA), einsums, fused experts, the ViT's attention — and DeepSeek's reference code run
+inside it, without a code path of its own in each module. Autograd differentiates through the casts, so it also
+works in training (slower). Ops left alone are exact in any order: elementwise ``+ - * /``, ``sqrt``, comparisons,
+``max``/``topk``, casts and indexing.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -34,48 +40,94 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-WIDER_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+WIDE = {torch.bfloat16: torch.float64, torch.float16: torch.float64, torch.float32: torch.float64,
+        torch.complex64: torch.complex128}
+ROUNDED_DTYPES = frozenset(WIDE)
 
+_T = torch.Tensor
 MATRIX_PRODUCTS = frozenset(
     {
         F.linear, F.bilinear,
-        torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum,
-        torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.mm, torch.Tensor.bmm,
+        torch.matmul, torch.mm, torch.bmm, torch.mv, torch.dot, torch.inner, torch.tensordot, torch.einsum,
+        torch.addmm, torch.addbmm, torch.baddbmm, torch.addmv,
+        _T.matmul, _T.__matmul__, _T.__rmatmul__, _T.mm, _T.bmm, _T.mv, _T.dot, _T.addmm, _T.baddbmm,
     }
     | ({torch._grouped_mm} if hasattr(torch, "_grouped_mm") else set())
 )
+REDUCTIONS = frozenset(
+    {
+        torch.sum, torch.nansum, torch.mean, torch.prod, torch.cumsum, torch.logsumexp, torch.var, torch.std,
+        torch.var_mean, torch.norm, torch.linalg.vector_norm, torch.softmax, torch.log_softmax,
+        _T.sum, _T.nansum, _T.mean, _T.prod, _T.cumsum, _T.logsumexp, _T.var, _T.std, _T.norm, _T.softmax,
+        _T.log_softmax,
+        F.softmax, F.log_softmax, F.rms_norm, F.layer_norm, F.group_norm, F.normalize,
+    }
+)
+TRANSCENDENTALS = frozenset(
+    {
+        torch.exp, torch.exp2, torch.expm1, torch.log, torch.log2, torch.log1p, torch.sigmoid, torch.tanh,
+        torch.sin, torch.cos, torch.rsqrt, torch.pow, torch.erf, torch.polar,
+        _T.exp, _T.exp2, _T.expm1, _T.log, _T.log2, _T.log1p, _T.sigmoid, _T.tanh, _T.sin, _T.cos, _T.rsqrt,
+        _T.pow, _T.__pow__, _T.__rpow__, _T.erf,
+        _T.exp_, _T.log_, _T.sigmoid_, _T.tanh_, _T.sin_, _T.cos_, _T.rsqrt_, _T.pow_,
+        F.silu, F.gelu, F.softplus, F.sigmoid, F.tanh, F.logsigmoid, F.elu, F.mish,
+    }
+)
+# complex products (RoPE's rotation) are vector code with their own rounding per ISA; real ones are exact
+COMPLEX_PRODUCTS = frozenset({torch.mul, _T.mul, _T.__mul__, _T.__rmul__})
+WIDENED = MATRIX_PRODUCTS | REDUCTIONS | TRANSCENDENTALS | COMPLEX_PRODUCTS
 
 
 class ReferenceNumericsMode(TorchFunctionMode):
-    """Runs each matrix product of floating operands of one dtype in :data:`WIDER_DTYPE` of it and rounds the
-    result once back to that dtype. Anything else (mixed dtypes, integer or FP8 operands, other ops) runs as is."""
+    """Runs each matrix product, reduction, transcendental op and complex product of bf16/fp16/fp32 (complex64)
+    operands in fp64 (complex128) and rounds the result once to the dtype the op would have returned. A matrix product of mixed dtypes fails as it does without
+    the mode; integer, FP8 and fp64 operands, ``out=`` calls and every other op run as they are."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and _is_plain_attention(*args, **kwargs):
             return portable_attention(*args[:3], scale=kwargs.get("scale", args[6] if len(args) > 6 else None))
-        dtype = _common_float_dtype(func, args, kwargs)
+        dtype = _result_dtype(func, args, kwargs)
         if dtype is None:
             return func(*args, **kwargs)
-        wide = WIDER_DTYPE[dtype]
+        if func.__name__.endswith("_") and not func.__name__.startswith("__"):  # in place: widen, then write back
+            out_of_place = getattr(torch.Tensor, func.__name__[:-1])
+            return args[0].copy_(self.__torch_function__(out_of_place, types, args, kwargs))
+        if kwargs.get("dtype") is not None:
+            kwargs = {**kwargs, "dtype": WIDE[kwargs["dtype"]]}
+        result = func(*tree_map(_widen, args), **tree_map(_widen, kwargs))
+        return tree_map(functools.partial(_round, dtype), result)
 
-        def widen(value: Any) -> Any:
-            return value.to(wide) if isinstance(value, torch.Tensor) and value.dtype == dtype else value
 
-        result = func(*tree_map(widen, args), **tree_map(widen, kwargs))
-        return result.to(dtype) if isinstance(result, torch.Tensor) else result
+def _widen(value: Any) -> Any:
+    return value.to(WIDE[value.dtype]) if isinstance(value, torch.Tensor) and value.dtype in WIDE else value
 
 
-def _common_float_dtype(func: Callable, args: tuple, kwargs: dict) -> torch.dtype | None:
-    """The one floating dtype of a matrix product's tensor operands if it has a wider one, else None."""
-    if func not in MATRIX_PRODUCTS or kwargs.get("out") is not None:
+def _round(dtype: torch.dtype, value: Any) -> Any:
+    """A widened result back to ``dtype`` (a complex one to ``dtype``'s complex counterpart), rounded once."""
+    if not isinstance(value, torch.Tensor) or value.dtype not in (torch.float64, torch.complex128):
+        return value
+    return value.to(dtype.to_complex() if value.is_complex() and not dtype.is_complex else dtype)
+
+
+def _result_dtype(func: Callable, args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype ``func`` returns on these operands if the mode widens it, else None: the one floating dtype of a
+    matrix product's operands; for other ops the promoted floating (or complex) dtype, or the ``dtype=`` asked
+    for. Products of real tensors by ``mul`` are exact and left alone."""
+    if func not in WIDENED or kwargs.get("out") is not None:
         return None
     leaves, _ = tree_flatten((args, kwargs))
-    dtypes = {t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()}
-    if len(dtypes) != 1:
+    dtypes = {t.dtype for t in leaves if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())}
+    if not dtypes or not dtypes <= ROUNDED_DTYPES:
         return None
-    (dtype,) = dtypes
-    return dtype if dtype in WIDER_DTYPE else None
+    if func in COMPLEX_PRODUCTS and torch.complex64 not in dtypes:
+        return None
+    if func in MATRIX_PRODUCTS:
+        return next(iter(dtypes)) if len(dtypes) == 1 else None
+    requested = kwargs.get("dtype")
+    if requested is not None:
+        return requested if requested in ROUNDED_DTYPES else None
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 def _is_plain_attention(
@@ -84,7 +136,8 @@ def _is_plain_attention(
 ) -> bool:
     """SDPA without mask, dropout, causality or GQA, on low-precision inputs: what the ViT calls."""
     plain = attn_mask is None and dropout_p == 0.0 and not is_causal and not enable_gqa
-    return plain and query.dtype in WIDER_DTYPE and query.dtype == key.dtype == value.dtype
+    low_precision = query.dtype in (torch.bfloat16, torch.float16)
+    return plain and low_precision and query.dtype == key.dtype == value.dtype
 
 
 def portable_attention(
@@ -94,15 +147,16 @@ def portable_attention(
 
     [..., L, E] × [..., S, E] × [..., S, Ev] → [..., L, Ev] in the input dtype. As the kernel does for bf16/fp16: fp32
     scores, numerators from its fast exponential (:func:`flash_kernel_exp`) rounded to the input dtype for the PV
-    product (accumulated in fp32), an fp32 sum of the unrounded numerators, and the product with the sum's fp32
-    reciprocal rounded once. One block over all keys (the kernel's blocks of 512 keys rescale a longer row).
+    product, an fp32 sum of the unrounded numerators, and the product with the sum's fp32 reciprocal rounded once. One
+    block over all keys (the kernel's blocks of 512 keys rescale a longer row). The two products and the sum are
+    accumulated in fp64 and rounded once to fp32, as every product in reference numerics.
     """
     dtype = query.dtype
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    scores = torch.matmul(query.double(), key.double().transpose(-1, -2)).float() * scale
     numerators = flash_kernel_exp(scores - scores.amax(dim=-1, keepdim=True))
     denominators = numerators.double().sum(dim=-1, keepdim=True).float()
-    out = torch.matmul(numerators.to(dtype).float(), value.float())
+    out = torch.matmul(numerators.to(dtype).double(), value.double()).float()
     return (out * denominators.reciprocal()).to(dtype)
 
 
@@ -146,7 +200,7 @@ def _fused_multiply_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> to
 
 def reference_numerics(enabled: bool = True) -> contextlib.AbstractContextManager:
     """Context manager: reference numerics inside (a no-op when ``enabled`` is False). Nesting is harmless: the
-    outer mode sees only the fp32 products the inner one makes, and leaves them alone."""
+    outer mode sees only the fp64 ops the inner one makes, and leaves them alone."""
     return ReferenceNumericsMode() if enabled else contextlib.nullcontext()
 
 

@@ -42,10 +42,11 @@ FIXTURE = REPO_ROOT.parent / "shared" / "fixtures" / "v41_tiny_vl"
 DATA = Path(__file__).resolve().parent
 # golden file → (QDQ mode, prompts): each holds ``{variant}_{prompt}_logits`` for both variants
 GOLDENS = {
-    "reference_long_noqdq.safetensors": ("noqdq", ("text", "image")),
+    "reference_noqdq.safetensors": ("noqdq", ("fixture", "text", "image")),
     "reference_qdq.safetensors": ("qdq", ("fixture", "text", "image")),
 }
 VARIANTS = ("dense", "sparse")
+CAPTURED = ("dense", "fixture")  # the (variant, prompt) whose layer-0 attention and ViT captures are stored too
 REFERENCE_FILES = ("__init__.py", "model.py", "kernel_cpu.py", "engram.py", "vision.py", "image_processor.py")
 PACKAGE = "deepseek_v41_reference"
 
@@ -143,9 +144,43 @@ def numerics(native: bool) -> contextlib.AbstractContextManager:
     return reference_numerics()
 
 
-def reference_logits(ref: ModuleType, model: torch.nn.Module, prompt: Prompt, mode: str, native: bool) -> torch.Tensor:
+def capture_hooks(model: torch.nn.Module, captured: dict[str, torch.Tensor]) -> contextlib.ExitStack:
+    """Records layer 0's attention input, window K=V and output (batch squeezed) and the ViT's and aligner's
+    outputs into ``captured``, named as the fixtures' captures, while the returned stack is open."""
+    stack = contextlib.ExitStack()
+
+    def keep(key: str, value: torch.Tensor) -> None:
+        captured[key] = value.clone()
+
+    def hook(module: torch.nn.Module, key: str, batch: bool = False) -> None:
+        handle = module.register_forward_hook(lambda m, args, out: keep(key, out[0] if batch else out))
+        stack.callback(handle.remove)
+
+    attn = model.layers[0].attn
+    handle = attn.register_forward_pre_hook(lambda m, args: keep("layers.0.attn_in", args[0][0]))
+    stack.callback(handle.remove)
+    hook(attn, "layers.0.attn_out", batch=True)
+    window_kv = attn._window_kv
+
+    def recorded_window_kv(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, idxs = window_kv(*args)
+        keep("layers.0.window_kv", kv[0])
+        return kv, idxs
+
+    stack.enter_context(mock.patch.object(attn, "_window_kv", recorded_window_kv))
+    hook(model.vision.patch_embed, "vision.patch_embed_out")
+    for j, block in enumerate(model.vision.blocks):
+        hook(block, f"vision.blocks.{j}.out")
+    hook(model.vision, "vision.out")
+    hook(model.aligner, "aligner.out")
+    return stack
+
+
+def reference_logits(ref: ModuleType, model: torch.nn.Module, prompt: Prompt, mode: str, native: bool,
+                     captures: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Full-position logits [S, vocab] fp32: the reference head returns only the last row, so the final normed
-    hidden state is captured and the same ``head`` applied to every position."""
+    hidden state is captured and the same ``head`` applied to every position. With ``captures``, also records
+    what :func:`capture_hooks` names."""
     images = None
     if prompt.image is not None:
         start, patches, n_vit_h, n_vit_w = prompt.image
@@ -154,9 +189,11 @@ def reference_logits(ref: ModuleType, model: torch.nn.Module, prompt: Prompt, mo
         images = [[image_input(start, patches, n_vit_h, n_vit_w, types)]]
     captured = {}
     hook = model.norm.register_forward_hook(lambda module, args, out: captured.__setitem__("normed", out))
+    recording = capture_hooks(model, captures) if captures is not None else contextlib.nullcontext()
     try:
         with quantization(ref, mode), numerics(native), ref.set_dtype(torch.bfloat16), torch.inference_mode():
-            _, last, _ = model(prompt.input_ids, 0, images=images, token_types=prompt.token_types)
+            with recording:
+                _, last, _ = model(prompt.input_ids, 0, images=images, token_types=prompt.token_types)
             logits = model.head(captured["normed"], full_logits=True)[0]
     finally:
         hook.remove()
@@ -209,7 +246,11 @@ def make_goldens(ref: ModuleType, check: bool) -> bool:
         for variant in VARIANTS:
             for prompt in names:
                 model = build_model(ref, variant, longest)
-                tensors[f"{variant}_{prompt}_logits"] = reference_logits(ref, model, inputs[prompt], mode, native=False)
+                captures = {} if (variant, prompt) == CAPTURED else None
+                tensors[f"{variant}_{prompt}_logits"] = reference_logits(
+                    ref, model, inputs[prompt], mode, native=False, captures=captures
+                )
+                tensors.update({f"{variant}_{prompt}_{key}": value for key, value in (captures or {}).items()})
         if not check:
             save_file(tensors, DATA / name)
             print(f"wrote {DATA / name}")

@@ -56,6 +56,7 @@ from transformers import BitsAndBytesConfig, FineGrainedFP8Config, PreTrainedCon
 from transformers import initialization as init
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, revert_weight_conversion
+from transformers.distributed.utils import is_dtensor
 from transformers.utils import cached_file, logging
 
 from ..quantization import (
@@ -168,6 +169,17 @@ def dequantize_released_weight(
     return out
 
 
+def _check_scale_blocks(weight: torch.Tensor, scale: torch.Tensor, columns: int, name: str) -> None:
+    """A shard of a per-row, per-32-column scaled weight (FP4 experts) must hold whole scale blocks: a split of the
+    columns inside a block leaves a rank values without their scale."""
+    if columns % RELEASED_BLOCK_SIZE or scale.shape[-1] * RELEASED_BLOCK_SIZE != columns:
+        raise ValueError(
+            f"{name}: this rank's part holds {columns} columns with {scale.shape[-1]} E8M0 scales of "
+            f"{RELEASED_BLOCK_SIZE} columns each: the tensor-parallel split cuts a scale block. Use a tp_size that "
+            f"divides the columns into multiples of {RELEASED_BLOCK_SIZE} (see DeepseekV41Config.check_parallel_sizes)"
+        )
+
+
 class DequantizeReleasedWeight(ConversionOps):
     """``X.weight`` and its ``X.scale`` (released storage) → ``X.weight`` in the parameter's dtype.
 
@@ -194,7 +206,7 @@ class DequantizeReleasedWeight(ConversionOps):
             return {_WEIGHT: weight}
         # the loader already cast the sources to the dtype this parameter loads in
         dtype = weight.dtype if weight.is_floating_point() and weight.element_size() > 1 else param.dtype
-        return {_WEIGHT: dequantize_released_weight(weight, scale, param.shape[-1], dtype)}
+        return {_WEIGHT: dequantize_released_weight(weight, scale, local_shape(param)[-1], dtype)}
 
     @property
     def reverse_op(self) -> ConversionOps:
@@ -212,6 +224,12 @@ class _SavePlainWeight(ConversionOps):
         return DequantizeReleasedWeight()
 
 
+def local_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the part of ``param`` this rank holds: its shard under tensor or expert parallelism (a DTensor,
+    whose ``shape`` is the global one), else the whole parameter."""
+    return param.to_local().shape if is_dtensor(param) else param.shape
+
+
 class MergeReleasedExperts(ConversionOps):
     """The released per-expert ``w1``/``w3`` (or ``w2``) weights, FP4 with scales or plain → one fused
     ``gate_up_proj`` [E, 2·I, D] (or ``down_proj`` [E, D, I]) in the parameter's dtype.
@@ -220,13 +238,18 @@ class MergeReleasedExperts(ConversionOps):
     stacked in expert order (the loader sorts keys naturally) and the patterns concatenated along dim 1. One op
     rather than ``MergeModulelist`` + ``Concatenate``: the scales must be consumed per expert first, and the
     reverse (:class:`SplitReleasedExperts`) must split into the weight patterns only.
+
+    Under tensor or expert parallelism the loader hands over this rank's shard of each tensor (transformers'
+    ``DtensorShardOperation``: only the rank's experts, and of each its slice of rows or columns, scales sliced by
+    the same placement), so the result is checked against the rank's local shape.
     """
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, model=None, full_layer_name=None, **kwargs):
         param = model.get_parameter(full_layer_name)
+        shape = local_shape(param)
         if param.element_size() == 1:  # native FP4 experts (`FP8Experts`): the bytes and scales fused as stored
-            return self._fuse_stored(input_dict, source_patterns, target_patterns[0], param, full_layer_name)
+            return self._fuse_stored(input_dict, source_patterns, target_patterns[0], shape, full_layer_name)
         merged = []
         for pattern in source_patterns:
             if not pattern.endswith(_WEIGHT):
@@ -239,31 +262,36 @@ class MergeReleasedExperts(ConversionOps):
                 raise ValueError(f"{full_layer_name}: {len(weights)} experts' {pattern} but {len(scales)} scales")
             if scales is not None:
                 dtype = weights[0].dtype if weights[0].is_floating_point() and weights[0].element_size() > 1 else param.dtype
-                weights = [dequantize_released_weight(w, s, param.shape[-1], dtype) for w, s in zip(weights, scales)]
+                for weight, scale in zip(weights, scales):
+                    _check_scale_blocks(weight, scale, shape[-1], full_layer_name)
+                weights = [dequantize_released_weight(w, s, shape[-1], dtype) for w, s in zip(weights, scales)]
             merged.append(torch.stack(weights))
-        if sum(t.shape[1] for t in merged) != param.shape[1] or merged[0].shape[0] != param.shape[0]:
+        if sum(t.shape[1] for t in merged) != shape[1] or merged[0].shape[0] != shape[0]:
             raise ValueError(
                 f"{full_layer_name}: the checkpoint's experts make {[tuple(t.shape) for t in merged]}, which does not "
-                f"fit the parameter's {tuple(param.shape)} (n_routed_experts, moe_intermediate_size, hidden_size)"
+                f"fit the parameter's {tuple(shape)} (n_routed_experts, moe_intermediate_size, hidden_size)"
             )
         return {target_patterns[0]: torch.cat(merged, dim=1) if len(merged) > 1 else merged[0]}
 
     @staticmethod
-    def _fuse_stored(input_dict, source_patterns, target: str, param: torch.Tensor, full_layer_name: str) -> dict:
+    def _fuse_stored(input_dict, source_patterns, target: str, shape: torch.Size, full_layer_name: str) -> dict:
         """Packed FP4 bytes [E, rows, C/2] and their E8M0 scales [E, rows, C/32] → ``target`` and
         ``target_scale_inv`` (transformers' ``FP8Experts`` layout), as stored."""
         weights, scales = [], []
         for pattern in source_patterns:
             if pattern.endswith(_WEIGHT):
-                weights.append(torch.stack(input_dict.pop(pattern)).view(torch.int8))
+                stored_weights = input_dict.pop(pattern)
                 stored_scales = input_dict.pop(pattern[: -len(_WEIGHT)] + _SCALE, None)
                 if stored_scales is None:
                     raise ValueError(f"{full_layer_name} is kept in FP4 but the checkpoint stores {pattern} without scales")
+                for weight, scale in zip(stored_weights, stored_scales):
+                    _check_scale_blocks(weight, scale, 2 * weight.shape[-1], full_layer_name)
+                weights.append(torch.stack(stored_weights).view(torch.int8))
                 scales.append(torch.stack([_stored_scale(s) for s in stored_scales]))
         weight, scale = torch.cat(weights, dim=1), torch.cat(scales, dim=1)
-        if weight.shape != param.shape:
+        if weight.shape != shape:
             raise ValueError(f"{full_layer_name}: the checkpoint's FP4 experts make {tuple(weight.shape)}, the "
-                             f"parameter is {tuple(param.shape)}")
+                             f"parameter (this rank's part) is {tuple(shape)}")
         return {target: weight, target + "_scale_inv": scale}
 
     @property

@@ -67,6 +67,7 @@ from ..quantization import (
     dequantize_fp8_rows,
     unpack_fp4,
 )
+from ..parallel import check_parallel_load, requested_parallelism
 from ..validation import check_safetensors_folder
 
 logger = logging.get_logger(__name__)
@@ -169,15 +170,27 @@ def dequantize_released_weight(
     return out
 
 
-def _check_scale_blocks(weight: torch.Tensor, scale: torch.Tensor, columns: int, name: str) -> None:
-    """A shard of a per-row, per-32-column scaled weight (FP4 experts) must hold whole scale blocks: a split of the
-    columns inside a block leaves a rank values without their scale."""
-    if columns % RELEASED_BLOCK_SIZE or scale.shape[-1] * RELEASED_BLOCK_SIZE != columns:
-        raise ValueError(
-            f"{name}: this rank's part holds {columns} columns with {scale.shape[-1]} E8M0 scales of "
-            f"{RELEASED_BLOCK_SIZE} columns each: the tensor-parallel split cuts a scale block. Use a tp_size that "
-            f"divides the columns into multiples of {RELEASED_BLOCK_SIZE} (see DeepseekV41Config.check_parallel_sizes)"
-        )
+def check_whole_scale_blocks(param: torch.Tensor, block: tuple[int, ...], name: str) -> None:
+    """A tensor- or expert-parallel shard of a block-scaled released tensor must hold whole scale blocks: ``block``
+    is the scale block of ``param``'s stored layout per dim (32x32 for FP8 Linears; 1 row x 16 bytes = 32 values for
+    the FP4 experts' bytes). A split inside a block would leave a rank values without their scale (or, for FP8,
+    silently pair them with the next block's)."""
+    if not is_dtensor(param):
+        return
+    mesh = param.device_mesh
+    for mesh_dim, placement in enumerate(param.placements):
+        if not hasattr(placement, "dim"):  # replicated on this mesh dim
+            continue
+        dim = placement.dim % param.ndim
+        ranks = mesh.size(mesh_dim) * getattr(placement, "split_factor", 1)
+        chunk = math.ceil(param.shape[dim] / ranks)
+        if chunk % block[dim]:
+            raise ValueError(
+                f"{name}: split over {mesh.size(mesh_dim)} ranks, dim {dim} of the stored tensor "
+                f"({param.shape[dim]}) gives {chunk} per rank, which cuts its E8M0 scale blocks ({block[dim]} each). "
+                f"Use a tp_size that leaves each rank a multiple of {RELEASED_BLOCK_SIZE} of moe_intermediate_size "
+                "(modeling_dsv41.parallel.check_parallel_load names them)"
+            )
 
 
 class DequantizeReleasedWeight(ConversionOps):
@@ -200,10 +213,12 @@ class DequantizeReleasedWeight(ConversionOps):
                 return {_WEIGHT: weight}
             if scale is None:
                 raise ValueError(f"{full_layer_name} is kept in FP8 but the checkpoint stores it without scales")
+            check_whole_scale_blocks(param, (RELEASED_BLOCK_SIZE,) * 2, full_layer_name)
             # a native `FP8Linear` names its scales `weight_scale_inv`; an FP8 Engram table, `scale`
             return {_WEIGHT: weight, _NATIVE_SCALE if hasattr(module, "weight_scale_inv") else _SCALE: scale}
         if scale is None:
             return {_WEIGHT: weight}
+        check_whole_scale_blocks(param, (RELEASED_BLOCK_SIZE,) * param.ndim, full_layer_name)
         # the loader already cast the sources to the dtype this parameter loads in
         dtype = weight.dtype if weight.is_floating_point() and weight.element_size() > 1 else param.dtype
         return {_WEIGHT: dequantize_released_weight(weight, scale, local_shape(param)[-1], dtype)}
@@ -248,6 +263,10 @@ class MergeReleasedExperts(ConversionOps):
     def convert(self, input_dict, source_patterns, target_patterns, model=None, full_layer_name=None, **kwargs):
         param = model.get_parameter(full_layer_name)
         shape = local_shape(param)
+        if any(input_dict.get(p) for p in source_patterns if p.endswith(_SCALE)):
+            # any split of the experts or their rows (one scale per row); columns in blocks of 32 (FP4: 16 bytes)
+            columns_per_scale = RELEASED_BLOCK_SIZE // 2 if param.element_size() == 1 else RELEASED_BLOCK_SIZE
+            check_whole_scale_blocks(param, (1, 1, columns_per_scale), full_layer_name)
         if param.element_size() == 1:  # native FP4 experts (`FP8Experts`): the bytes and scales fused as stored
             return self._fuse_stored(input_dict, source_patterns, target_patterns[0], shape, full_layer_name)
         merged = []
@@ -262,8 +281,6 @@ class MergeReleasedExperts(ConversionOps):
                 raise ValueError(f"{full_layer_name}: {len(weights)} experts' {pattern} but {len(scales)} scales")
             if scales is not None:
                 dtype = weights[0].dtype if weights[0].is_floating_point() and weights[0].element_size() > 1 else param.dtype
-                for weight, scale in zip(weights, scales):
-                    _check_scale_blocks(weight, scale, shape[-1], full_layer_name)
                 weights = [dequantize_released_weight(w, s, shape[-1], dtype) for w, s in zip(weights, scales)]
             merged.append(torch.stack(weights))
         if sum(t.shape[1] for t in merged) != shape[1] or merged[0].shape[0] != shape[0]:
@@ -284,8 +301,6 @@ class MergeReleasedExperts(ConversionOps):
                 stored_scales = input_dict.pop(pattern[: -len(_WEIGHT)] + _SCALE, None)
                 if stored_scales is None:
                     raise ValueError(f"{full_layer_name} is kept in FP4 but the checkpoint stores {pattern} without scales")
-                for weight, scale in zip(stored_weights, stored_scales):
-                    _check_scale_blocks(weight, scale, 2 * weight.shape[-1], full_layer_name)
                 weights.append(torch.stack(stored_weights).view(torch.int8))
                 scales.append(torch.stack([_stored_scale(s) for s in stored_scales]))
         weight, scale = torch.cat(weights, dim=1), torch.cat(scales, dim=1)
@@ -555,6 +570,13 @@ class DeepseekV41CheckpointLoadingMixin:
                 )
             if saved is not None:
                 kwargs["config"] = saved
+        parallel = requested_parallelism(kwargs)
+        if parallel is not None and pretrained_model_name_or_path is not None:
+            config = kwargs.get("config")
+            if not isinstance(config, PreTrainedConfig):
+                config = cls.config_class.from_pretrained(config or pretrained_model_name_or_path, **hub_kwargs)
+            native_load = native and released and stores_quantized_weights(pretrained_model_name_or_path, **hub_kwargs)
+            check_parallel_load(config, parallel, native=native_load, released=released)
         if released and kwargs.get("dtype", "auto") == "auto":
             kwargs["dtype"] = torch.bfloat16
         with sequential_loading() if released else nullcontext():

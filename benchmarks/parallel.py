@@ -107,6 +107,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     torch.distributed.destroy_process_group()
 
 
+def _one_process(_: int, args: argparse.Namespace, out: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.save(_measure(_load(args.model, None, 1, args.device)), Path(out) / "one_process.pt")
+
+
 def _report(out: Path, world: int, args: argparse.Namespace) -> None:
     import torch
 
@@ -143,7 +150,8 @@ def main(argv=None) -> None:
         if args.model is None:
             args.model = str(out / "stand-in")
             _build_stand_in(Path(args.model))
-        torch.save(_measure(_load(args.model, None, 1, args.device)), out / "one_process.pt")
+        # the baseline in a fresh process too: this one's resident set holds the stand-in it built
+        mp.start_processes(_one_process, args=(args, str(out)), nprocs=1, start_method="spawn")
         from tests.gloo_processes import free_port
 
         mp.start_processes(_rank, args=(args.nproc, free_port(), args, str(out)), nprocs=args.nproc, start_method="spawn")

@@ -19,12 +19,13 @@ import torch.distributed as dist
 from dsv41_testers import TINY_VISION_CONFIG, prompt_inputs
 from gloo_processes import WORLD, spawn
 from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
+from torch.distributed.tensor import Shard, distribute_tensor
 from transformers.distributed import DistributedConfig
 from transformers.distributed.utils import is_dtensor
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.hub.checkpoint_loading import check_whole_scale_blocks, save_released_checkpoint
 from modeling_dsv41.hub.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
 from modeling_dsv41.parallel import check_parallel_load, distributed_config
 from modeling_dsv41.placement import build_meta_model, plan_parallel
@@ -116,6 +117,12 @@ def _load_and_compare(rank: int, tmp: Path, folder: str, kind: str) -> None:
     assert tuple(shared.w1.weight_scale_inv.to_local().shape) == (inter // 64, hidden // 32)
     assert tuple(shared.w2.weight.to_local().shape) == (hidden, inter // 2)
     assert tuple(shared.w2.weight_scale_inv.to_local().shape) == (hidden // 32, inter // 64)
+    if kind == "tp":  # the loader's own guard, for a plan cutting a block (the check before loading names sizes)
+        mesh = shared.w1.weight.device_mesh
+        cut = distribute_tensor(torch.empty(96, 64, device="meta"), mesh, [Shard(0)], src_data_rank=None)
+        with pytest.raises(ValueError, match=r"gives 48 per rank, which cuts its E8M0 scale blocks \(32 each\)"):
+            check_whole_scale_blocks(cut, (32, 32), "w1.weight")
+        check_whole_scale_blocks(shared.w1.weight, (32, 32), "w1.weight")
     # the rank holds half of the experts' and the shared experts' bytes (plus the replicated rest)
     reference = torch.load(folder / "reference.pt")
     held = _local_bytes(model)

@@ -73,6 +73,8 @@ def _load_sharded_and_compare(rank: int, folder: Path, kind: str) -> None:
         experts = model.model.layers[0].ffn.experts
         assert experts.gate_up_proj.to_local().shape[1] == 2 * 32 // WORLD  # each rank: its I/2 of gate and of up
         assert experts.down_proj.to_local().shape[-1] == 32 // WORLD
+        shared = model.model.layers[0].ffn.shared_experts  # I/2 rows of w1 and w3, columns of w2
+        assert shared.w1.weight.to_local().shape[0] == shared.w2.weight.to_local().shape[1] == 32 // WORLD
     else:
         # ep_size == tp_size: the experts follow the EP plan, the rest the TP plan (a `tp_plan={}` for EP alone is
         # refused by transformers 5.24 when tp_size > 1: "has no `tp_plan`"). "auto" picks the all-reduce dispatch at

@@ -62,20 +62,26 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     base_config_key = "text_config"
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    # Parallel plans of the backbone (keys relative to `DeepseekV41Model`), as transformers' deepseek_v4 has them.
-    # Only the routed experts are split: they are ~95% of the weights. Sharded: `gate_up_proj` [E, 2I, D] on its
+    # Parallel plans of the backbone (keys relative to `DeepseekV41Model`), as transformers' deepseek_v4 has them,
+    # plus the shared expert. The routed experts are ~95% of the weights. Sharded: `gate_up_proj` [E, 2I, D] on its
     # packed gate|up rows (each rank keeps the same I/tp slice of both), `down_proj` [E, D, I] on I, and the
-    # experts' partial sums are all-reduced (`moe_tp_experts`); the vocabulary of `embed` and of `lm_head`.
-    # Replicated, and why: attention is MQA with one shared K=V head broadcast to every query head, so splitting
-    # the heads of the low-rank `wq_b` would also need the per-head `attn_sink`, the grouped `wo_a` (heads are
-    # grouped by `o_groups`) and `wo_b` split consistently, for ~2% of the weights; the compressors, the indexer,
-    # mHC (`hc_*`: tiny fp32 mixing matrices of the residual copies), the router and its biases, the shared expert
-    # and the Engram tables (looked up by hashed n-gram id, not by a matmul) are small or not matmul-shaped.
+    # experts' partial sums are all-reduced (`moe_tp_experts`); the shared expert on I too (`w1`/`w3` colwise, `w2`
+    # rowwise, all-reduced): in the released storage these are FP8 Linears with 32x32-block scales, so each rank
+    # loads I/tp rows (columns) of the FP8 bytes and the matching I/(32·tp) scale blocks; the vocabulary of `embed`
+    # and of `lm_head`. The released storage needs I/tp to be a multiple of 32 (whole scale blocks per rank, checked
+    # on load). Replicated, and why: attention is MQA with one shared K=V head broadcast to every query head, so
+    # splitting the heads of the low-rank `wq_b` would also need the per-head `attn_sink`, the grouped `wo_a` (heads
+    # are grouped by `o_groups`) and `wo_b` split consistently, for ~2% of the weights; the compressors, the
+    # indexer, mHC (`hc_*`: tiny fp32 mixing matrices of the residual copies), the router and its biases and the
+    # Engram tables (looked up by hashed n-gram id, not by a matmul) are small or not matmul-shaped.
     base_model_tp_plan = {
         "embed": "embedding_rowwise",
         "layers.*.ffn.experts.gate_up_proj": "packed_colwise",
         "layers.*.ffn.experts.down_proj": "rowwise",
         "layers.*.ffn.experts": "moe_tp_experts",
+        "layers.*.ffn.shared_experts.w1": "colwise",
+        "layers.*.ffn.shared_experts.w3": "colwise",
+        "layers.*.ffn.shared_experts.w2": "rowwise",
     }
     # Pipeline plan: what crosses a stage boundary. Between layers that is the whole residual stream, not one
     # [B, S, D] tensor: the mHC copies [B, S, hc, D], the mix `pre_mix` [B, S, hc] the next block collapses them with

@@ -68,6 +68,18 @@ def released_storage_bytes(name: str, param: torch.Tensor) -> float:
     return param.numel() * param.element_size()
 
 
+# stored FP8 but dequantized by native loading: the block-diagonal `wo_a` and Engram `wkv` (hub/native_precision.py)
+_DEQUANTIZED_ON_LOAD = re.compile(r"(^|\.)layers\.\d+\.(attn\.wo_a|engram\.wkv)\.weight$")
+
+
+def native_held_bytes(name: str, param: torch.Tensor) -> float:
+    """Bytes of ``name`` once loaded natively: the released storage, but for the FP8 Linears the load dequantizes
+    (held in ``param``'s dtype)."""
+    if _DEQUANTIZED_ON_LOAD.search(name):
+        return param.numel() * param.element_size()
+    return released_storage_bytes(name, param)
+
+
 def is_engram_table_tensor(name: str) -> bool:
     return bool(ENGRAM_TABLE.search(name.rsplit(".", 1)[0]))
 
@@ -291,6 +303,51 @@ def format_plan(plan: DevicePlan, max_memory: dict[int | str, int], native: bool
     return "\n".join(lines)
 
 
+# parameter styles of transformers' TP and EP plans that split a parameter (the rest replicate it or hook a forward)
+_SPLITTING_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_split_input", "rowwise_rep",
+                     "packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise", "grouped_gemm")
+
+
+@dataclass
+class ParallelPlan:
+    """What one rank holds under ``DistributedConfig(tp_size=tp, ep_size=ep)``: each parameter's bytes on the rank
+    (its part when a plan splits it), the Engram tables (whole on every rank, kept off the accelerators) apart."""
+
+    tp_size: int
+    ep_size: int
+    tensors: dict[str, tuple[float, bool]] = field(default_factory=dict)  # name → (bytes on this rank, split?)
+    engram_table_bytes: float = 0.0
+
+    @property
+    def per_rank_bytes(self) -> float:
+        return sum(nbytes for nbytes, _ in self.tensors.values())
+
+
+def plan_parallel(
+    model_or_config: nn.Module | DeepseekV41Config, tp_size: int = 1, ep_size: int = 1, native: bool = True
+) -> ParallelPlan:
+    """Per-rank weights of ``model_or_config`` under the config's TP plan (``tp_size`` ranks) and EP plan (``ep_size``,
+    whose rules win for the experts), sized by the released storage when ``native``. The sizes are checked as
+    loading checks them (:func:`~modeling_dsv41.parallel.check_parallel_load`: whole scale blocks, whole experts)."""
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.parallel_utils import _get_parameter_plan
+
+    from .parallel import check_parallel_load
+
+    model = build_meta_model(model_or_config) if isinstance(model_or_config, DeepseekV41Config) else model_or_config
+    check_parallel_load(model.config, DistributedConfig(tp_size=tp_size, ep_size=ep_size), native=False, released=native)
+    rules = [(ep_size, model.ep_plan if ep_size > 1 else {}), (tp_size, model.tp_plan if tp_size > 1 else {})]
+    plan = ParallelPlan(tp_size=tp_size, ep_size=ep_size)
+    for name, param in model.named_parameters():
+        nbytes = native_held_bytes(name, param) if native else param.numel() * param.element_size()
+        if is_engram_table_tensor(name):
+            plan.engram_table_bytes += nbytes
+            continue
+        ways = next((size for size, plan_rules in rules if _get_parameter_plan(name, plan_rules) in _SPLITTING_STYLES), 1)
+        plan.tensors[name] = (nbytes / ways, ways > 1)
+    return plan
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Moving the tables of a loaded model
 # ---------------------------------------------------------------------------------------------------------------------
@@ -466,6 +523,7 @@ __all__ = [
     "DeepseekV41PlacementMixin",
     "DevicePlan",
     "ENGRAM_TABLE",
+    "ParallelPlan",
     "TensorSizes",
     "cache_bytes_per_token",
     "engram_tables_off_map",
@@ -473,5 +531,7 @@ __all__ = [
     "memory_map_engram_tables",
     "place_engram_tables",
     "plan_device_map",
+    "native_held_bytes",
+    "plan_parallel",
     "released_storage_bytes",
 ]

@@ -187,6 +187,22 @@ IMAGE_GRID = (6, 6)
 IMAGE_SPAN_TYPES = [0, 1, 1, 2, 1, 1, 2, 3]
 
 
+def prompt_inputs(config: DeepseekV41Config, length: int, rows: int = 2) -> dict[str, torch.Tensor]:
+    """``rows`` rows of random text of ``length`` tokens; with a vision config, one image per row at position 2
+    (the :data:`IMAGE_GRID` image, :data:`IMAGE_SPAN_TYPES` positions). Draws from torch's global generator."""
+    input_ids = torch.randint(3, config.text_config.vocab_size - 2, (rows, length))
+    if not config.has_vision:
+        return {"input_ids": input_ids}
+    types = torch.full_like(input_ids, TEXT_TYPE)
+    types[:, 2 : 2 + len(IMAGE_SPAN_TYPES)] = torch.tensor(IMAGE_SPAN_TYPES)
+    return {
+        "input_ids": input_ids.masked_fill(types != TEXT_TYPE, config.image_token_id),
+        "image_token_types": types,
+        "pixel_values": torch.rand(rows * IMAGE_GRID[0] * IMAGE_GRID[1], 3, 14, 14) * 2 - 1,
+        "image_grid_hw": torch.tensor([IMAGE_GRID] * rows),
+    }
+
+
 class DeepseekV41ModelTester:
     """Tiny configs and inputs for the mixins. ``vision``: one image per row; ``engram``: two Engram layers."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from dsv41_testers import IMAGE_GRID, IMAGE_SPAN_TYPES, TEXT_TYPE
+from dsv41_testers import prompt_inputs
 from gloo_processes import WORLD, spawn
 from safetensors.torch import load_file
 
@@ -52,28 +52,13 @@ def _reference(folder: Path, fixtures: Path, kind: str) -> dict[str, torch.Tenso
     model.model.engram_hasher.token_map.copy_(load_file(fixtures / "v41_tiny_vl/engram.safetensors")["token_map"])
     model.save_pretrained(folder)
     model = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    inputs = _inputs(model.config)
+    inputs = prompt_inputs(model.config, PROMPT_LEN)
     with torch.no_grad():
         logits = model(**inputs).logits
         tokens = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     reference = {"inputs": inputs, "logits": logits, "tokens": tokens}
     torch.save(reference, folder / "reference.pt")
     return reference
-
-
-def _inputs(config: DeepseekV41Config) -> dict[str, torch.Tensor]:
-    """Two rows of random text; with a vision config, one image per row (the testers' 6×6-patch image)."""
-    input_ids = torch.randint(3, config.text_config.vocab_size - 2, (2, PROMPT_LEN))
-    if not config.has_vision:
-        return {"input_ids": input_ids}
-    types = torch.full_like(input_ids, TEXT_TYPE)
-    types[:, 2 : 2 + len(IMAGE_SPAN_TYPES)] = torch.tensor(IMAGE_SPAN_TYPES)
-    return {
-        "input_ids": input_ids.masked_fill(types != TEXT_TYPE, config.image_token_id),
-        "image_token_types": types,
-        "pixel_values": torch.rand(2 * IMAGE_GRID[0] * IMAGE_GRID[1], 3, 14, 14) * 2 - 1,
-        "image_grid_hw": torch.tensor([IMAGE_GRID] * 2),
-    }
 
 
 def _load_sharded_and_compare(rank: int, folder: Path, kind: str) -> None:
@@ -88,6 +73,8 @@ def _load_sharded_and_compare(rank: int, folder: Path, kind: str) -> None:
         experts = model.model.layers[0].ffn.experts
         assert experts.gate_up_proj.to_local().shape[1] == 2 * 32 // WORLD  # each rank: its I/2 of gate and of up
         assert experts.down_proj.to_local().shape[-1] == 32 // WORLD
+        shared = model.model.layers[0].ffn.shared_experts  # I/2 rows of w1 and w3, columns of w2
+        assert shared.w1.weight.to_local().shape[0] == shared.w2.weight.to_local().shape[1] == 32 // WORLD
     else:
         # ep_size == tp_size: the experts follow the EP plan, the rest the TP plan (a `tp_plan={}` for EP alone is
         # refused by transformers 5.24 when tp_size > 1: "has no `tp_plan`"). "auto" picks the all-reduce dispatch at

@@ -302,6 +302,27 @@ def test_inspect_plans_the_released_model_on_8x141GiB(capsys):
     assert len(re.findall(r"^[0-7]\s+[\d.]+ \w?i?B\s+141\.0 GiB", out, flags=re.M)) == 8
 
 
+@pytest.mark.parametrize("flag", ["--tp", "--ep"])
+def test_inspect_prints_the_per_rank_weights_of_the_released_model(flag, capsys):
+    """``--tp 8`` (``tp_plan="auto"``) and ``--ep 8`` (``DistributedConfig(tp_size=8, ep_size=8)``) both split the
+    routed experts 8 ways: their FP4 bytes and E8M0 scales per rank, from SPEC §2's sizes, independent of the model
+    code (40 layers × 384 experts × 3 matrices of 5120 × 2304, half a byte a value plus a byte per 32)."""
+    assert main(["inspect", "deepseek-v4.1-flash", "--devices", "8x141GiB", flag, "8"]) == 0
+    out = capsys.readouterr().out
+    experts = 40 * 384 * 3 * 5120 * 2304 * (0.5 + 1 / 32) / 8
+    assert re.search(rf"MoE: routed experts\s+{experts / GiB:.1f} GiB\s+its part", out), out
+    assert re.search(r"attention\s+[\d.]+ GiB\s+whole", out)
+    per_rank = float(re.search(r"weights per rank\s+([\d.]+) GiB of 141\.0 GiB", out).group(1))
+    assert experts / GiB < per_rank < 141
+    assert re.search(r"Engram tables: [\d.]+ GiB, whole on every rank, in host memory", out)
+
+
+def test_inspect_refuses_a_tensor_parallel_size_that_cuts_scale_blocks(capsys):
+    # I = 2304 = 72 blocks of 32: tp 16 leaves 144 (whole blocks), tp 5 does not divide it
+    assert main(["inspect", "deepseek-v4.1-flash", "--tp", "5"]) == 2
+    assert "cuts its 32-wide E8M0 scale blocks: use tp_size in [2, 3, 4]" in capsys.readouterr().err
+
+
 def test_parse_devices():
     assert parse_devices("8x141GiB") == dict.fromkeys(range(8), 141 * GiB)
     assert parse_devices("1x80GB, 40GiB") == {0: 80 * 10**9, 1: 40 * GiB}

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="weight sizes for --devices: the released storage (FP8 Linears, FP4 experts, FP8 Engram "
                          "tables, as native loading keeps them) or the dtypes of a model loaded in bfloat16 "
                          "(default: %(default)s)")
+    inspect.add_argument("--tp", type=_int_at_least(2), default=None, metavar="N",
+                         help='per-rank weights under tensor parallelism on N ranks (tp_plan="auto"; with --devices, '
+                         "N of them)")
+    inspect.add_argument("--ep", type=_int_at_least(2), default=None, metavar="N",
+                         help="per-rank weights under expert parallelism on N ranks: DistributedConfig(tp_size=N, "
+                         "ep_size=N), the experts split by the EP plan and the rest by the TP plan")
     inspect.set_defaults(handler=_run_inspect)
 
     convert = commands.add_parser(
@@ -224,12 +230,30 @@ def _run_inspect(args: argparse.Namespace) -> int:
     config = load_config(args.target)
     print(f"DeepSeek-V4.1 configuration: {args.target}")
     print(format_inspection(inspect_config(config)))
+    native = args.storage == "released"
+    if args.tp or args.ep:
+        return _print_parallel_plan(config, args, native)
     if args.devices:
         from ..placement import format_plan, plan_device_map
 
-        native = args.storage == "released"
         print()
         print(format_plan(plan_device_map(config, args.devices, native=native), args.devices, native))
+    return 0
+
+
+def _print_parallel_plan(config, args: argparse.Namespace, native: bool) -> int:
+    from ..placement import plan_parallel
+    from .inspection import format_parallel_plan
+
+    if args.tp and args.ep and args.tp != args.ep:
+        raise ValueError(f"--tp {args.tp} --ep {args.ep}: expert parallelism runs on the tensor-parallel ranks, "
+                         f"use --ep {args.ep} alone (DistributedConfig(tp_size={args.ep}, ep_size={args.ep}))")
+    ranks = args.ep or args.tp
+    if args.devices and len(args.devices) != ranks:
+        raise ValueError(f"--devices lists {len(args.devices)} devices for {ranks} ranks: give one per rank")
+    plan = plan_parallel(config, tp_size=ranks, ep_size=args.ep or 1, native=native)
+    print()
+    print(format_parallel_plan(plan, args.devices, native))
     return 0
 
 

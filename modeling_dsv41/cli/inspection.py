@@ -15,7 +15,7 @@ from processing.image_processing_dsv41 import ImageGridPlan, plan_image_grid
 
 from ..optim import KINDS, AssignmentTable, KindSummary, assign_kinds, state_bytes
 from ..optim.policy import FROZEN
-from ..placement import build_meta_model
+from ..placement import ParallelPlan, build_meta_model
 
 # component name → pattern searched in the parameter name; the first match wins
 COMPONENTS: tuple[tuple[str, str], ...] = (
@@ -133,5 +133,29 @@ def format_inspection(result: ModelInspection) -> str:
     return "\n".join(lines)
 
 
+def format_parallel_plan(plan: ParallelPlan, max_memory: dict[int | str, int] | None, native: bool) -> str:
+    """The per-rank table ``dsv41 inspect --tp N`` / ``--ep N`` prints: each component's bytes on one rank, split by
+    the plans or whole on every rank."""
+    storage = "released storage (FP8 Linears, FP4 experts)" if native else "loaded dtypes"
+    if plan.ep_size > 1:
+        title = f"Expert parallel, DistributedConfig(tp_size={plan.tp_size}, ep_size={plan.ep_size})"
+    else:
+        title = f'Tensor parallel, tp_plan="auto" on {plan.tp_size} ranks'
+    rows: dict[tuple[str, bool], float] = {}
+    for name, (nbytes, split) in plan.tensors.items():
+        key = (component_of(name), split)
+        rows[key] = rows.get(key, 0) + nbytes
+    lines = [f"{title}, {storage}:", f"{'component':<34}{'per rank':>14}  held"]
+    for (component, split), nbytes in sorted(rows.items(), key=lambda item: (not item[0][1], -item[1])):
+        lines.append(f"{component:<34}{_bytes(nbytes):>14}  {'its part' if split else 'whole'}")
+    total = plan.per_rank_bytes
+    capacity = min(max_memory.values()) if max_memory else None
+    fill = f" of {_bytes(capacity)} ({total / capacity:.0%})" if capacity else ""
+    lines.append(f"{'weights per rank':<34}{_bytes(total):>14}{fill}")
+    lines.append(f"Engram tables: {_bytes(plan.engram_table_bytes)}, whole on every rank, in host memory "
+                 '(engram_tables="mmap": the ranks share one page cache of the checkpoint)')
+    return "\n".join(lines)
+
+
 __all__ = ["COMPONENTS", "IMAGE_SIZES", "ModelInspection", "build_meta_model", "component_of", "format_inspection",
-           "inspect_config"]
+           "format_parallel_plan", "inspect_config"]

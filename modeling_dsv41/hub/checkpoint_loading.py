@@ -56,6 +56,7 @@ from transformers import BitsAndBytesConfig, FineGrainedFP8Config, PreTrainedCon
 from transformers import initialization as init
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, revert_weight_conversion
+from transformers.distributed.utils import is_dtensor
 from transformers.utils import cached_file, logging
 
 from ..quantization import (
@@ -66,6 +67,7 @@ from ..quantization import (
     dequantize_fp8_rows,
     unpack_fp4,
 )
+from ..parallel import check_parallel_load, requested_parallelism
 from ..validation import check_safetensors_folder
 
 logger = logging.get_logger(__name__)
@@ -168,6 +170,29 @@ def dequantize_released_weight(
     return out
 
 
+def check_whole_scale_blocks(param: torch.Tensor, block: tuple[int, ...], name: str) -> None:
+    """A tensor- or expert-parallel shard of a block-scaled released tensor must hold whole scale blocks: ``block``
+    is the scale block of ``param``'s stored layout per dim (32x32 for FP8 Linears; 1 row x 16 bytes = 32 values for
+    the FP4 experts' bytes). A split inside a block would leave a rank values without their scale (or, for FP8,
+    silently pair them with the next block's)."""
+    if not is_dtensor(param):
+        return
+    mesh = param.device_mesh
+    for mesh_dim, placement in enumerate(param.placements):
+        if not hasattr(placement, "dim"):  # replicated on this mesh dim
+            continue
+        dim = placement.dim % param.ndim
+        ranks = mesh.size(mesh_dim) * getattr(placement, "split_factor", 1)
+        chunk = math.ceil(param.shape[dim] / ranks)
+        if chunk % block[dim]:
+            raise ValueError(
+                f"{name}: split over {mesh.size(mesh_dim)} ranks, dim {dim} of the stored tensor "
+                f"({param.shape[dim]}) gives {chunk} per rank, which cuts its E8M0 scale blocks ({block[dim]} each). "
+                f"Use a tp_size that leaves each rank a multiple of {RELEASED_BLOCK_SIZE} of moe_intermediate_size "
+                "(modeling_dsv41.parallel.check_parallel_load names them)"
+            )
+
+
 class DequantizeReleasedWeight(ConversionOps):
     """``X.weight`` and its ``X.scale`` (released storage) → ``X.weight`` in the parameter's dtype.
 
@@ -188,13 +213,15 @@ class DequantizeReleasedWeight(ConversionOps):
                 return {_WEIGHT: weight}
             if scale is None:
                 raise ValueError(f"{full_layer_name} is kept in FP8 but the checkpoint stores it without scales")
+            check_whole_scale_blocks(param, (RELEASED_BLOCK_SIZE,) * 2, full_layer_name)
             # a native `FP8Linear` names its scales `weight_scale_inv`; an FP8 Engram table, `scale`
             return {_WEIGHT: weight, _NATIVE_SCALE if hasattr(module, "weight_scale_inv") else _SCALE: scale}
         if scale is None:
             return {_WEIGHT: weight}
+        check_whole_scale_blocks(param, (RELEASED_BLOCK_SIZE,) * param.ndim, full_layer_name)
         # the loader already cast the sources to the dtype this parameter loads in
         dtype = weight.dtype if weight.is_floating_point() and weight.element_size() > 1 else param.dtype
-        return {_WEIGHT: dequantize_released_weight(weight, scale, param.shape[-1], dtype)}
+        return {_WEIGHT: dequantize_released_weight(weight, scale, local_shape(param)[-1], dtype)}
 
     @property
     def reverse_op(self) -> ConversionOps:
@@ -212,6 +239,12 @@ class _SavePlainWeight(ConversionOps):
         return DequantizeReleasedWeight()
 
 
+def local_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the part of ``param`` this rank holds: its shard under tensor or expert parallelism (a DTensor,
+    whose ``shape`` is the global one), else the whole parameter."""
+    return param.to_local().shape if is_dtensor(param) else param.shape
+
+
 class MergeReleasedExperts(ConversionOps):
     """The released per-expert ``w1``/``w3`` (or ``w2``) weights, FP4 with scales or plain → one fused
     ``gate_up_proj`` [E, 2·I, D] (or ``down_proj`` [E, D, I]) in the parameter's dtype.
@@ -220,13 +253,22 @@ class MergeReleasedExperts(ConversionOps):
     stacked in expert order (the loader sorts keys naturally) and the patterns concatenated along dim 1. One op
     rather than ``MergeModulelist`` + ``Concatenate``: the scales must be consumed per expert first, and the
     reverse (:class:`SplitReleasedExperts`) must split into the weight patterns only.
+
+    Under tensor or expert parallelism the loader hands over this rank's shard of each tensor (transformers'
+    ``DtensorShardOperation``: only the rank's experts, and of each its slice of rows or columns, scales sliced by
+    the same placement), so the result is checked against the rank's local shape.
     """
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, model=None, full_layer_name=None, **kwargs):
         param = model.get_parameter(full_layer_name)
+        shape = local_shape(param)
+        if any(input_dict.get(p) for p in source_patterns if p.endswith(_SCALE)):
+            # any split of the experts or their rows (one scale per row); columns in blocks of 32 (FP4: 16 bytes)
+            columns_per_scale = RELEASED_BLOCK_SIZE // 2 if param.element_size() == 1 else RELEASED_BLOCK_SIZE
+            check_whole_scale_blocks(param, (1, 1, columns_per_scale), full_layer_name)
         if param.element_size() == 1:  # native FP4 experts (`FP8Experts`): the bytes and scales fused as stored
-            return self._fuse_stored(input_dict, source_patterns, target_patterns[0], param, full_layer_name)
+            return self._fuse_stored(input_dict, source_patterns, target_patterns[0], shape, full_layer_name)
         merged = []
         for pattern in source_patterns:
             if not pattern.endswith(_WEIGHT):
@@ -239,31 +281,32 @@ class MergeReleasedExperts(ConversionOps):
                 raise ValueError(f"{full_layer_name}: {len(weights)} experts' {pattern} but {len(scales)} scales")
             if scales is not None:
                 dtype = weights[0].dtype if weights[0].is_floating_point() and weights[0].element_size() > 1 else param.dtype
-                weights = [dequantize_released_weight(w, s, param.shape[-1], dtype) for w, s in zip(weights, scales)]
+                weights = [dequantize_released_weight(w, s, shape[-1], dtype) for w, s in zip(weights, scales)]
             merged.append(torch.stack(weights))
-        if sum(t.shape[1] for t in merged) != param.shape[1] or merged[0].shape[0] != param.shape[0]:
+        if sum(t.shape[1] for t in merged) != shape[1] or merged[0].shape[0] != shape[0]:
             raise ValueError(
                 f"{full_layer_name}: the checkpoint's experts make {[tuple(t.shape) for t in merged]}, which does not "
-                f"fit the parameter's {tuple(param.shape)} (n_routed_experts, moe_intermediate_size, hidden_size)"
+                f"fit the parameter's {tuple(shape)} (n_routed_experts, moe_intermediate_size, hidden_size)"
             )
         return {target_patterns[0]: torch.cat(merged, dim=1) if len(merged) > 1 else merged[0]}
 
     @staticmethod
-    def _fuse_stored(input_dict, source_patterns, target: str, param: torch.Tensor, full_layer_name: str) -> dict:
+    def _fuse_stored(input_dict, source_patterns, target: str, shape: torch.Size, full_layer_name: str) -> dict:
         """Packed FP4 bytes [E, rows, C/2] and their E8M0 scales [E, rows, C/32] → ``target`` and
         ``target_scale_inv`` (transformers' ``FP8Experts`` layout), as stored."""
         weights, scales = [], []
         for pattern in source_patterns:
             if pattern.endswith(_WEIGHT):
-                weights.append(torch.stack(input_dict.pop(pattern)).view(torch.int8))
+                stored_weights = input_dict.pop(pattern)
                 stored_scales = input_dict.pop(pattern[: -len(_WEIGHT)] + _SCALE, None)
                 if stored_scales is None:
                     raise ValueError(f"{full_layer_name} is kept in FP4 but the checkpoint stores {pattern} without scales")
+                weights.append(torch.stack(stored_weights).view(torch.int8))
                 scales.append(torch.stack([_stored_scale(s) for s in stored_scales]))
         weight, scale = torch.cat(weights, dim=1), torch.cat(scales, dim=1)
-        if weight.shape != param.shape:
+        if weight.shape != shape:
             raise ValueError(f"{full_layer_name}: the checkpoint's FP4 experts make {tuple(weight.shape)}, the "
-                             f"parameter is {tuple(param.shape)}")
+                             f"parameter (this rank's part) is {tuple(shape)}")
         return {target: weight, target + "_scale_inv": scale}
 
     @property
@@ -527,6 +570,13 @@ class DeepseekV41CheckpointLoadingMixin:
                 )
             if saved is not None:
                 kwargs["config"] = saved
+        parallel = requested_parallelism(kwargs)
+        if parallel is not None and pretrained_model_name_or_path is not None:
+            config = kwargs.get("config")
+            if not isinstance(config, PreTrainedConfig):
+                config = cls.config_class.from_pretrained(config or pretrained_model_name_or_path, **hub_kwargs)
+            native_load = native and released and stores_quantized_weights(pretrained_model_name_or_path, **hub_kwargs)
+            check_parallel_load(config, parallel, native=native_load, released=released)
         if released and kwargs.get("dtype", "auto") == "auto":
             kwargs["dtype"] = torch.bfloat16
         with sequential_loading() if released else nullcontext():

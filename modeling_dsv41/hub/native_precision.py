@@ -91,11 +91,13 @@ def released_quantization_config(model: nn.Module, **kwargs) -> DeepseekV41FP8Co
 
 
 class WeightOnlyFP8Linear(FP8Linear):
-    """``FP8Linear`` computed by dequantizing its weight to the input's dtype in the forward (no FP8 kernel)."""
+    """``FP8Linear`` computed by dequantizing its weight to the input's dtype in the forward (no FP8 kernel). Under
+    tensor parallelism it runs on its local shard (whole 32x32 scale blocks), whose width is the weight's own."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # frozen weights: the input still gets its gradient, as through `FP8LinearFunction`
-            weight = dequantize_released_weight(self.weight, self.weight_scale_inv, self.in_features, input.dtype)
+            columns = self.weight.shape[-1]
+            weight = dequantize_released_weight(self.weight, self.weight_scale_inv, columns, input.dtype)
         return F.linear(input, weight, self.bias)
 
 
@@ -126,14 +128,18 @@ class WeightOnlyFP4Experts(FP8Experts):
 def _weight_only(module: nn.Module, config) -> nn.Module:
     with torch.device("meta"):
         if isinstance(module, FP8Experts):
-            return WeightOnlyFP4Experts(
+            new = WeightOnlyFP4Experts(
                 module.config, block_size=config.weight_block_size, scale_fmt=config.scale_fmt,
                 expert_dtype=config.expert_dtype,
             )
-        return WeightOnlyFP8Linear(
-            module.in_features, module.out_features, block_size=config.weight_block_size, scale_fmt=config.scale_fmt,
-            has_bias=module.bias is not None,
-        )
+        else:
+            new = WeightOnlyFP8Linear(
+                module.in_features, module.out_features, block_size=config.weight_block_size,
+                scale_fmt=config.scale_fmt, has_bias=module.bias is not None,
+            )
+    # transformers' TP styles run a quantized module on its local shards (its forward takes no DTensors)
+    new._hf_quantized_needs_local_tp = getattr(module, "_hf_quantized_needs_local_tp", False)
+    return new
 
 
 @register_quantizer(QUANT_METHOD)

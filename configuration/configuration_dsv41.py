@@ -487,6 +487,10 @@ class DeepseekV41Config(PreTrainedConfig):
         "vision_config": SubConfigSpec(DeepseekV41VisionConfig, optional=True),
     }
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Read from config.json where a folder ships remote code (export_for_hub sets it there); a folder written by
+    # save_pretrained or `dsv41 convert` has none, and tools that read the attribute (TRL's loading of a model by
+    # path) get None instead of an AttributeError. A class attribute, so it is never serialized.
+    auto_map = None
 
     text_config: dict | PreTrainedConfig | None = None
     vision_config: dict | PreTrainedConfig | None = None

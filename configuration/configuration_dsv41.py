@@ -493,7 +493,6 @@ class DeepseekV41Config(PreTrainedConfig):
         "vision_config": SubConfigSpec(DeepseekV41VisionConfig, optional=True),
     }
     keys_to_ignore_at_inference = ["past_key_values"]
-
     text_config: dict | PreTrainedConfig | None = None
     vision_config: dict | PreTrainedConfig | None = None
     image_token_id: int = 129264
@@ -509,6 +508,23 @@ class DeepseekV41Config(PreTrainedConfig):
             raise ValueError(
                 f"image_token_id {self.image_token_id} is outside the vocabulary ({self.text_config.vocab_size})"
             )
+
+    @property
+    def auto_map(self) -> dict:
+        """The remote-code map of config.json (``export_for_hub`` writes one); an empty dict for a folder without
+        one (``save_pretrained``, ``dsv41 convert``), as tools that read the attribute expect (transformers' Auto
+        classes test membership, TRL's loading by path reads it), and not written to config.json while empty."""
+        return self.__dict__.setdefault("auto_map", {})
+
+    @auto_map.setter
+    def auto_map(self, value: dict) -> None:
+        self.__dict__["auto_map"] = value
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        if not output.get("auto_map", True):
+            del output["auto_map"]
+        return output
 
     @property
     def has_vision(self) -> bool:

@@ -24,23 +24,29 @@ IMAGE_TOKEN = "<｜deepseek_image｜>"
 
 # DeepSeek's conversation format (non-thinking): BOS, system text, then `<｜User｜>…` and
 # `<｜Assistant｜></think>…<｜end▁of▁sentence｜>` turns; an image block renders as one image token, which the
-# processor expands into the image's span.
+# processor expands into the image's span. An assistant turn's reply and its EOS (what the model is trained to
+# write; `<｜Assistant｜></think>` is the generation prompt) sit in `{% generation %}` markers, for
+# `return_assistant_tokens_mask` and TRL's `assistant_only_loss`.
 CHAT_TEMPLATE = (
     "{%- set image_token = '" + IMAGE_TOKEN + "' -%}"
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['content'] is string -%}{%- set blocks = [{'type': 'text', 'text': message['content']}] -%}"
-    "{%- else -%}{%- set blocks = message['content'] -%}{%- endif -%}"
-    "{%- if message['role'] == 'user' -%}{{- '" + USER_TOKEN + "' -}}"
-    "{%- elif message['role'] == 'assistant' -%}{{- '" + ASSISTANT_TOKEN + THINK_END_TOKEN + "' -}}"
-    "{%- elif message['role'] != 'system' -%}{{- raise_exception('unsupported role: ' + message['role']) -}}"
-    "{%- endif -%}"
+    "{%- macro render(blocks) -%}"
     "{%- for block in blocks -%}"
     "{%- if block['type'] == 'text' -%}{{- block['text'] -}}"
     "{%- elif block['type'] == 'image' -%}{{- image_token -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set blocks = [{'type': 'text', 'text': message['content']}] -%}"
+    "{%- else -%}{%- set blocks = message['content'] -%}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '" + ASSISTANT_TOKEN + THINK_END_TOKEN + "' -}}"
+    "{%- generation -%}{{- render(blocks) -}}{{- eos_token -}}{%- endgeneration -%}"
+    "{%- elif message['role'] == 'user' -%}{{- '" + USER_TOKEN + "' -}}{{- render(blocks) -}}"
+    "{%- elif message['role'] == 'system' -%}{{- render(blocks) -}}"
+    "{%- else -%}{{- raise_exception('unsupported role: ' + message['role']) -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '" + ASSISTANT_TOKEN + THINK_END_TOKEN + "' -}}{%- endif -%}"
 )

@@ -301,6 +301,48 @@ def test_remote_code_loads_with_transformers_alone(exported, tiny, tmp_path):
     assert all(module.startswith("transformers_modules.") for module in modules.values()), modules
 
 
+COEXIST_SCRIPT = """
+import json, sys
+from transformers import AutoModelForCausalLM
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+order, folder = sys.argv[1:]
+loaded = []
+if order == "remote-first":  # the repo's code registers its copy of our quantizer, then the package its own
+    loaded.append(type(AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)).__module__)
+    import modeling_dsv41
+    loaded.append(type(AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)).__module__)
+else:  # the package first, then the repo's code imported explicitly
+    import modeling_dsv41
+    loaded.append(type(AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)).__module__)
+    remote = get_class_from_dynamic_module("modeling_dsv41.DeepseekV41ForCausalLM", folder)
+    loaded.append(type(remote.from_pretrained(folder)).__module__)
+quantizer = [m[k].__module__ for m, k in ((AUTO_QUANTIZATION_CONFIG_MAPPING, "deepseek_v41_fp8"),
+                                          (AUTO_QUANTIZER_MAPPING, "deepseek_v41_fp8"))]
+print(json.dumps({"loaded": loaded, "quantizer": quantizer}))
+"""
+
+
+@pytest.mark.parametrize("order", ["remote-first", "package-first"])
+def test_package_and_remote_code_coexist_in_one_process(exported, tmp_path, order):
+    """Registration is process-wide: the two copies of the code must not refuse each other (transformers raises
+    "already registered" for a second quantizer of one name); the package's classes hold the names."""
+    (tmp_path / "coexist.py").write_text(COEXIST_SCRIPT)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "coexist.py", order, str(exported)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    remote, package = "transformers_modules.", "modeling_dsv41.modeling_dsv41"
+    if order == "remote-first":
+        assert result["loaded"][0].startswith(remote) and result["loaded"][1] == package
+    else:
+        assert result["loaded"][0] == package and result["loaded"][1].startswith(remote)
+    assert result["quantizer"] == ["modeling_dsv41.hub.native_precision"] * 2
+
+
 @pytest.mark.parametrize("trust_remote_code", [True, None])
 def test_installed_package_takes_precedence_over_the_repo_code(exported, trust_remote_code):
     config = AutoConfig.from_pretrained(exported, trust_remote_code=trust_remote_code)

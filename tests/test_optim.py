@@ -611,3 +611,35 @@ def test_policy_and_a_training_step_on_the_real_tiny_model(fixtures_dir):
                 moved += 1
     assert moved > 0.9 * sum(len(g["params"]) for g in opt.param_groups)  # gradients reach nearly everything
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_mixed_optimizer_builds_the_policy_groups_from_the_model(tmp_path):
+    """``MixedOptimizer(model, ...)`` is ``MixedOptimizer(build_param_groups(model, ...))``; a Trainer given
+    ``optimizer_cls_and_kwargs=(MixedOptimizer, {"model": model, ...})`` gets those groups, and plain param groups
+    (what a Trainer hands over otherwise) are refused with the way to build them."""
+    from transformers import Trainer, TrainingArguments
+
+    from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny"))
+    expected = [(g["kind"], g["param_names"], g.get("weight_decay", 0.0))
+                for g in build_param_groups(model, lr=2e-3, weight_decay=0.05)]
+    assert ("muon", 0.05) in {(kind, decay) for kind, _, decay in expected}
+    direct = MixedOptimizer(model, lr=2e-3, weight_decay=0.05)
+    assert [(g["kind"], g["param_names"], g["weight_decay"]) for g in direct.param_groups] == expected
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", learning_rate=2e-3)
+    trainer = Trainer(
+        model=model, args=args,
+        optimizer_cls_and_kwargs=(MixedOptimizer, {"model": model, "lr": 2e-3, "weight_decay": 0.05}),
+    )
+    built = trainer.create_optimizer()
+    assert isinstance(built, MixedOptimizer)
+    assert [(g["kind"], g["param_names"], g["weight_decay"]) for g in built.param_groups] == expected
+
+    plain = Trainer(model=model, args=args, optimizer_cls_and_kwargs=(MixedOptimizer, {"lr": 2e-3}))
+    with pytest.raises(ValueError, match=r"optimizer_cls_and_kwargs=\(MixedOptimizer, \{'model': model"):
+        plain.create_optimizer()
+    with pytest.raises(ValueError, match="only with the model"):
+        MixedOptimizer(build_param_groups(model, lr=1e-3), weight_decay=0.1)

@@ -1,6 +1,14 @@
 """PEFT LoRA on the model's Linears (by their released names) and on the fused routed experts (``target_parameters``):
 adapters act where they are put (or PEFT refuses them), train, save, reload and merge to the same function."""
 
+import ast
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -9,6 +17,7 @@ from torch.utils.data import Dataset
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41.numerics import reference_numerics
 from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
 
 # the released names: attention, shared experts (w1/w2/w3), ViT (wqkv, wo, mlp w1/w2, patch proj), aligner (w1/w2).
@@ -98,7 +107,7 @@ def test_lora_on_released_names_trains_saves_reloads_and_merges(tmp_path):
     assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
     args = DeepseekV41TrainingArguments(
         output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=2, learning_rate=5e-3,
-        lr_scheduler_type="constant", bias_update_speed=0.0,  # routing biases are base weights: an adapter keeps none
+        lr_scheduler_type="constant", bias_update_speed=0.0,  # adapters leave the routing biases as loaded
         report_to="none", save_strategy="no", logging_strategy="no", remove_unused_columns=False, use_cpu=True,
     )
     trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=SameBatch(), data_collator=SameBatch.collate)
@@ -212,3 +221,99 @@ def test_reentrant_checkpointing_is_exact_or_refused():
         assert "non-reentrant" in str(error)
         return
     assert_same_gradients(checkpointed, lora_gradients(None))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the README's recipe: exact targets, and an adapter that reloads as the model it trained
+# ---------------------------------------------------------------------------------------------------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_lora_config() -> LoraConfig:
+    """The ``LoraConfig(...)`` of the README's LoRA snippet, evaluated as written."""
+    for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL):
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "LoraConfig":
+                return eval(ast.get_source_segment(block, node), {"LoraConfig": LoraConfig})
+    raise AssertionError("README.md has no LoraConfig(...) snippet")
+
+
+def test_readme_lora_targets_the_language_model_only(caplog):
+    base = tiny_model()
+    model = get_peft_model(base, readme_lora_config())
+    names = {name.removesuffix(".base_layer") for name in adapted_modules(model)}  # the two expert tensors nest
+    layers = range(base.config.text_config.num_hidden_layers)
+    expected = {f"model.layers.{i}.attn.{m}" for i in layers for m in ("wq_a", "wq_b", "wkv", "wo_b")}
+    expected |= {f"model.layers.{i}.ffn.shared_experts.w{k}" for i in layers for k in (1, 2, 3)}
+    expected |= {f"model.layers.{i}.ffn.experts" for i in layers}
+    assert names == expected
+    with caplog.at_level(logging.WARNING, logger="modeling_dsv41.training.trainer"):
+        args = DeepseekV41TrainingArguments(output_dir="unused", report_to="none", bias_update_speed=0)
+        DeepseekV41Trainer(model=model, args=args)
+    assert not caplog.records  # nothing frozen
+
+
+def test_the_trainer_warns_when_it_freezes_adapter_weights(caplog):
+    """Suffix targets catch the indexer's ``wq_b``; the Trainer freezes it (no gradient reaches it) and says so."""
+    model = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules=["wq_a", "wq_b"]))
+    indexer = [n for n, p in model.named_parameters() if ".indexer." in n and p.requires_grad]
+    assert indexer
+    with caplog.at_level(logging.WARNING, logger="modeling_dsv41.training.trainer"):
+        DeepseekV41Trainer(model=model, args=DeepseekV41TrainingArguments(output_dir="unused", report_to="none"))
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert f"froze {len(indexer)} adapter tensors" in message and "indexer" in message and "target_modules" in message
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".indexer." in n)
+
+
+RELOAD_SCRIPT = """
+import sys
+import torch
+from peft import PeftModel
+from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41.numerics import reference_numerics
+
+base, adapter, batch, out, threads = sys.argv[1:]
+torch.set_num_threads(int(threads))  # fp32 GEMMs block their sums by thread count
+model = PeftModel.from_pretrained(DeepseekV41ForCausalLM.from_pretrained(base), adapter).eval()
+with torch.no_grad(), reference_numerics():
+    torch.save(model(**torch.load(batch)).logits, out)
+"""
+
+
+def test_an_adapter_trained_with_the_defaults_reloads_exactly_in_a_fresh_process(tmp_path, caplog):
+    """DeepseekV41Trainer's defaults (balancing on) on a LoRA model: the frozen base, router biases included, stays
+    as loaded, so base + saved adapter in another process computes the trained model's logits."""
+    batch = image_batch()
+    base = tiny_model()
+    base.save_pretrained(tmp_path / "base")
+    biases = {n: b.clone() for n, b in base.named_buffers() if ".gate.bias" in n}
+    model = get_peft_model(base, readme_lora_config())
+    args = DeepseekV41TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=2, learning_rate=5e-3,
+        report_to="none", save_strategy="no", logging_strategy="no", remove_unused_columns=False, use_cpu=True,
+    )
+    assert args.bias_update_speed > 0
+    with caplog.at_level(logging.WARNING, logger="modeling_dsv41.training.trainer"):
+        trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=SameBatch(), data_collator=SameBatch.collate)
+    assert trainer.router_balancing is None and "stay as loaded" in caplog.text
+    trainer.train()
+    for name, bias in base.named_buffers():
+        if name in biases:
+            assert torch.equal(bias, biases[name]), name
+    model.eval()
+    with torch.no_grad(), reference_numerics():
+        trained = model(**batch).logits
+    model.save_pretrained(tmp_path / "adapter")
+    torch.save(batch, tmp_path / "batch.pt")
+    (tmp_path / "reload.py").write_text(RELOAD_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(README.parent)}
+    files = [str(tmp_path / "base"), str(tmp_path / "adapter"), "batch.pt", "out.pt", str(torch.get_num_threads())]
+    run = subprocess.run(
+        [sys.executable, "reload.py", *files],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    reloaded = torch.load(tmp_path / "out.pt")
+    with model.disable_adapter(), torch.no_grad(), reference_numerics():
+        assert (trained - model(**batch).logits).abs().max() > 1e-3  # the adapter trained
+    torch.testing.assert_close(reloaded, trained, rtol=0, atol=0)  # same bits: reference numerics on both sides

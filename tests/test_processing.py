@@ -248,3 +248,30 @@ def test_tokenizer_pads_on_the_left_so_batched_generation_continues_every_row(to
         for row, prompt in enumerate(prompts):
             alone = tokenizer(prompt, return_tensors="pt")
             assert together[row].tolist() == model.generate(**alone, **settings)[0, alone["input_ids"].shape[1]:].tolist()
+
+
+def test_chat_template_marks_the_assistant_tokens(processor):
+    """``{% generation %}`` markers around each reply and its EOS: ``return_assistant_tokens_mask`` (and with it
+    TRL's ``assistant_only_loss``) selects exactly the tokens the model is trained to write."""
+    tokenizer = processor.tokenizer
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is it?"},
+        {"role": "assistant", "content": "A red circle."},
+        {"role": "user", "content": [{"type": "text", "text": "And now?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Blue."}]},
+    ]
+    for template_owner in (tokenizer, processor):
+        out = template_owner.apply_chat_template(
+            conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = out["input_ids"], out["assistant_masks"]
+        ids, mask = (ids[0], mask[0]) if isinstance(ids[0], list) else (ids, mask)
+        assert len(mask) == len(ids)
+        marked = [token for token, keep in zip(ids, mask) if keep]
+        replies = [tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+                   for text in ("A red circle.", "Blue.")]
+        assert marked == replies[0] + replies[1]
+        # the generation prompt before each reply is not the model's to write
+        assistant = tokenizer.convert_tokens_to_ids("<｜Assistant｜>")
+        assert all(not keep for token, keep in zip(ids, mask) if token == assistant)

@@ -186,7 +186,8 @@ def test_kind_kwargs_overrides_and_lora_factors(tmp_path):
     kinds = {n: g["kind"] for g in trainer.create_optimizer().param_groups for n in g["param_names"]}
     assert set(kinds) == {n for n, p in model.named_parameters() if p.requires_grad}
     assert any(".lora_A." in n for n in kinds) and set(kinds.values()) == {"adamw"}
-    assert len(RouterBiasBalancer(model, SPEED).moes) == 2  # found through the PEFT wrapper
+    with pytest.raises(ValueError, match="not saved with an adapter"):  # the biases belong to the frozen base
+        RouterBiasBalancer(model, SPEED)
 
     with pytest.raises(ValueError, match="unknown kinds"):
         training_args(tmp_path, optimizer_kind_kwargs={"adam": {}})
@@ -207,7 +208,8 @@ def test_bias_update_is_speed_times_sign_of_mean_minus_load():
 
 
 def test_each_bias_moves_only_from_its_own_modality_and_padding_is_ignored():
-    model = tiny_model().eval()
+    """The model's training forward passes count the loads themselves; evaluation and no-grad forwards do not."""
+    model = tiny_model()
     speed = SPEED
     for layer in model.model.layers:  # steer the choice: text tokens pick experts {0, 1}, image tokens {2, 3}
         layer.ffn.gate.bias.data = torch.tensor([64.0, 64.0, 0.0, 0.0])
@@ -222,10 +224,14 @@ def test_each_bias_moves_only_from_its_own_modality_and_padding_is_ignored():
     n_text, n_image = real_tokens(rows)  # padding positions are typed text: counted, they would inflate n_text
 
     balancer = RouterBiasBalancer(model, speed)
-    with torch.no_grad():
-        for _ in range(2):  # two micro-batches of one step add up
-            model(**batch, use_cache=False)
-            balancer.record(batch["attention_mask"], batch["image_token_types"])
+    model.train()
+    for _ in range(2):  # two micro-batches of one step add up
+        model(**batch, use_cache=False)
+    with torch.no_grad():  # a reference / rollout forward
+        model(**batch, use_cache=False)
+    model.eval()
+    model(**batch, use_cache=False)  # an evaluation forward
+    model.train()
     expected = torch.zeros(2, 4, dtype=torch.long)
     expected[TEXT, :2], expected[IMAGE, 2:] = 2 * n_text, 2 * n_image
     for counts in balancer.counts:
@@ -240,32 +246,62 @@ def test_each_bias_moves_only_from_its_own_modality_and_padding_is_ignored():
 
     # a text-only step leaves bias_vl where it is
     before = gate_biases(model)
-    with torch.no_grad():
-        model(input_ids=batch["input_ids"], use_cache=False)
-    balancer.record()
+    model(input_ids=batch["input_ids"], use_cache=False)
     balancer.step()
     for name, bias in gate_biases(model).items():
         assert torch.equal(bias, before[name]) == name.endswith("bias_vl"), name
+
+    # a step that counted nothing is an error, not a silent no-op; once closed, forwards are not counted
+    with pytest.raises(ValueError, match="counted no token"):
+        balancer.step()
+    balancer.close()
+    model(input_ids=batch["input_ids"], use_cache=False)
+    assert not balancer.counts.any()
+
+
+def test_the_callback_alone_balances_under_a_plain_trainer(tmp_path):
+    """No compute_loss of ours: ``transformers.Trainer`` with the callback moves the biases exactly as
+    DeepseekV41Trainer does (same counts, same rule), which itself uses nothing else."""
+    from transformers import Trainer, TrainingArguments
+
+    assert "compute_loss" not in vars(DeepseekV41Trainer)
+    data = Rows(4)
+    runs = []
+    for plain in (True, False):
+        model = tiny_model()
+        values = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
+                      logging_strategy="no", disable_tqdm=True, per_device_train_batch_size=2, max_steps=2,
+                      learning_rate=0.0, train_sampling_strategy="sequential")
+        if plain:
+            callback = RouterBiasBalancingCallback(SPEED)
+            trainer = Trainer(model=model, args=TrainingArguments(**values), train_dataset=data, callbacks=[callback])
+        else:
+            values.pop("output_dir")
+            trainer = DeepseekV41Trainer(model=model, args=training_args(tmp_path, **values), train_dataset=data)
+            callback = trainer.router_balancing
+        trainer.train()
+        runs.append(gate_biases(model))
+        assert callback.balancer._hooks == []  # unbound when training ended
+    assert any(bias.any() for bias in runs[0].values())
+    for name, bias in runs[1].items():
+        assert torch.equal(runs[0][name], bias), name
 
 
 def test_a_skipped_optimizer_step_moves_no_bias():
     """fp16 loss scaling skips steps whose gradients overflow; the balancing must skip them too (and drop the
     counts, so the next step counts only its own tokens)."""
-    model = tiny_model().eval()
+    model = tiny_model()
     callback = RouterBiasBalancingCallback(SPEED)
+    callback.on_train_begin(None, None, None, model=model)
     ids = torch.randint(3, 500, (2, SEQ), generator=torch.Generator().manual_seed(0))
     before = gate_biases(model)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    callback.record(model, None, None)
+    model(input_ids=ids, use_cache=False)
     assert callback.balancer.counts.any()
     callback.on_optimizer_step(None, None, None, optimizer=SimpleNamespace(step_was_skipped=True))
     assert not callback.balancer.counts.any()
     assert all(torch.equal(bias, before[name]) for name, bias in gate_biases(model).items())
 
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    callback.record(model, None, None)
+    model(input_ids=ids, use_cache=False)
     callback.on_optimizer_step(None, None, None, optimizer=SimpleNamespace(step_was_skipped=False))
     assert not torch.equal(model.model.layers[0].ffn.gate.bias, before["model.layers.0.ffn.gate.bias"])
 

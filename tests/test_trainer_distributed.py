@@ -72,8 +72,7 @@ def train(model, optimizer, balancer, steps: list[list[dict]]) -> None:
     """One optimizer step per entry of ``steps``, accumulating the mean of its micro-batches' losses."""
     for micro_batches in steps:
         for batch in micro_batches:
-            (model(**batch).loss / len(micro_batches)).backward()
-            balancer.record(batch["attention_mask"], batch["image_token_types"])
+            (model(**batch).loss / len(micro_batches)).backward()  # the forward counts the expert loads itself
         with reference_numerics():  # Newton–Schulz's bf16 products rounded once: the same bits at any batch size
             optimizer.step()
         optimizer.zero_grad()
@@ -153,10 +152,11 @@ def _fsdp2_matches_one_process_and_resumes(rank: int, tmp: Path) -> None:
         return model, MixedOptimizer(build_param_groups(model, lr=LR)), RouterBiasBalancer(model, SPEED)
 
     model, optimizer, balancer = sharded_run(0)
-    with torch.no_grad():  # same forward before any step (the wrong wrapping differed here already)
+    with torch.no_grad():  # same forward before any step (the wrong wrapping differed here already); not counted
         loss = model(**halves[rank]).loss
+        single_loss = single(**collate(data)).loss
     dist.all_reduce(loss)
-    torch.testing.assert_close(loss / WORLD, single(**collate(data)).loss.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss / WORLD, single_loss, rtol=1e-5, atol=0)
 
     last = {}
 

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import FineGrainedFP8Config
 from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
-from transformers.quantizers import register_quantization_config, register_quantizer
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 from transformers.utils.import_utils import is_kernels_available
 
 from .checkpoint_loading import dequantize_released_weight
+from .registration import register_quantization_config, register_quantizer
 from ..moe import routed_experts_forward
 from ..quantization import RELEASED_BLOCK_SIZE
 

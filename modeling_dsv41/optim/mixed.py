@@ -28,32 +28,11 @@ from .distributed import (
     row_groups,
     sharded_dims,
 )
-from .muon import V4_NS_COEFFICIENTS, head_blocks, update_scale, zeropower_via_newton_schulz
+from .kinds import KIND_DEFAULTS, KINDS
+from .muon import head_blocks, update_scale, zeropower_via_newton_schulz
+from .policy import build_param_groups
 from .sinkhorn import sinkhorn_balance
 
-KINDS = ("muon", "muon_headwise", "sinkhorn", "adamw")
-
-_MUON_DEFAULTS: dict[str, Any] = {
-    "weight_decay": 0.1,
-    "momentum": 0.95,
-    "nesterov": True,
-    "ns_coefficients": V4_NS_COEFFICIENTS,
-    "update_rms": 0.18,
-}
-# Per-kind defaults, applied to a group before the optimizer-wide ``lr``. ``num_heads`` has no default.
-KIND_DEFAULTS: dict[str, dict[str, Any]] = {
-    "muon": dict(_MUON_DEFAULTS),
-    "muon_headwise": {**_MUON_DEFAULTS, "split_sizes": None},
-    "sinkhorn": {
-        "weight_decay": 0.0,
-        "momentum": 0.95,
-        "nesterov": True,
-        "sinkhorn_iters": 11,
-        "row_mask_tau": 1e-3,
-        "update_rms": 0.18,
-    },
-    "adamw": {"weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8},  # torch.optim.AdamW's defaults
-}
 _REQUIRED = {"muon_headwise": ("num_heads",)}
 _COMMON_KEYS = {"params", "param_names", "kind", "lr"}
 
@@ -88,21 +67,39 @@ class MixedOptimizer(torch.optim.Optimizer):
     out come from :data:`KIND_DEFAULTS` (torch.optim.Muon's and torch.optim.AdamW's defaults plus SPEC §6's), then
     from ``lr``; unknown keys raise.
 
+    ``params`` are the groups of :func:`~.policy.build_param_groups`, or the model itself: then the groups are built
+    here, ``build_param_groups(model, lr=lr, **policy)``. That is how a ``Trainer`` that builds the optimizer from
+    ``optimizer_cls_and_kwargs`` (TRL's trainers too) gets the policy: it hands ``kwargs["model"]`` over as the
+    parameters, ``optimizer_cls_and_kwargs=(MixedOptimizer, {"model": model, "lr": args.learning_rate})``.
+
     Example::
 
         groups = build_param_groups(model, lr=3e-4)  # the SPEC §6 policy, see .policy
         optimizer = MixedOptimizer(groups)
+        optimizer = MixedOptimizer(model, lr=3e-4, weight_decay=0.1)  # the same groups, built here
     """
 
-    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+    def __init__(self, params: Any, lr: float = 1e-3, **policy: Any) -> None:
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
+        if isinstance(params, torch.nn.Module):
+            params = build_param_groups(params, lr=lr, **policy)
+        elif policy:
+            raise ValueError(
+                f"MixedOptimizer takes {sorted(policy)} only with the model as params (the groups are then built "
+                "with build_param_groups); with ready groups, set them in build_param_groups(model, ...)"
+            )
         super().__init__(params, {"lr": lr})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         kind = param_group.get("kind")
         if kind not in KINDS:
-            raise ValueError(f"every param group needs a 'kind' in {KINDS}, got {kind!r}")
+            raise ValueError(
+                f"every param group needs a 'kind' in {KINDS}, got {kind!r}: the kinds follow the parameter names, "
+                "so build the groups with build_param_groups(model, lr=...) or pass the model itself, "
+                "MixedOptimizer(model, lr=...); in a Trainer (TRL's too), "
+                "optimizer_cls_and_kwargs=(MixedOptimizer, {'model': model, 'lr': args.learning_rate})"
+            )
         for key, value in KIND_DEFAULTS[kind].items():
             param_group.setdefault(key, value)
         for key in _REQUIRED.get(kind, ()):

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from .mixed import KIND_DEFAULTS, KINDS
+from .kinds import KIND_DEFAULTS, KINDS
 
 FROZEN = "frozen"
 

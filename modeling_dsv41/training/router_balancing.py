@@ -14,11 +14,13 @@ token with ``bias``, so every token counts toward it.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..modeling_dsv41 import IMAGE_TOKEN_TYPE_TEXT
+from ..modeling_dsv41 import IMAGE_TOKEN_TYPE_TEXT, DeepseekV41Model
 from ..moe import DeepseekV41MoE
 from ..padding import left_padding_shift, roll_rows
 
@@ -58,35 +60,61 @@ def token_modalities(
 class RouterBiasBalancer:
     """Counts, per MoE layer and modality, which experts the tokens chose; :meth:`step` applies the rule.
 
-    Call :meth:`record` after every training forward pass (it reads each layer's ``last_expert_indices``) and
-    :meth:`step` after every optimizer step. Under ``torch.distributed`` the counts are summed over all processes
-    first, so every replica moves its biases identically.
+    Counting needs no call: from construction on, every *training* forward pass of the model (the backbone in
+    training mode with gradients enabled) adds its tokens' choices to the step's counts, read from each layer's
+    ``last_expert_indices`` once the backbone's forward returns (so a gradient-checkpointing recomputation is not
+    counted twice) with that call's ``attention_mask`` and ``image_token_types``. Evaluation, generation and
+    reference forwards under ``torch.no_grad`` (DPO's reference log-probs, GRPO's rollouts) are not counted. Any
+    training loop or ``Trainer`` subclass feeds it; call :meth:`step` after every optimizer step and
+    :meth:`close` when done. Under ``torch.distributed`` the counts are summed over all processes first, so every
+    replica moves its biases identically.
+
+    Adapter training is refused: the biases belong to the frozen base model, which a saved adapter does not carry,
+    so a balanced adapter would not reload as the model it trained.
 
     Example::
 
         balancer = RouterBiasBalancer(model, speed=1e-3)
         for batch in loader:
             model(**batch).loss.backward()
-            balancer.record(batch.get("attention_mask"), batch.get("image_token_types"))
             optimizer.step(); optimizer.zero_grad()
             balancer.step()
+        balancer.close()
     """
 
     def __init__(self, model: nn.Module, speed: float):
         if not speed >= 0:
             raise ValueError(f"the bias update speed must be >= 0, got {speed}")
+        if is_adapter_model(model):
+            raise ValueError(
+                "router-bias balancing moves gate.bias / gate.bias_vl, which belong to the frozen base model and are "
+                "not saved with an adapter: the adapter would not reload as the model it trained. Train adapters "
+                "without balancing (DeepseekV41Trainer leaves the biases as loaded)"
+            )
         self.moes = [module for module in model.modules() if isinstance(module, DeepseekV41MoE)]
-        if not self.moes:
+        backbones = [module for module in model.modules() if isinstance(module, DeepseekV41Model)]
+        if not self.moes or not backbones:
             raise ValueError("the model has no DeepseekV41MoE layer: nothing to balance")
         self.speed = speed
         experts = self.moes[0].n_routed_experts
         device = self.moes[0].gate.bias.device
         self.counts = torch.zeros(len(self.moes), 2, experts, dtype=torch.long, device=device)  # [L, modality, E]
+        self._hooks = [
+            backbone.register_forward_hook(self._count_forward, with_kwargs=True) for backbone in backbones
+        ]
+
+    def _count_forward(self, backbone: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        """Forward hook of the backbone: count a training forward pass's expert choices."""
+        if not (backbone.training and torch.is_grad_enabled()):
+            return
+        inputs = inspect.signature(backbone.forward).bind_partial(*args, **kwargs).arguments
+        self.record(inputs.get("attention_mask"), inputs.get("image_token_types"))
 
     def record(
         self, attention_mask: torch.Tensor | None = None, image_token_types: torch.Tensor | None = None
     ) -> None:
-        """Add the expert choices of the last forward pass ([B, S] masks of that batch) to this step's counts."""
+        """Add the expert choices of the last forward pass ([B, S] masks of that batch) to this step's counts
+        (training forward passes call it themselves)."""
         if any(moe.last_expert_indices is None for moe in self.moes):
             raise ValueError("record() needs a forward pass first: the MoE layers have no expert choices yet")
         shape = tuple(self.moes[0].last_expert_indices.shape[:2])
@@ -103,9 +131,17 @@ class RouterBiasBalancer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Sum the counts over processes, move every bias by its own modality's load, start a new count."""
+        """Sum the counts over processes, move every bias by its own modality's load, start a new count.
+
+        A step that counted no token at all is an error: the model ran no training forward pass since the last
+        step (evaluation mode, gradients disabled, or another model), and balancing would silently do nothing."""
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(self.counts)
+        if not bool(self.counts.any()):
+            raise ValueError(
+                "router-bias balancing counted no token in this optimizer step: the DeepSeek-V4.1 model must run its "
+                "training forward passes in training mode with gradients enabled (model.train())"
+            )
         for moe, counts in zip(self.moes, self.counts):
             gate = moe.gate
             gate.bias.add_(bias_update(counts[TEXT], self.speed).to(gate.bias.device, gate.bias.dtype))
@@ -117,5 +153,16 @@ class RouterBiasBalancer:
         """Drop this step's counts without moving any bias (an optimizer step skipped on gradient overflow)."""
         self.counts.zero_()
 
+    def close(self) -> None:
+        """Stop counting (removes the forward hooks); the biases stay where the steps moved them."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
-__all__ = ["RouterBiasBalancer", "bias_update", "token_modalities"]
+
+def is_adapter_model(model: nn.Module) -> bool:
+    """Whether ``model`` trains PEFT adapters on a frozen base (a ``PeftModel``, or transformers' ``add_adapter``)."""
+    return hasattr(model, "peft_config") or bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+__all__ = ["RouterBiasBalancer", "bias_update", "is_adapter_model", "token_modalities"]

@@ -4,9 +4,11 @@
 
 - ``create_optimizer`` builds one :class:`~.optim.MixedOptimizer` (Muon, head-wise Muon, Sinkhorn-balanced and
   AdamW groups chosen by parameter name) and logs its assignment table once;
-- after every optimizer step, :class:`~.router_balancing.RouterBiasBalancer` moves each MoE layer's ``gate.bias``
-  by the text tokens' expert load and ``gate.bias_vl`` by the image-span tokens' load, counted over the whole
-  step (all micro-batches and processes).
+- it adds :class:`RouterBiasBalancingCallback`: after every optimizer step each MoE layer's ``gate.bias`` moves by
+  the text tokens' expert load and ``gate.bias_vl`` by the image-span tokens' load, counted by the model's own
+  training forward passes over the whole step (all micro-batches and processes). The callback alone does the same
+  in any other ``Trainer`` subclass (TRL's). Adapter training leaves the biases as loaded (they belong to the
+  frozen base, which an adapter does not save).
 
 It also makes checkpoints atomic: each is written into ``tmp-checkpoint-N/`` and renamed to ``checkpoint-N`` once
 complete, so a process killed mid-save leaves no ``checkpoint-N`` that resuming would pick and crash on; resuming
@@ -30,7 +32,6 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.training_args import OptimizerNames
 
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
-from .router_balancing import RouterBiasBalancer
+from .router_balancing import RouterBiasBalancer, is_adapter_model
 
 logger = logging.getLogger(__name__)
 
@@ -146,21 +147,40 @@ class DeepseekV41TrainingArguments(TrainingArguments):
             raise ValueError(f"optimizer_kind_kwargs has unknown kinds {sorted(unknown)}; known: {list(KINDS)}")
 
 
-class RouterBiasBalancingCallback(TrainerCallback):
-    """Applies the balancing rule after every optimizer step; (re)binds to the model at the start of training."""
+def _freeze_default_parameters(model: nn.Module) -> None:
+    """:func:`~.optim.freeze_default_parameters`, warning when it freezes parameters an adapter made trainable (an
+    adapter on the indexer, whose top-k passes no gradient, would never train)."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    frozen = [name for name in freeze_default_parameters(model) if name in trainable]
+    if frozen and is_adapter_model(model):
+        count = sum(p.numel() for name, p in model.named_parameters() if name in set(frozen))
+        logger.warning(
+            "DeepseekV41Trainer froze %d adapter tensors (%d parameters) on the indexer, which receives no gradient "
+            "(its top-k selection is not differentiable), e.g. %s. Leave the indexer out of target_modules (see the "
+            "README's LoRA recipe), or set freeze_default_parameters=False to keep them trainable",
+            len(frozen), count, frozen[0],
+        )
 
-    def __init__(self, speed: float):
+
+class RouterBiasBalancingCallback(TrainerCallback):
+    """Per-modality aux-loss-free router balancing for any ``Trainer`` (TRL's ``SFTTrainer``, ``DPOTrainer``,
+    ``GRPOTrainer`` included): add it to ``callbacks=[...]``.
+
+    It binds a :class:`~.router_balancing.RouterBiasBalancer` to the model when training begins (the model's
+    training forward passes count the expert loads themselves, whoever computes the loss), moves the biases after
+    every optimizer step and unbinds when training ends. Adapter training is refused (see the balancer).
+    """
+
+    def __init__(self, speed: float = 1e-3):
+        if not speed > 0:
+            raise ValueError(f"the bias update speed must be > 0, got {speed} (leave the callback out to disable it)")
         self.speed = speed
         self.balancer: RouterBiasBalancer | None = None
 
     def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs):
+        if self.balancer is not None:
+            self.balancer.close()
         self.balancer = RouterBiasBalancer(model, self.speed)
-
-    def record(self, model: nn.Module, attention_mask: torch.Tensor | None, image_token_types: torch.Tensor | None):
-        """Count the expert choices of ``model``'s last training forward pass."""
-        if self.balancer is None:  # a training step outside `train()`
-            self.balancer = RouterBiasBalancer(model, self.speed)
-        self.balancer.record(attention_mask, image_token_types)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         # fp16 loss scaling skips the step when gradients overflow: the weights stay, so must the biases
@@ -168,6 +188,9 @@ class RouterBiasBalancingCallback(TrainerCallback):
             self.balancer.discard()
         else:
             self.balancer.step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.balancer.close()
 
 
 class DeepseekV41Trainer(Trainer):
@@ -189,13 +212,18 @@ class DeepseekV41Trainer(Trainer):
                 "(it carries bias_update_speed and the optimizer knobs)"
             )
         if args.freeze_default_parameters and model is not None:
-            freeze_default_parameters(model)
+            _freeze_default_parameters(model)
         super().__init__(model=model, args=args, **kwargs)
         logger.setLevel(self.args.get_process_log_level())
         self.assignment_table = None
         self.router_balancing = None
         self._staging_run_dir: str | None = None
-        if args.bias_update_speed > 0:
+        if args.bias_update_speed > 0 and is_adapter_model(self.model):
+            logger.warning(
+                "Training adapters: the router biases are part of the frozen base and stay as loaded (no balancing), "
+                "so the saved adapter reloads as the model it trained (bias_update_speed=0 silences this)"
+            )
+        elif args.bias_update_speed > 0:
             self.router_balancing = RouterBiasBalancingCallback(args.bias_update_speed)
             self.add_callback(self.router_balancing)
 
@@ -274,20 +302,6 @@ class DeepseekV41Trainer(Trainer):
             offload_policy=plugin.cpu_offload,
         )
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ):
-        """``Trainer.compute_loss``; in training, also counts the experts this batch's tokens chose."""
-        attention_mask, image_token_types = inputs.get("attention_mask"), inputs.get("image_token_types")
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if model.training and self.router_balancing is not None:
-            self.router_balancing.record(self.model, attention_mask, image_token_types)
-        return result
-
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint (see
         :func:`last_complete_checkpoint`), and an incomplete one given by path is a clear error."""
@@ -334,7 +348,7 @@ class DeepseekV41Trainer(Trainer):
     def call_model_init(self, trial=None) -> nn.Module:
         model = super().call_model_init(trial)
         if self.args.freeze_default_parameters:
-            freeze_default_parameters(model)
+            _freeze_default_parameters(model)
         return model
 
 

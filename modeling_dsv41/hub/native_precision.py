@@ -34,9 +34,9 @@ from transformers.quantizers import register_quantization_config, register_quant
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 from transformers.utils.import_utils import is_kernels_available
 
-from .checkpoint_loading import dequantize_released_weight
 from ..moe import routed_experts_forward
 from ..quantization import RELEASED_BLOCK_SIZE
+from .released_storage import dequantize_released_weight
 
 QUANT_METHOD = "deepseek_v41_fp8"
 # our Linears the release stores FP8 and that compute through their forward (a `Linear` the model reads `.weight`

@@ -133,6 +133,92 @@ def test_the_input_gets_a_gradient_through_a_weight_only_linear(native):
     assert linear.weight.grad is None  # frozen, as transformers' FP8Linear
 
 
+def _trainable_gradients(model, ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Gradient of every parameter that requires one (None for those the loss does not reach, e.g. the indexer)."""
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_gradients_through_the_native_model_equal_the_dequantized_models(native, dequantized):
+    """Frozen quantized bases with exact gradients: backward through a weight-only module is backward through the
+    dequantized weight it computes with, so the gradient of every parameter left trainable (the embedding below all
+    layers, norms, router, mHC, ``wo_a``, the head) equals the dequantized model's. A dropped gradient (an FP8 module
+    without backward) would leave the layers below it with none or another one. The two backward passes run the
+    same products on the same shapes; the tolerance only allows for a BLAS that picks kernels by shape."""
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(3))
+    ours, theirs = _trainable_gradients(native, ids), _trainable_gradients(dequantized, ids)
+    stored = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
+    quantized = {name for name, p in native.named_parameters() if p.dtype in stored}
+    assert quantized and not quantized & ours.keys()  # the stored weights and scales are frozen
+    assert "model.embed.weight" in ours and ours["model.embed.weight"].abs().sum() > 0
+    assert ours["model.layers.0.attn.wo_a.weight"].abs().sum() > 0  # below layer 1's FP8 Linears and FP4 experts
+    for name, grad in ours.items():
+        assert (grad is None) == (theirs[name] is None), name
+        if grad is not None:
+            torch.testing.assert_close(grad, theirs[name], rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_the_input_gets_the_exact_gradient_through_the_weight_only_experts(native, dequantized):
+    """The FP4 experts' input gradient is that of the dequantized experts (backward through the dequantized
+    weights), for every routed expert."""
+    ours, theirs = native.model.layers[1].ffn.experts, dequantized.model.layers[1].ffn.experts
+    assert isinstance(ours, WeightOnlyFP4Experts)
+    hidden = torch.randn(6, TEXT["hidden_size"], dtype=torch.bfloat16, generator=torch.Generator().manual_seed(4))
+    index = torch.arange(12).remainder(TEXT["n_routed_experts"]).view(6, 2)
+    weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for experts in (ours, theirs):
+        x = hidden.clone().requires_grad_()
+        experts(x, index, weights).pow(2).sum().backward()
+        grads.append(x.grad)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6)  # same products, see above
+
+
+def _trainer(kind: str, model, output_dir):
+    from transformers import Trainer, TrainingArguments
+
+    from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+    if kind == "dsv41":
+        return DeepseekV41Trainer(model=model, args=DeepseekV41TrainingArguments(output_dir=str(output_dir), report_to=[]))
+    return Trainer(model=model, args=TrainingArguments(output_dir=str(output_dir), report_to=[]))
+
+
+@pytest.mark.parametrize("kind", ["dsv41", "transformers"])
+def test_full_fine_tuning_of_the_quantized_weights_is_refused_saying_what_to_do(native, dequantized, kind, tmp_path):
+    """Our error (not transformers' "open an issue on GitHub"), from DeepseekV41Trainer and from transformers' own
+    Trainer (through the quantizer's ``is_trainable``); the dequantized load of the same folder is taken."""
+    with pytest.raises(ValueError, match=r"full fine-tuning cannot train them.*FineGrainedFP8Config\(dequantize=True\)"):
+        _trainer(kind, native, tmp_path)
+    assert all(not p.requires_grad for m in native.modules() if isinstance(m, (FP8Linear, FP8Experts)) for p in m.parameters())
+    _trainer(kind, dequantized, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["dsv41", "transformers"])
+def test_adapters_on_a_natively_loaded_model_are_refused_until_supported(released, kind, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(DeepseekV41ForCausalLM.from_pretrained(released[0]), LoraConfig(r=4, target_modules=["wq_a"]))
+    with pytest.raises(ValueError, match=r"adapters on the quantized weights is not supported yet.*dequantize=True"):
+        _trainer(kind, model, tmp_path)
+
+
+def test_expert_adapters_on_the_packed_fp4_weights_are_an_error_not_inert(released):
+    """PEFT's ``target_parameters`` would adapt the packed bytes [E, 2·I, D/2] (an adapter of half the experts'
+    input width) and the delta would round away with the bytes: an error at the first forward, never a silent
+    no-op."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    model = get_peft_model(DeepseekV41ForCausalLM.from_pretrained(released[0]), config)
+    with pytest.raises(ValueError, match="would do nothing.*dequantize=True"):
+        model(input_ids=torch.randint(3, 500, (1, 9)))
+
+
 def test_dequantize_true_loads_plain_bf16(dequantized):
     layer = dequantized.model.layers[1]
     assert type(layer.attn.wq_a) is nn.Linear and layer.attn.wq_a.weight.dtype == torch.bfloat16

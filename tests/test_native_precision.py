@@ -199,12 +199,89 @@ def test_full_fine_tuning_of_the_quantized_weights_is_refused_saying_what_to_do(
 
 
 @pytest.mark.parametrize("kind", ["dsv41", "transformers"])
-def test_adapters_on_a_natively_loaded_model_are_refused_until_supported(released, kind, tmp_path):
+def test_expert_adapters_on_a_natively_loaded_model_are_refused_by_the_trainers(released, kind, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(DeepseekV41ForCausalLM.from_pretrained(released[0]), LoraConfig(r=4, target_modules=["wq_a"]))
-    with pytest.raises(ValueError, match=r"adapters on the quantized weights is not supported yet.*dequantize=True"):
+    config = LoraConfig(r=4, target_modules=["wq_a"], target_parameters=["experts.gate_up_proj"])
+    model = get_peft_model(DeepseekV41ForCausalLM.from_pretrained(released[0]), config)
+    with pytest.raises(ValueError, match=r"routed experts \(target_parameters\) would act on the packed bytes"):
         _trainer(kind, model, tmp_path)
+
+
+# the Linears the release stores in FP8 (FP8Linear once loaded natively): attention and the shared expert
+FP8_TARGETS = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1", "shared_experts.w2", "shared_experts.w3"]
+
+
+class _SameBatch(torch.utils.data.Dataset):
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(6))
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    @classmethod
+    def collate(cls, _: list[int]) -> dict[str, torch.Tensor]:
+        return {"input_ids": cls.ids, "labels": cls.ids}
+
+
+def _lora_trained(base, kind: str, output_dir, start: dict[str, torch.Tensor] | None = None):
+    """``base`` with LoRA on :data:`FP8_TARGETS` (factors copied from ``start`` if given: PEFT draws the initial
+    factors in the base weight's dtype where it is bf16, in fp32 next to FP8), trained 3 steps; and its initial
+    factors."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=FP8_TARGETS))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if start is not None and "lora_" in name:
+                param.copy_(start[name])
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    knobs = dict(output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=2, learning_rate=5e-3,
+                 lr_scheduler_type="constant", report_to="none", save_strategy="no", logging_strategy="no",
+                 remove_unused_columns=False, use_cpu=True)
+    if kind == "dsv41":
+        args, trainer_cls = DeepseekV41TrainingArguments(bias_update_speed=0.0, **knobs), DeepseekV41Trainer
+    else:
+        args, trainer_cls = TrainingArguments(**knobs), Trainer
+    trainer_cls(model=model, args=args, train_dataset=_SameBatch(), data_collator=_SameBatch.collate).train()
+    return model.eval(), initial
+
+
+@pytest.mark.parametrize("kind", ["dsv41", "transformers"])
+def test_lora_on_the_fp8_linears_trains_natively_as_on_the_dequantized_model(released, kind, tmp_path):
+    """LoRA on the natively loaded FP8 Linears (PEFT's dispatch wraps transformers' FP8Linear) trains under both
+    trainers; after 3 steps its adapters equal those trained on the dequantized base (the gradients are the same,
+    see above: the tolerance only allows for a BLAS that picks kernels by shape), and the saved adapter loads onto
+    either base with the same logits."""
+    from peft import PeftModel
+
+    folder = released[0]
+    native, initial = _lora_trained(DeepseekV41ForCausalLM.from_pretrained(folder), kind, tmp_path / "native")
+    dequantized, _ = _lora_trained(
+        DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True)),
+        kind, tmp_path / "dequantized", start=initial,
+    )
+    ours = {n: p for n, p in native.named_parameters() if "lora_" in n}
+    theirs = {n: p for n, p in dequantized.named_parameters() if "lora_" in n}
+    assert ours.keys() == theirs.keys() and any("shared_experts.w2" in n for n in ours)
+    untrained = [n for n, p in ours.items() if torch.equal(p, initial[n])]
+    assert not untrained  # every factor of every adapter moved
+    for name, param in ours.items():
+        torch.testing.assert_close(param, theirs[name], rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+    native.save_pretrained(tmp_path / "adapter")
+    ids = _SameBatch.ids
+    with torch.no_grad():
+        trained = native(input_ids=ids).logits
+        for base in (DeepseekV41ForCausalLM.from_pretrained(folder),
+                     DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True))):
+            reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+            torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, rtol=1e-3, atol=1e-3)
 
 
 def test_expert_adapters_on_the_packed_fp4_weights_are_an_error_not_inert(released):

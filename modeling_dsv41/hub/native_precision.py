@@ -20,9 +20,11 @@ fused routed experts for ``FP8Experts`` (``weight`` + ``weight_scale_inv``; ``ga
 
 The quantized weights and scales are frozen on load. Backward through a weight-only module is backward through the
 dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's). Training
-is refused by our own error (:func:`check_trainable`, from ``DeepseekV41Trainer`` and, through the quantizer's
-``is_trainable``, transformers' ``Trainer``), which says to load with ``FineGrainedFP8Config(dequantize=True)``
-instead; so is an adapter on the packed FP4 experts (PEFT ``target_parameters``), which could not act.
+goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) trains under ``DeepseekV41Trainer`` and
+transformers' ``Trainer``. Full fine-tuning is refused by our own error (:func:`check_trainable`, from
+``DeepseekV41Trainer`` and, through the quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load
+with ``FineGrainedFP8Config(dequantize=True)`` instead; so is an adapter on the packed FP4 experts (PEFT
+``target_parameters``), which could not act.
 
 The config saves as transformers' own ``quant_method: "fp8"``.
 """
@@ -98,32 +100,37 @@ def released_quantization_config(model: nn.Module, **kwargs) -> DeepseekV41FP8Co
     return DeepseekV41FP8Config(modules_to_not_convert=modules_kept_in_high_precision(model), **kwargs)
 
 
-def _has_adapters(model: nn.Module) -> bool:
+def _adapted_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules PEFT adapts (their base layers)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return any(isinstance(module, BaseTunerLayer) for module in model.modules())
+    return [module.get_base_layer() for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
 def check_trainable(model: nn.Module) -> None:
-    """Refuse to train a natively loaded model (its FP8 / FP4 weights as stored) and say how to train it instead.
+    """Refuse to train a natively loaded model (its FP8 / FP4 weights as stored) unless adapters do the training,
+    and say how to train it instead.
 
     Its quantized weights have no gradient (the modules pass the input's exactly, backward through the dequantized
-    weight), so full fine-tuning cannot update them; adapters on them are not supported yet (PEFT's packed-width expert
-    adapters would do nothing, and merging into FP8 weights would round the delta away)."""
+    weight), so full fine-tuning cannot update them. LoRA on the FP8 Linears trains (PEFT's ``Linear`` around them);
+    on the packed FP4 experts PEFT's ``target_parameters`` adapters could not act, so they are refused."""
     if not isinstance(getattr(model, "hf_quantizer", None), DeepseekV41FP8Quantizer):
         return
     dequantized = "from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True))"
-    if _has_adapters(model):
+    adapted = _adapted_modules(model)
+    if any(isinstance(module, FP8Experts) for module in adapted):
         raise ValueError(
-            "This model was loaded in the released precision (FP8 Linears, FP4 experts kept quantized); training "
-            f"adapters on the quantized weights is not supported yet. Load it dequantized with {dequantized} and "
-            "attach the adapters to that model (they load onto the same names)."
+            "This model was loaded in the released precision (FP4 experts kept packed): adapters on its routed "
+            "experts (target_parameters) would act on the packed bytes and do nothing. Adapt its Linears "
+            f"(target_modules), or load it dequantized with {dequantized} to adapt the experts too."
         )
-    raise ValueError(
-        "This model was loaded in the released precision (FP8 Linears, FP4 experts kept quantized): its quantized "
-        f"weights are frozen, so full fine-tuning cannot train them. To fine-tune every weight, load it with "
-        f"{dequantized} (bf16 weights)."
-    )
+    if not adapted:
+        raise ValueError(
+            "This model was loaded in the released precision (FP8 Linears, FP4 experts kept quantized): its quantized "
+            "weights are frozen, so full fine-tuning cannot train them. Attach LoRA adapters to its Linears with "
+            "PEFT (target_modules), or, to fine-tune every weight, load it with "
+            f"{dequantized} (bf16 weights)."
+        )
 
 
 class WeightOnlyFP8Linear(FP8Linear):
@@ -230,11 +237,12 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
     def is_trainable(self) -> bool:
         """transformers reads this only to validate a model for training (``Trainer.__init__``): our refusal
         (:func:`check_trainable`), which says what to do instead, is raised here rather than transformers' generic
-        one."""
+        one; with adapters on the Linears it trains."""
         model = getattr(self, "_model", lambda: None)()
-        if model is not None:
-            check_trainable(model)
-        return False
+        if model is None:
+            return False
+        check_trainable(model)
+        return True
 
 
 __all__ = [

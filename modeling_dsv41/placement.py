@@ -9,9 +9,9 @@ no accelerator. Here a device map is planned with transformers' own :func:`infer
 the tables with their layers (they go to accelerators when everything fits there) or leaving them out of the map
 (they stay in host memory, unhooked, and only gathered rows travel).
 
-* :func:`plan_device_map` plans for a model or a config: per-device weights, host bytes of the tables, decode cache
-  bytes per token. With ``native=True`` weights count at the released storage (FP8 Linears, FP4 experts and FP8
-  tables with their E8M0 scales), as native loading holds them.
+* :func:`plan_device_map` plans for a model (on the meta device to plan a config: :func:`meta_instance`): per-device
+  weights, host bytes of the tables, decode cache bytes per token. With ``native=True`` weights count at the released
+  storage (FP8 Linears, FP4 experts and FP8 tables with their E8M0 scales), as native loading holds them.
 * :class:`DeepseekV41PlacementMixin` gives ``from_pretrained`` an ``engram_tables=`` argument (``"auto"``, an
   accelerator, ``"cpu"``, ``"pinned"`` or ``"mmap"``) and routes a string ``device_map`` through the planner.
 * :func:`place_engram_tables` and :func:`memory_map_engram_tables` move the tables of a loaded model.
@@ -182,15 +182,12 @@ def _infer_device_map(model, max_memory, sizes: TensorSizes, strategy: str) -> d
     return infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, hf_quantizer=sizes)
 
 
-def build_meta_model(
-    config: DeepseekV41Config, cls: type | None = None, dtype: torch.dtype = torch.bfloat16
-) -> nn.Module:
-    """``cls`` (the causal LM by default) with every tensor on the meta device: modules kept in fp32 stay fp32, the
-    rest take ``dtype``."""
+def meta_instance(config: DeepseekV41Config, cls: type, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """``cls`` of ``config`` with every tensor on the meta device: modules kept in fp32 stay fp32, the rest take
+    ``dtype``. (:func:`~modeling_dsv41.cli.inspection.build_meta_model` defaults ``cls`` to the causal LM: this module is
+    imported by the model's, so it cannot name it.)"""
     from transformers import initialization as init
 
-    if cls is None:
-        from .modeling_dsv41 import DeepseekV41ForCausalLM as cls
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -201,21 +198,20 @@ def build_meta_model(
 
 
 def plan_device_map(
-    model_or_config: nn.Module | DeepseekV41Config,
+    model: nn.Module,
     max_memory: dict[int | str, int] | None = None,
     engram_tables: str | int = "auto",
     native: bool = False,
     strategy: str = "auto",
 ) -> DevicePlan:
-    """Place ``model_or_config`` (a config is built on the meta device) on the devices of ``max_memory`` (bytes per
-    device, as transformers takes it; ``None`` for the visible devices).
+    """Place ``model`` (on the meta device for a plan without memory: :func:`meta_instance`) on the devices of
+    ``max_memory`` (bytes per device, as transformers takes it; ``None`` for the visible devices).
 
     ``engram_tables``: ``"auto"`` counts the tables with their layers and keeps them there if every weight then fits
     an accelerator, else plans again with the tables in host memory; ``"host"`` (or ``"cpu"``/``"pinned"``/``"mmap"``)
     leaves them off the map; a device puts them on it, on top of what ``max_memory`` grants that device. ``native``
     counts released storage bytes.
     """
-    model = build_meta_model(model_or_config) if isinstance(model_or_config, DeepseekV41Config) else model_or_config
     if strategy not in PLANNED_DEVICE_MAPS:
         raise ValueError(f"strategy must be one of {PLANNED_DEVICE_MAPS}, got {strategy!r}")
     if engram_tables == "auto":
@@ -324,9 +320,9 @@ class ParallelPlan:
 
 
 def plan_parallel(
-    model_or_config: nn.Module | DeepseekV41Config, tp_size: int = 1, ep_size: int = 1, native: bool = True
+    model: nn.Module, tp_size: int = 1, ep_size: int = 1, native: bool = True
 ) -> ParallelPlan:
-    """Per-rank weights of ``model_or_config`` under the config's TP plan (``tp_size`` ranks) and EP plan (``ep_size``,
+    """Per-rank weights of ``model`` (meta or not) under the config's TP plan (``tp_size`` ranks) and EP plan (``ep_size``,
     whose rules win for the experts), sized by the released storage when ``native``. The sizes are checked as
     loading checks them (:func:`~modeling_dsv41.parallel.check_parallel_load`: whole scale blocks, whole experts)."""
     from transformers.distributed import DistributedConfig
@@ -334,7 +330,6 @@ def plan_parallel(
 
     from .parallel import check_parallel_load
 
-    model = build_meta_model(model_or_config) if isinstance(model_or_config, DeepseekV41Config) else model_or_config
     check_parallel_load(model.config, DistributedConfig(tp_size=tp_size, ep_size=ep_size), native=False, released=native)
     rules = [(ep_size, model.ep_plan if ep_size > 1 else {}), (tp_size, model.tp_plan if tp_size > 1 else {})]
     plan = ParallelPlan(tp_size=tp_size, ep_size=ep_size)
@@ -505,7 +500,7 @@ class DeepseekV41PlacementMixin:
             hub = {k: kwargs[k] for k in ("cache_dir", "revision", "subfolder", "token", "local_files_only") if k in kwargs}
             config = cls.config_class.from_pretrained(config or source, **hub)
         dtype = kwargs.get("dtype")
-        probe = build_meta_model(config, cls, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
+        probe = meta_instance(config, cls, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
         device_map = check_and_set_device_map(kwargs["device_map"])
         tables = "auto" if placement == "auto" else "host" if placement in HOST_PLACEMENTS else str(placement)
         if isinstance(device_map, str):
@@ -525,6 +520,7 @@ __all__ = [
     "ENGRAM_TABLE",
     "ParallelPlan",
     "TensorSizes",
+    "meta_instance",
     "cache_bytes_per_token",
     "engram_tables_off_map",
     "format_plan",

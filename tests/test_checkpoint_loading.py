@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.hub import checkpoint_loading
+from modeling_dsv41.hub import checkpoint_loading, released_storage
 from modeling_dsv41.hub.checkpoint_loading import (
     dequantize_released_weight,
     quantize_fp4_rows,
@@ -223,7 +223,7 @@ def test_dequantizing_after_the_loader_cast_equals_the_reference(quant_format, m
     """The loader hands the op its sources cast to the parameter dtype; bf16 keeps FP8 values, FP4 bytes and E8M0
     scales exactly. Chunking over rows (with a partial last 32-row block: the 40-row case) changes nothing."""
     stored, expected = quant_format
-    monkeypatch.setattr(checkpoint_loading, "_CHUNK_ELEMENTS", 1)  # one 32-row block per chunk
+    monkeypatch.setattr(released_storage, "_CHUNK_ELEMENTS", 1)  # one 32-row block per chunk
     for name, values in expected.items():
         weight, scale = stored[name], stored[name[: -len("weight")] + "scale"]
         columns = values.shape[1]

@@ -406,3 +406,26 @@ def test_push_to_a_branch_creates_it_first(tiny, tmp_path, monkeypatch):
 
     assert branches == [("someone/dsv41-tiny", {"branch": "dev", "token": None, "exist_ok": True})]
     assert hub.commits[0][1]["revision"] == "dev"
+
+
+def test_the_exported_modules_import_one_way():
+    """The modules the remote code holds (every project module the model imports, transitively, function-level
+    imports included) form no import circle: each depends on the others one way."""
+    import importlib
+
+    graph, pending = {}, [DeepseekV41ForCausalLM.__module__]
+    while pending:
+        module = pending.pop()
+        if module in graph:
+            continue
+        source = Path(importlib.import_module(module).__file__).read_text(encoding="utf-8")
+        graph[module] = flatten_module_source(source, module)[1] - {module}
+        pending.extend(graph[module])
+    assert {"modeling_dsv41.hub.checkpoint_loading", "modeling_dsv41.placement"} <= graph.keys()
+
+    def reaches(start: str, target: str, seen: set) -> bool:
+        return any(dep == target or (dep not in seen and not seen.add(dep) and reaches(dep, target, seen))
+                   for dep in graph[start])
+
+    circles = sorted(module for module in graph if reaches(module, module, set()))
+    assert not circles, f"modules on an import circle: {circles}"

@@ -133,6 +133,169 @@ def test_the_input_gets_a_gradient_through_a_weight_only_linear(native):
     assert linear.weight.grad is None  # frozen, as transformers' FP8Linear
 
 
+def _trainable_gradients(model, ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Gradient of every parameter that requires one (None for those the loss does not reach, e.g. the indexer)."""
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_gradients_through_the_native_model_equal_the_dequantized_models(native, dequantized):
+    """Frozen quantized bases with exact gradients: backward through a weight-only module is backward through the
+    dequantized weight it computes with, so the gradient of every parameter left trainable (the embedding below all
+    layers, norms, router, mHC, ``wo_a``, the head) equals the dequantized model's. A dropped gradient (an FP8 module
+    without backward) would leave the layers below it with none or another one. The two backward passes run the
+    same products on the same shapes; the tolerance only allows for a BLAS that picks kernels by shape."""
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(3))
+    ours, theirs = _trainable_gradients(native, ids), _trainable_gradients(dequantized, ids)
+    stored = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
+    quantized = {name for name, p in native.named_parameters() if p.dtype in stored}
+    assert quantized and not quantized & ours.keys()  # the stored weights and scales are frozen
+    assert "model.embed.weight" in ours and ours["model.embed.weight"].abs().sum() > 0
+    assert ours["model.layers.0.attn.wo_a.weight"].abs().sum() > 0  # below layer 1's FP8 Linears and FP4 experts
+    for name, grad in ours.items():
+        assert (grad is None) == (theirs[name] is None), name
+        if grad is not None:
+            torch.testing.assert_close(grad, theirs[name], rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_the_input_gets_the_exact_gradient_through_the_weight_only_experts(native, dequantized):
+    """The FP4 experts' input gradient is that of the dequantized experts (backward through the dequantized
+    weights), for every routed expert."""
+    ours, theirs = native.model.layers[1].ffn.experts, dequantized.model.layers[1].ffn.experts
+    assert isinstance(ours, WeightOnlyFP4Experts)
+    hidden = torch.randn(6, TEXT["hidden_size"], dtype=torch.bfloat16, generator=torch.Generator().manual_seed(4))
+    index = torch.arange(12).remainder(TEXT["n_routed_experts"]).view(6, 2)
+    weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for experts in (ours, theirs):
+        x = hidden.clone().requires_grad_()
+        experts(x, index, weights).pow(2).sum().backward()
+        grads.append(x.grad)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6)  # same products, see above
+
+
+def _trainer(kind: str, model, output_dir):
+    from transformers import Trainer, TrainingArguments
+
+    from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+    if kind == "dsv41":
+        return DeepseekV41Trainer(model=model, args=DeepseekV41TrainingArguments(output_dir=str(output_dir), report_to=[]))
+    return Trainer(model=model, args=TrainingArguments(output_dir=str(output_dir), report_to=[]))
+
+
+@pytest.mark.parametrize("kind", ["dsv41", "transformers"])
+def test_full_fine_tuning_of_the_quantized_weights_is_refused_saying_what_to_do(native, dequantized, kind, tmp_path):
+    """Our error (not transformers' "open an issue on GitHub"), from DeepseekV41Trainer and from transformers' own
+    Trainer (through the quantizer's ``is_trainable``); the dequantized load of the same folder is taken."""
+    with pytest.raises(ValueError, match=r"full fine-tuning cannot train them.*FineGrainedFP8Config\(dequantize=True\)"):
+        _trainer(kind, native, tmp_path)
+    assert all(not p.requires_grad for m in native.modules() if isinstance(m, (FP8Linear, FP8Experts)) for p in m.parameters())
+    _trainer(kind, dequantized, tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["dsv41", "transformers"])
+def test_expert_adapters_on_a_natively_loaded_model_are_refused_by_the_trainers(released, kind, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["wq_a"], target_parameters=["experts.gate_up_proj"])
+    model = get_peft_model(DeepseekV41ForCausalLM.from_pretrained(released[0]), config)
+    with pytest.raises(ValueError, match=r"routed experts \(target_parameters\) would act on the packed bytes"):
+        _trainer(kind, model, tmp_path)
+
+
+# the Linears the release stores in FP8 (FP8Linear once loaded natively): attention and the shared expert
+FP8_TARGETS = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1", "shared_experts.w2", "shared_experts.w3"]
+
+
+class _SameBatch(torch.utils.data.Dataset):
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(6))
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    @classmethod
+    def collate(cls, _: list[int]) -> dict[str, torch.Tensor]:
+        return {"input_ids": cls.ids, "labels": cls.ids}
+
+
+def _lora_trained(base, kind: str, output_dir, start: dict[str, torch.Tensor] | None = None):
+    """``base`` with LoRA on :data:`FP8_TARGETS` (factors copied from ``start`` if given: PEFT draws the initial
+    factors in the base weight's dtype where it is bf16, in fp32 next to FP8), trained 3 steps; and its initial
+    factors."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=FP8_TARGETS))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if start is not None and "lora_" in name:
+                param.copy_(start[name])
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    knobs = dict(output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=2, learning_rate=5e-3,
+                 lr_scheduler_type="constant", report_to="none", save_strategy="no", logging_strategy="no",
+                 remove_unused_columns=False, use_cpu=True)
+    if kind == "dsv41":
+        args, trainer_cls = DeepseekV41TrainingArguments(bias_update_speed=0.0, **knobs), DeepseekV41Trainer
+    else:
+        args, trainer_cls = TrainingArguments(**knobs), Trainer
+    trainer_cls(model=model, args=args, train_dataset=_SameBatch(), data_collator=_SameBatch.collate).train()
+    return model.eval(), initial
+
+
+@pytest.mark.parametrize("kind", ["dsv41", "transformers"])
+def test_lora_on_the_fp8_linears_trains_natively_as_on_the_dequantized_model(released, kind, tmp_path):
+    """LoRA on the natively loaded FP8 Linears (PEFT's dispatch wraps transformers' FP8Linear) trains under both
+    trainers; after 3 steps its adapters equal those trained on the dequantized base (the gradients are the same,
+    see above: the tolerance only allows for a BLAS that picks kernels by shape), and the saved adapter loads onto
+    either base with the same logits."""
+    from peft import PeftModel
+
+    folder = released[0]
+    native, initial = _lora_trained(DeepseekV41ForCausalLM.from_pretrained(folder), kind, tmp_path / "native")
+    dequantized, _ = _lora_trained(
+        DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True)),
+        kind, tmp_path / "dequantized", start=initial,
+    )
+    ours = {n: p for n, p in native.named_parameters() if "lora_" in n}
+    theirs = {n: p for n, p in dequantized.named_parameters() if "lora_" in n}
+    assert ours.keys() == theirs.keys() and any("shared_experts.w2" in n for n in ours)
+    untrained = [n for n, p in ours.items() if torch.equal(p, initial[n])]
+    assert not untrained  # every factor of every adapter moved
+    for name, param in ours.items():
+        torch.testing.assert_close(param, theirs[name], rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+    native.save_pretrained(tmp_path / "adapter")
+    ids = _SameBatch.ids
+    with torch.no_grad():
+        trained = native(input_ids=ids).logits
+        for base in (DeepseekV41ForCausalLM.from_pretrained(folder),
+                     DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True))):
+            reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+            torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, rtol=1e-3, atol=1e-3)
+
+
+def test_expert_adapters_on_the_packed_fp4_weights_are_an_error_not_inert(released):
+    """PEFT's ``target_parameters`` would adapt the packed bytes [E, 2·I, D/2] (an adapter of half the experts'
+    input width) and the delta would round away with the bytes: an error at the first forward, never a silent
+    no-op."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    model = get_peft_model(DeepseekV41ForCausalLM.from_pretrained(released[0]), config)
+    with pytest.raises(ValueError, match="would do nothing.*dequantize=True"):
+        model(input_ids=torch.randint(3, 500, (1, 9)))
+
+
 def test_dequantize_true_loads_plain_bf16(dequantized):
     layer = dequantized.model.layers[1]
     assert type(layer.attn.wq_a) is nn.Linear and layer.attn.wq_a.weight.dtype == torch.bfloat16

@@ -28,7 +28,8 @@ from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.hub.checkpoint_loading import check_whole_scale_blocks, save_released_checkpoint
 from modeling_dsv41.hub.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
 from modeling_dsv41.parallel import check_parallel_load, distributed_config
-from modeling_dsv41.placement import build_meta_model, plan_parallel
+from modeling_dsv41.cli.inspection import build_meta_model
+from modeling_dsv41.placement import plan_parallel
 
 PROMPT_LEN, NEW_TOKENS = 12, 6
 # fp32 compute on the FP8/FP4 weights (the weight-only modules dequantize into the input's dtype): sharding changes

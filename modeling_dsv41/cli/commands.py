@@ -235,15 +235,17 @@ def _run_inspect(args: argparse.Namespace) -> int:
         return _print_parallel_plan(config, args, native)
     if args.devices:
         from ..placement import format_plan, plan_device_map
+        from .inspection import build_meta_model
 
         print()
-        print(format_plan(plan_device_map(config, args.devices, native=native), args.devices, native))
+        plan = plan_device_map(build_meta_model(config), args.devices, native=native)
+        print(format_plan(plan, args.devices, native))
     return 0
 
 
 def _print_parallel_plan(config, args: argparse.Namespace, native: bool) -> int:
     from ..placement import plan_parallel
-    from .inspection import format_parallel_plan
+    from .inspection import build_meta_model, format_parallel_plan
 
     if args.tp and args.ep and args.tp != args.ep:
         raise ValueError(f"--tp {args.tp} --ep {args.ep}: expert parallelism runs on the tensor-parallel ranks, "
@@ -251,7 +253,7 @@ def _print_parallel_plan(config, args: argparse.Namespace, native: bool) -> int:
     ranks = args.ep or args.tp
     if args.devices and len(args.devices) != ranks:
         raise ValueError(f"--devices lists {len(args.devices)} devices for {ranks} ranks: give one per rank")
-    plan = plan_parallel(config, tp_size=ranks, ep_size=args.ep or 1, native=native)
+    plan = plan_parallel(build_meta_model(config), tp_size=ranks, ep_size=args.ep or 1, native=native)
     print()
     print(format_parallel_plan(plan, args.devices, native))
     return 0

@@ -15,7 +15,8 @@ from processing.image_processing_dsv41 import ImageGridPlan, plan_image_grid
 
 from ..optim import KINDS, AssignmentTable, KindSummary, assign_kinds, state_bytes
 from ..optim.policy import FROZEN
-from ..placement import ParallelPlan, build_meta_model
+from ..modeling_dsv41 import DeepseekV41ForCausalLM
+from ..placement import ParallelPlan, meta_instance
 
 # component name → pattern searched in the parameter name; the first match wins
 COMPONENTS: tuple[tuple[str, str], ...] = (
@@ -56,6 +57,13 @@ class ModelInspection:
     @property
     def mixed_state_bytes(self) -> int:
         return sum(row.state_bytes for row in self.assignment.kinds.values())
+
+
+def build_meta_model(
+    config: DeepseekV41Config, cls: type = DeepseekV41ForCausalLM, dtype: torch.dtype = torch.bfloat16
+) -> torch.nn.Module:
+    """``cls`` (the causal LM by default) of ``config`` on the meta device, as :func:`~..placement.meta_instance`."""
+    return meta_instance(config, cls, dtype)
 
 
 def component_of(name: str) -> str:

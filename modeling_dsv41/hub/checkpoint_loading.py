@@ -21,7 +21,8 @@ registered here pair each weight with its scale and hand both over raw (``weight
 scales fused as transformers' ``FP8Experts`` holds them). With ``quantization_config=FineGrainedFP8Config(
 dequantize=True)``, and for the tensors that stay in high precision (the block-diagonal ``wo_a``, Engram ``wkv``),
 :class:`DequantizeReleasedWeight` turns them into ``X.weight`` in the parameter's dtype (FP8 Engram tables stay as
-stored when the config says ``engram_table_dtype="fp8"``). Such checkpoints are read one target parameter at a time
+stored when the config says ``engram_table_dtype="fp8"``; the values are read by :mod:`.released_storage`, which the
+weight-only modules of native loading share). Such checkpoints are read one target parameter at a time
 (:func:`sequential_loading`) and each tensor is dequantized in row chunks, so the peak is the final model plus the
 tensor being converted. Unquantized tensors pass through the same converter.
 
@@ -59,16 +60,11 @@ from transformers.core_model_loading import ConversionOps, WeightConverter, Weig
 from transformers.distributed.utils import is_dtensor
 from transformers.utils import cached_file, logging
 
-from ..quantization import (
-    FP4_E2M1_MAX,
-    FP8_E4M3_MAX,
-    RELEASED_BLOCK_SIZE,
-    dequantize_fp8_block,
-    dequantize_fp8_rows,
-    unpack_fp4,
-)
+from ..quantization import FP4_E2M1_MAX, FP8_E4M3_MAX, RELEASED_BLOCK_SIZE
 from ..parallel import check_parallel_load, requested_parallelism
 from ..validation import check_safetensors_folder
+from .native_precision import QUANT_METHOD, released_quantization_config
+from .released_storage import dequantize_released_weight, stored_scale
 
 logger = logging.get_logger(__name__)
 
@@ -79,9 +75,6 @@ RELEASED_SCALE = r"\.scale(?![\w.])"
 _WEIGHT, _SCALE = ".weight", ".scale"
 _NATIVE_SCALE = ".weight_scale_inv"  # transformers' FP8 layers' name for the scales
 
-_FP4_BYTE_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
-# dequantize at most this many elements at once: bounds the fp32 temporaries of a huge tensor (LM head, Engram table)
-_CHUNK_ELEMENTS = 1 << 22
 # bnb's 4-bit CPU kernels quantize in blocks of 64 inputs and pack weights in blocks of 32 outputs
 BNB_4BIT_IN_BLOCK, BNB_4BIT_OUT_BLOCK = 64, 32
 # Linears whose forward reads `.weight` itself (fp32 upcasts, a grouped einsum, dtype queries): never quantized
@@ -99,75 +92,6 @@ def _only(tensors: list[torch.Tensor] | torch.Tensor | None) -> torch.Tensor | N
             raise ValueError(f"expected one checkpoint tensor per key, got {len(tensors)}")
         return tensors[0] if tensors else None
     return tensors
-
-
-def _stored_scale(scale: torch.Tensor) -> torch.Tensor:
-    """The E8M0 scales as stored. The loader casts every source tensor to the target parameter's dtype first: powers
-    of two survive bf16 and fp32 exactly, but float16 flushes those outside [2^-24, 2^15] to 0 or inf."""
-    if scale.dtype == torch.float8_e8m0fnu:
-        return scale
-    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-        raise ValueError(
-            f"E8M0 scales cannot be represented in {scale.dtype}: load the released checkpoint with "
-            "dtype=torch.bfloat16 or torch.float32 (and cast the model afterwards if needed)"
-        )
-    return scale.to(torch.float8_e8m0fnu)
-
-
-def _stored_weight(weight: torch.Tensor, packed: bool) -> torch.Tensor:
-    """FP8 values and FP4 bytes as stored (their cast to bf16/fp16/fp32 by the loader is exact, hence reversible)."""
-    if packed:
-        return weight if weight.dtype in _FP4_BYTE_DTYPES else weight.to(torch.int8)
-    return weight if weight.dtype == torch.float8_e4m3fn else weight.to(torch.float8_e4m3fn)
-
-
-# the two E2M1 values of every byte value, [256, 2]: one table lookup per byte instead of two per nibble
-_FP4_BYTE_VALUES = unpack_fp4(torch.arange(256, dtype=torch.uint8).unsqueeze(0)).view(256, 2)
-
-
-def _dequantize_fp4_rows(packed: torch.Tensor, scale: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``quantization.dequantize_fp4_rows`` (same values), a few times faster: experts are most of the checkpoint."""
-    rows = packed.shape[0]
-    values = torch.nn.functional.embedding(packed.view(torch.uint8).int(), _FP4_BYTE_VALUES.to(packed.device))
-    return (values.view(rows, -1, block_size) * scale.float().unsqueeze(-1)).view(rows, -1)
-
-
-def dequantize_released_weight(
-    weight: torch.Tensor, scale: torch.Tensor, columns: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """One quantized tensor of the released checkpoint → ``[rows, columns]`` in ``dtype``, exactly as the reference
-    kernels read it (then rounded to ``dtype``).
-
-    ``weight`` holds FP8 values ``[rows, columns]`` or packed FP4 bytes ``[rows, columns / 2]``, as stored or cast to
-    a float dtype by the loader; ``columns`` (the parameter's width) tells the two apart. The scale layout follows
-    from its shape: ``[rows, columns / 32]`` per row (FP4 experts, Engram tables) or ``[ceil(rows / 32),
-    ceil(columns / 32)]`` per 32x32 block (dense FP8). Works through the rows in chunks.
-    """
-    if weight.dim() != 2 or scale.dim() != 2:
-        raise ValueError(f"expected 2-D weight and scale, got {tuple(weight.shape)} and {tuple(scale.shape)}")
-    rows, stored_columns = weight.shape
-    if columns == 2 * stored_columns:
-        packed = True
-    elif columns == stored_columns:
-        packed = False
-    else:
-        raise ValueError(f"a stored weight of width {stored_columns} fits neither FP8 nor packed FP4 for {columns} columns")
-    b = RELEASED_BLOCK_SIZE
-    if columns % b == 0 and tuple(scale.shape) == (rows, columns // b):
-        dequantize, rows_per_scale = (_dequantize_fp4_rows if packed else dequantize_fp8_rows), 1
-    elif not packed and tuple(scale.shape) == (math.ceil(rows / b), math.ceil(columns / b)):
-        dequantize, rows_per_scale = dequantize_fp8_block, b
-    else:
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not match a released layout for a "
-                         f"{'packed FP4' if packed else 'FP8'} weight of {rows}x{columns}")
-    scale = _stored_scale(scale)
-    out = torch.empty(rows, columns, dtype=dtype, device=weight.device)
-    step = max(b, _CHUNK_ELEMENTS // columns // b * b)  # whole 32-row blocks
-    for start in range(0, rows, step):
-        stop = min(start + step, rows)
-        chunk_scale = scale[start // rows_per_scale : math.ceil(stop / rows_per_scale)]
-        out[start:stop] = dequantize(_stored_weight(weight[start:stop], packed), chunk_scale, b)
-    return out
 
 
 def check_whole_scale_blocks(param: torch.Tensor, block: tuple[int, ...], name: str) -> None:
@@ -302,7 +226,7 @@ class MergeReleasedExperts(ConversionOps):
                 if stored_scales is None:
                     raise ValueError(f"{full_layer_name} is kept in FP4 but the checkpoint stores {pattern} without scales")
                 weights.append(torch.stack(stored_weights).view(torch.int8))
-                scales.append(torch.stack([_stored_scale(s) for s in stored_scales]))
+                scales.append(torch.stack([stored_scale(s) for s in stored_scales]))
         weight, scale = torch.cat(weights, dim=1), torch.cat(scales, dim=1)
         if weight.shape != shape:
             raise ValueError(f"{full_layer_name}: the checkpoint's FP4 experts make {tuple(weight.shape)}, the "
@@ -483,8 +407,6 @@ def _with_high_precision_modules(
 def _with_native_quantization(cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict) -> PreTrainedConfig:
     """A copy of the config whose ``quantization_config`` is the one the released folder implies (FP8 Linears and FP4
     experts kept quantized, :mod:`.native_precision`), for the Linears of a meta-device instance of the model."""
-    from .native_precision import QUANT_METHOD, released_quantization_config
-
     if not isinstance(config, PreTrainedConfig):
         config = cls.config_class.from_pretrained(config or source, **hub_kwargs)
     config = copy.deepcopy(config)
@@ -499,8 +421,6 @@ def _saved_native_config(cls, source, config: PreTrainedConfig | str | None, hub
     """For a model saved after a native load (``quant_method: "fp8"`` with FP4 experts in its config, transformers'
     FP8 layout in its weights): a copy of the config that loads through our quantizer (weight-only on the CPU), else
     None."""
-    from .native_precision import QUANT_METHOD
-
     if not isinstance(config, PreTrainedConfig):
         if _checkpoint_file(config or source, "config.json", hub_kwargs) is None:
             return None

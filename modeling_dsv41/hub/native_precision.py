@@ -18,25 +18,35 @@ fused routed experts for ``FP8Experts`` (``weight`` + ``weight_scale_inv``; ``ga
 * the released ``X.scale`` tensors are paired with their weights by this package's conversions
   (:mod:`.checkpoint_loading`) rather than renamed by the quantizer, and are never cast on load.
 
+The quantized weights and scales are frozen on load. Backward through a weight-only module is backward through the
+dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's). Training
+goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) trains under ``DeepseekV41Trainer`` and
+transformers' ``Trainer``. Full fine-tuning is refused by our own error (:func:`check_trainable`, from
+``DeepseekV41Trainer`` and, through the quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load
+with ``FineGrainedFP8Config(dequantize=True)`` instead; so is an adapter on the packed FP4 experts (PEFT
+``target_parameters``), which could not act.
+
 The config saves as transformers' own ``quant_method: "fp8"``.
 """
 
 from __future__ import annotations
 
 import re
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from transformers import FineGrainedFP8Config
 from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 from transformers.utils.import_utils import is_kernels_available
 
-from .checkpoint_loading import dequantize_released_weight
-from .registration import register_quantization_config, register_quantizer
 from ..moe import routed_experts_forward
 from ..quantization import RELEASED_BLOCK_SIZE
+from .registration import register_quantization_config, register_quantizer
+from .released_storage import dequantize_released_weight
 
 QUANT_METHOD = "deepseek_v41_fp8"
 # our Linears the release stores FP8 and that compute through their forward (a `Linear` the model reads `.weight`
@@ -90,6 +100,39 @@ def released_quantization_config(model: nn.Module, **kwargs) -> DeepseekV41FP8Co
     return DeepseekV41FP8Config(modules_to_not_convert=modules_kept_in_high_precision(model), **kwargs)
 
 
+def _adapted_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules PEFT adapts (their base layers)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [module.get_base_layer() for module in model.modules() if isinstance(module, BaseTunerLayer)]
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse to train a natively loaded model (its FP8 / FP4 weights as stored) unless adapters do the training,
+    and say how to train it instead.
+
+    Its quantized weights have no gradient (the modules pass the input's exactly, backward through the dequantized
+    weight), so full fine-tuning cannot update them. LoRA on the FP8 Linears trains (PEFT's ``Linear`` around them);
+    on the packed FP4 experts PEFT's ``target_parameters`` adapters could not act, so they are refused."""
+    if not isinstance(getattr(model, "hf_quantizer", None), DeepseekV41FP8Quantizer):
+        return
+    dequantized = "from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True))"
+    adapted = _adapted_modules(model)
+    if any(isinstance(module, FP8Experts) for module in adapted):
+        raise ValueError(
+            "This model was loaded in the released precision (FP4 experts kept packed): adapters on its routed "
+            "experts (target_parameters) would act on the packed bytes and do nothing. Adapt its Linears "
+            f"(target_modules), or load it dequantized with {dequantized} to adapt the experts too."
+        )
+    if not adapted:
+        raise ValueError(
+            "This model was loaded in the released precision (FP8 Linears, FP4 experts kept quantized): its quantized "
+            "weights are frozen, so full fine-tuning cannot train them. Attach LoRA adapters to its Linears with "
+            "PEFT (target_modules), or, to fine-tune every weight, load it with "
+            f"{dequantized} (bf16 weights)."
+        )
+
+
 class WeightOnlyFP8Linear(FP8Linear):
     """``FP8Linear`` computed by dequantizing its weight to the input's dtype in the forward (no FP8 kernel). Under
     tensor parallelism it runs on its local shard (whole 32x32 scale blocks), whose width is the weight's own."""
@@ -109,6 +152,14 @@ class WeightOnlyFP4Experts(FP8Experts):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
+        if parametrize.is_parametrized(self):
+            raise ValueError(
+                "an adapter on the natively loaded FP4 experts (PEFT target_parameters=['experts.gate_up_proj', "
+                "'experts.down_proj']) would act on packed bytes [E, out, in/2], whose rounding back to FP4 drops its "
+                "delta: it would do nothing. Load the model with quantization_config=FineGrainedFP8Config("
+                "dequantize=True) to adapt the experts."
+            )
+
         @torch.no_grad()
         def expert_weights(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
             dtype = hidden_states.dtype
@@ -175,11 +226,23 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
         # the released conversions pair `X.scale` with `X.weight` themselves (no renaming to `weight_scale_inv`)
         return weight_conversions + self.get_weight_conversions()
 
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        super()._process_model_after_weight_loading(model, **kwargs)
+        for module in model.modules():  # frozen: the loader hands them over as parameters that require a gradient
+            if isinstance(module, (FP8Linear, FP8Experts)):
+                module.requires_grad_(False)
+        self._model = weakref.ref(model)  # for `is_trainable`, which transformers asks without the model
+
     @property
     def is_trainable(self) -> bool:
-        # the weight-only modules pass the input's gradient (frozen weights, as FP8Linear), but adapters and the
-        # Trainer on a natively loaded model are untested: refused rather than assumed
-        return False
+        """transformers reads this only to validate a model for training (``Trainer.__init__``): our refusal
+        (:func:`check_trainable`), which says what to do instead, is raised here rather than transformers' generic
+        one; with adapters on the Linears it trains."""
+        model = getattr(self, "_model", lambda: None)()
+        if model is None:
+            return False
+        check_trainable(model)
+        return True
 
 
 __all__ = [
@@ -187,6 +250,7 @@ __all__ = [
     "DeepseekV41FP8Quantizer",
     "WeightOnlyFP4Experts",
     "WeightOnlyFP8Linear",
+    "check_trainable",
     "modules_kept_in_high_precision",
     "released_quantization_config",
 ]

@@ -40,6 +40,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.training_args import OptimizerNames
 
+from ..hub.native_precision import check_trainable
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
 from .router_balancing import RouterBiasBalancer, is_adapter_model
 
@@ -211,6 +212,8 @@ class DeepseekV41Trainer(Trainer):
                 f"DeepseekV41Trainer needs DeepseekV41TrainingArguments, got {type(args).__name__} "
                 "(it carries bias_update_speed and the optimizer knobs)"
             )
+        if model is not None:
+            check_trainable(model)  # a natively loaded (FP8/FP4) model: our refusal, before any freezing
         if args.freeze_default_parameters and model is not None:
             _freeze_default_parameters(model)
         super().__init__(model=model, args=args, **kwargs)

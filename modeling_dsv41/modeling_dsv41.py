@@ -33,7 +33,7 @@ from configuration.configuration_dsv41 import DeepseekV41Config
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
 from .dspark import DeepseekV41DSpark, DeepseekV41DSparkBlock
 from .generation.cache import CacheStep, DeepseekV41Cache, DeepseekV41StaticCache
-from .generation.speculative import DeepseekV41DSparkCandidateGenerator
+from .generation.speculative import dspark_decoding
 from .hub.checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
@@ -755,15 +755,16 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             generation_config.dspark_confidence_threshold = threshold
         return generation_config, model_kwargs
 
-    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
-        """``use_mtp=True`` drafts with the DSpark head (:mod:`.generation.speculative`); the rest is transformers'."""
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                           streamer=None, **model_kwargs):
+        """``use_mtp=True``: DSpark speculative decoding, any batch size (:func:`.generation.speculative.dspark_decoding`)."""
         if generation_config.use_mtp:
-            return DeepseekV41DSparkCandidateGenerator(self, generation_config, logits_processor)
-        return super()._get_candidate_generator(
-            generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model,
-            target_tokenizer, assistant_tokenizer,
-        )
+            model_kwargs = {k: v for k, v in model_kwargs.items() if k not in ("inputs_tensor", "assistant_model",
+                                                                              "assistant_tokenizer", "tokenizer")}
+            return dspark_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                   synced_gpus, streamer, **model_kwargs)
+        return super()._assisted_decoding(input_ids, logits_processor, stopping_criteria, generation_config,
+                                          synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -51,13 +51,15 @@ class DeepseekV41DSparkAttention(DeepseekV41Attention):
         return self._window_kv(main_x, rotation)
 
     def forward(
-        self, x: torch.Tensor, rotation: torch.Tensor, ring: torch.Tensor, ring_filled: torch.Tensor
+        self, x: torch.Tensor, rotation: torch.Tensor, context: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
-        """x [B, nb, D] at rope rotation [B, nb, R], ring [B, W, D] with ``ring_filled`` [B] written slots → [B, nb, D]."""
+        """Block tokens x [B, N, D] at rope rotation [B, N, R] → [B, N, D]. ``slots`` [B, N, K] index the rows of
+        ``[context [B, C, D]; the block tokens' K=V]`` each query attends to (-1 none): a ring when decoding, every
+        main position in training."""
         qr = self.q_norm(self.wq_a(x))
         q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rotation)
-        kv = torch.cat([ring, self._window_kv(x, rotation)], dim=1)
-        return self._attend(q, kv, dspark_block_slots(ring_filled, self.window, x.shape[1]), rotation)
+        kv = torch.cat([context, self._window_kv(x, rotation)], dim=1)
+        return self._attend(q, kv, slots, rotation)
 
 
 class DeepseekV41DSparkMarkovHead(nn.Module):
@@ -118,13 +120,14 @@ class DeepseekV41DSparkBlock(nn.Module):
             self.confidence_head = DeepseekV41DSparkConfidenceHead(dim + config.dspark_markov_rank)
 
     def forward(
-        self, x: torch.Tensor, pre_mix: torch.Tensor, rotation: torch.Tensor, ring: torch.Tensor,
-        ring_filled: torch.Tensor,
+        self, x: torch.Tensor, pre_mix: torch.Tensor, rotation: torch.Tensor, context: torch.Tensor,
+        slots: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, nb, hc, D], pre_mix [B, nb, hc] → (x, this FFN's pre for the next block)."""
+        """x [B, N, hc, D], pre_mix [B, N, hc] → (x, this FFN's pre for the next block); see the attention for
+        ``context`` and ``slots``."""
         residual = x
         attn_pre, post, comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        out = self.attn(self.attn_norm(self.hc.collapse(x, pre_mix)), rotation, ring, ring_filled)
+        out = self.attn(self.attn_norm(self.hc.collapse(x, pre_mix)), rotation, context, slots)
         x = self.hc.expand(out, residual, post, comb)
         residual = x
         ffn_pre, post, comb = self.hc.mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
@@ -159,6 +162,68 @@ class DeepseekV41DSpark(nn.ModuleList):
         """``main_norm(main_proj(main_hidden))`` [B, S, D] from the taps [B, S, D·n_targets]."""
         return self[0].main_norm(self[0].main_proj(main_hidden))
 
+    def _block_ids(self, first_ids: torch.Tensor) -> torch.Tensor:
+        """[B, A] first tokens → [B, A·nb] block ids: each first token, then ``nb - 1`` noise tokens."""
+        ids = first_ids.new_full((*first_ids.shape, self.block_size), self.noise_token_id)
+        ids[..., 0] = first_ids
+        return ids.flatten(1)
+
+    def _run_blocks(
+        self, ids: torch.Tensor, positions: torch.Tensor, contexts: list[torch.Tensor], slots: torch.Tensor,
+        embed: nn.Module,
+    ) -> torch.Tensor:
+        """The blocks over block tokens ids [B, N] at rope positions [B, N] (``contexts``: each block's K=V rows the
+        ``slots`` index first) → the last stream collapsed, un-normed [B, N, D]."""
+        x = embed(ids).unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [B, N, hc, D]
+        pre_mix = identity_pre_mix(x, self.hc_mult)
+        rotation = self._rotation(positions)
+        for block, context in zip(self, contexts):
+            x, pre_mix = block(x, pre_mix, rotation, context, slots)
+        return self[-1].hc.collapse(x, pre_mix)
+
+    @under_configured_numerics
+    def teacher_forced(
+        self, main_hidden: torch.Tensor, predictions: torch.Tensor, valid: torch.Tensor, embed: nn.Module,
+        head: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Drafts from every main position of whole sequences at once, for training.
+
+        main_hidden [B, S, ·] the taps, ``predictions`` [B, S] the backbone's next token at each position, ``valid``
+        [B, S] the real positions (one run per row). The draft from position c starts with ``predictions[:, c]``,
+        attends to the ``sliding_window`` main positions ending at c (the ring it would have when decoding), and
+        column i gets the Markov bias of ``predictions[:, c + i]`` (the previous column's target): teacher forcing
+        on the backbone's own tokens. Returns logits [B, S, nb, V] (fp32), confidence [B, S, nb] and the targets
+        [B, S, nb] (``predictions[:, c + i + 1]``, -100 past the sequence).
+        """
+        bsz, seq_len = predictions.shape
+        nb, window, device = self.block_size, self[0].attn.window, predictions.device
+        positions = valid.long().cumsum(dim=1) - 1
+        main_x = self.main_x(main_hidden)
+        main_rotation = self._rotation(positions.clamp_min(0))
+        contexts = [block.attn.main_kv(main_x, main_rotation) for block in self]
+        column = torch.arange(seq_len, device=device)
+        # query (c, i): main columns c-W+1 … c (real ones), then the block's nb rows after the S context rows
+        context_cols = column.view(-1, 1) - window + 1 + torch.arange(window, device=device)  # [S, W]
+        real = (context_cols >= 0) & valid.gather(1, context_cols.clamp_min(0).flatten().expand(bsz, -1)).view(
+            bsz, seq_len, window
+        )
+        block_rows = seq_len + column.view(-1, 1) * nb + torch.arange(nb, device=device)  # [S, nb]
+        slots = torch.cat([torch.where(real, context_cols, -1), block_rows.expand(bsz, -1, -1)], dim=-1)
+        slots = slots.unsqueeze(2).expand(-1, -1, nb, -1).flatten(1, 2)  # [B, S·nb, W + nb]
+        block_positions = (positions.unsqueeze(-1) + 1 + torch.arange(nb, device=device)).flatten(1)
+        hidden = self._run_blocks(self._block_ids(predictions), block_positions, contexts, slots, embed)
+        hidden = hidden.view(bsz, seq_len, nb, -1)
+        last = self[-1]
+        offsets = column.view(-1, 1) + torch.arange(nb + 1, device=device)  # [S, nb+1]: c … c + nb
+        inside = offsets < seq_len
+        shifted = predictions[:, offsets.clamp_max(seq_len - 1)]  # [B, S, nb+1]
+        shifted_valid = valid[:, offsets.clamp_max(seq_len - 1)] & inside
+        bias, markov_embed = last.markov_head(shifted[..., :-1])
+        logits = head(last.norm(hidden)).float() + bias
+        confidence = last.confidence_head(hidden, markov_embed)
+        targets = shifted[..., 1:].masked_fill(~(shifted_valid[..., 1:] & valid.unsqueeze(-1)), -100)
+        return logits, confidence, targets
+
     @under_configured_numerics
     def write_ring(
         self, cache: DeepseekV41DSparkCache, main_hidden: torch.Tensor, positions: torch.Tensor,
@@ -184,16 +249,10 @@ class DeepseekV41DSpark(nn.ModuleList):
         the Markov bias of ``ids[:, i]``; ``confidence`` is the raw logit of the confidence head.
         """
         nb = self.block_size
-        ids = torch.full((first_ids.shape[0], nb), self.noise_token_id, dtype=torch.long, device=first_ids.device)
-        ids[:, 0] = first_ids
-        x = embed(ids).unsqueeze(2).repeat(1, 1, self.hc_mult, 1)  # [B, nb, hc, D]
-        pre_mix = identity_pre_mix(x, self.hc_mult)
-        rotation = self._rotation(positions.unsqueeze(1) + 1 + torch.arange(nb, device=positions.device))
-        filled = cache.filled()
-        for k, block in enumerate(self):
-            x, pre_mix = block(x, pre_mix, rotation, cache.rings[k], filled)
+        block_positions = positions.unsqueeze(1) + 1 + torch.arange(nb, device=positions.device)
+        slots = dspark_block_slots(cache.filled(), cache.window, nb)
+        hidden = self._run_blocks(self._block_ids(first_ids.unsqueeze(1)), block_positions, cache.rings, slots, embed)
         last = self[-1]
-        hidden = last.hc.collapse(x, pre_mix)  # [B, nb, D], un-normed
         logits = head(last.norm(hidden)).float()
         out = first_ids.new_empty(first_ids.shape[0], nb + 1)
         out[:, 0] = first_ids

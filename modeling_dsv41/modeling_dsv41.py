@@ -24,7 +24,7 @@ from transformers.modeling_outputs import (
     MultimodalBaseModelOutputWithPast,
     MultimodalCausalLMOutputWithPast,
 )
-from transformers.utils import can_return_tuple
+from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -83,6 +83,17 @@ class DeepseekV41ModelOutputWithPast(MultimodalBaseModelOutputWithPast):
     attention_slots: tuple[torch.LongTensor, ...] | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     dspark_hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class DeepseekV41DSparkLossOutput(ModelOutput):
+    """:meth:`DeepseekV41ForCausalLM.dspark_loss`: ``loss`` = ``draft_loss`` + ``confidence_loss``, and the share
+    of drafted tokens (teacher-forced) equal to the backbone's, ``accuracy``."""
+
+    loss: torch.FloatTensor | None = None
+    draft_loss: torch.FloatTensor | None = None
+    confidence_loss: torch.FloatTensor | None = None
+    accuracy: torch.FloatTensor | None = None
 
 
 @dataclass
@@ -728,6 +739,35 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             attentions=outputs.attentions, image_outputs=outputs.image_outputs,
             attention_slots=outputs.attention_slots, router_logits=outputs.router_logits,
             dspark_hidden_states=outputs.dspark_hidden_states,
+        )
+
+    def dspark_loss(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **inputs
+    ) -> DeepseekV41DSparkLossOutput:
+        """The draft head's training loss on sequences [B, S] (any other inputs, e.g. images, go to the backbone),
+        from the backbone's own predictions: the backbone runs without gradient; ``y[:, j]`` = its argmax at j.
+        The draft from every position c (first token ``y[:, c]``, teacher-forced Markov tokens ``y[:, c + i]``) is
+        trained with cross-entropy towards ``y[:, c + i + 1]`` (``draft_loss``), and the confidence head with binary
+        cross-entropy towards whether each drafted argmax equals it (``confidence_loss``: would greedy
+        verification accept it)."""
+        if self.mtp is None:
+            raise ValueError("dspark_loss needs the DSpark draft head (dspark_block_size > 0)")
+        with torch.no_grad():
+            out = self(input_ids=input_ids, attention_mask=attention_mask, output_dspark_hidden_states=True,
+                       use_cache=False, **inputs)
+        predictions = out.logits.argmax(dim=-1)
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        logits, confidence, targets = self.mtp.teacher_forced(
+            out.dspark_hidden_states, predictions, valid, self.model.embed, self.lm_head
+        )
+        keep = targets != -100
+        logits, confidence, targets = logits[keep], confidence[keep], targets[keep]
+        accepted = (logits.argmax(dim=-1) == targets).float()
+        draft_loss = F.cross_entropy(logits, targets)
+        confidence_loss = F.binary_cross_entropy_with_logits(confidence, accepted)
+        return DeepseekV41DSparkLossOutput(
+            loss=draft_loss + confidence_loss, draft_loss=draft_loss, confidence_loss=confidence_loss,
+            accuracy=accepted.mean(),
         )
 
     # ---- generation -----------------------------------------------------------------------------------

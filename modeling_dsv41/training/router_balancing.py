@@ -14,6 +14,8 @@ token with ``bias``, so every token counts toward it.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -75,7 +77,11 @@ class RouterBiasBalancer:
     def __init__(self, model: nn.Module, speed: float):
         if not speed >= 0:
             raise ValueError(f"the bias update speed must be >= 0, got {speed}")
-        self.moes = [module for module in model.modules() if isinstance(module, DeepseekV41MoE)]
+        # the backbone's routers (the DSpark draft blocks' have their own expert count and are not balanced here)
+        self.moes = [
+            module for name, module in model.named_modules()
+            if isinstance(module, DeepseekV41MoE) and not re.search(r"(^|\.)mtp\.", name)
+        ]
         if not self.moes:
             raise ValueError("the model has no DeepseekV41MoE layer: nothing to balance")
         self.speed = speed

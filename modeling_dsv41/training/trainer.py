@@ -121,6 +121,13 @@ class DeepseekV41TrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "Freeze the indexer (SPEC §6; DDP needs it)."},
     )
+    train_dspark_head: bool = field(
+        default=False,
+        metadata={
+            "help": "Train only the DSpark draft head (mtp.*) on the frozen backbone's own predictions "
+            "(DeepseekV41ForCausalLM.dspark_loss); router balancing is off (the backbone is frozen)."
+        },
+    )
     logging_nan_inf_filter: bool = field(
         default=False,
         metadata={
@@ -190,12 +197,14 @@ class DeepseekV41Trainer(Trainer):
             )
         if args.freeze_default_parameters and model is not None:
             freeze_default_parameters(model)
+        if args.train_dspark_head:
+            _freeze_all_but_the_draft_head(model)
         super().__init__(model=model, args=args, **kwargs)
         logger.setLevel(self.args.get_process_log_level())
         self.assignment_table = None
         self.router_balancing = None
         self._staging_run_dir: str | None = None
-        if args.bias_update_speed > 0:
+        if args.bias_update_speed > 0 and not args.train_dspark_head:
             self.router_balancing = RouterBiasBalancingCallback(args.bias_update_speed)
             self.add_callback(self.router_balancing)
 
@@ -281,7 +290,13 @@ class DeepseekV41Trainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        """``Trainer.compute_loss``; in training, also counts the experts this batch's tokens chose."""
+        """``Trainer.compute_loss``; in training, also counts the experts this batch's tokens chose. With
+        ``train_dspark_head``, the draft head's loss (``labels`` are not used: the targets are the backbone's own
+        predictions)."""
+        if self.args.train_dspark_head:
+            inputs = {key: value for key, value in inputs.items() if key != "labels"}
+            output = self.accelerator.unwrap_model(model).dspark_loss(**inputs)
+            return (output.loss, output) if return_outputs else output.loss
         attention_mask, image_token_types = inputs.get("attention_mask"), inputs.get("image_token_types")
         result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if model.training and self.router_balancing is not None:
@@ -345,3 +360,11 @@ __all__ = [
     "is_complete_checkpoint",
     "last_complete_checkpoint",
 ]
+
+
+def _freeze_all_but_the_draft_head(model: nn.Module | None) -> None:
+    """``requires_grad=False`` on everything outside ``mtp.*`` (the shared embed and LM head included)."""
+    if model is None or getattr(model, "mtp", None) is None:
+        raise ValueError("train_dspark_head needs a DeepseekV41ForCausalLM with the DSpark draft head (dspark_block_size > 0)")
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("mtp."))

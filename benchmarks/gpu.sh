@@ -73,6 +73,10 @@ EOF
     step 90 "$PYTHON" benchmarks/memory.py --size medium --device cuda --dtype bfloat16 --seqs 8192 131072
     # issue 14: the released-format stand-in loaded natively on the GPU, logits against the dequantized load
     step 100 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100
+    # issue 22: DSpark speculative decoding vs plain cached greedy decoding (draft head trained first), tiny and medium
+    step 120 "$PYTHON" benchmarks/speculative.py --size tiny --device cuda --new-tokens 128 --train-steps 300
+    step 240 "$PYTHON" benchmarks/speculative.py --size medium --device cuda --dtype bfloat16 --new-tokens 64 \
+        --train-steps 100
 
     echo
     echo "# done in ${SECONDS} s"

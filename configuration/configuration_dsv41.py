@@ -56,6 +56,14 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             chunk take ``4 · batch · query_chunk_size · index_n_heads · S / ratio`` bytes).
         engram_table_dtype (`str`): ``"float"`` keeps Engram tables in the model dtype; ``"fp8"`` keeps them
             as stored in the released checkpoint (e4m3 + per-32 scales), dequantized on lookup.
+        dspark_block_size (`int`): tokens the DSpark draft head (``mtp.*``: ``num_nextn_predict_layers`` blocks
+            after the backbone) drafts per pass; 0 (the default) builds no draft head. The released model: 5.
+        dspark_noise_token_id (`int`): the id filling the draft block after its first token.
+        dspark_target_layer_ids (`list[int]`): backbone layers whose input streams (mean over the ``hc_mult``
+            copies, taken in layer order) the draft head reads.
+        dspark_markov_rank (`int`): rank of the draft head's Markov bias (previous token → logits).
+        dspark_n_routed_experts / dspark_n_activated_experts (`int`): the draft blocks' MoE sizes; 0 takes the
+            backbone's ``n_routed_experts`` / ``num_experts_per_tok``.
     """
 
     model_type = "deepseek_v41_text"
@@ -158,6 +166,12 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     engram_compressed_vocab_size: int = 99092
     engram_table_dtype: str = "float"
     num_nextn_predict_layers: int = 3
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: list[int] | None = None
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 0
+    dspark_n_activated_experts: int = 0
     emulate_quantization: bool = True
     pad_token_id: int | None = 2
     bos_token_id: int | None = 0
@@ -179,14 +193,17 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             self.engram_layer_ids = [1, 14]
         if self.engram_num_embeddings is None:
             self.engram_num_embeddings = [384006168, 384016682] if self.engram_layer_ids == [1, 14] else []
+        if self.dspark_target_layer_ids is None:
+            self.dspark_target_layer_ids = []
         for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids",
-                     "engram_num_embeddings"):
+                     "engram_num_embeddings", "dspark_target_layer_ids"):
             setattr(self, name, [int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
                                  for v in getattr(self, name)])
         super().__post_init__(**kwargs)
         self._validate_dimensions()
         self._validate_schedule()
         self._validate_engram()
+        self._validate_dspark()
 
     # ---- validation -------------------------------------------------------------------------------
     def _validate_dimensions(self) -> None:
@@ -304,6 +321,45 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         if not 0 <= self.engram_pad_token_id < self.vocab_size:
             raise ValueError(f"engram_pad_token_id {self.engram_pad_token_id} is outside the vocabulary")
 
+    def _validate_dspark(self) -> None:
+        if self.dspark_block_size == 0:
+            return
+        _require_positive_int(
+            "text", dspark_block_size=self.dspark_block_size, num_nextn_predict_layers=self.num_nextn_predict_layers,
+            dspark_markov_rank=self.dspark_markov_rank,
+        )
+        ids = self.dspark_target_layer_ids
+        if not ids or any(type(i) is not int or not 0 <= i < self.num_hidden_layers for i in ids):
+            raise ValueError(
+                f"dspark_target_layer_ids must name backbone layers below {self.num_hidden_layers}, got {ids}"
+            )
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            raise ValueError(f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary")
+        routed, active = self.dspark_n_routed_experts, self.dspark_n_activated_experts
+        if any(type(v) is not int or v < 0 for v in (routed, active)):
+            raise ValueError(f"dspark_n_routed_experts / dspark_n_activated_experts must be ≥ 0, got {routed}, {active}")
+        if self.dspark_num_experts_per_tok > self.dspark_num_routed_experts:
+            raise ValueError(
+                f"the DSpark MoE routes to {self.dspark_num_experts_per_tok} of {self.dspark_num_routed_experts} experts"
+            )
+        # the draft blocks attend over a window only (the reference asserts it); their compress_ratios entries are 0
+        draft_ratios = self.compress_ratios[self.num_hidden_layers : self.num_hidden_layers + self.num_nextn_predict_layers]
+        if any(draft_ratios):
+            raise ValueError(f"the DSpark draft blocks are window-only: their compress_ratios must be 0, got {draft_ratios}")
+
+    @property
+    def has_dspark(self) -> bool:
+        """Whether the model has the DSpark draft head (``mtp.*``)."""
+        return self.dspark_block_size > 0
+
+    @property
+    def dspark_num_routed_experts(self) -> int:
+        return self.dspark_n_routed_experts or self.n_routed_experts
+
+    @property
+    def dspark_num_experts_per_tok(self) -> int:
+        return self.dspark_n_activated_experts or self.num_experts_per_tok
+
     # ---- schedule helpers used by the model ---------------------------------------------------------
     def kv_source_of(self, layer_id: int) -> int | None:
         """The layer whose compressed KV layer ``layer_id`` reads (None for window-only layers)."""
@@ -382,6 +438,10 @@ _REFERENCE_TEXT_KEYS = {
     "engram_max_ngram_size": "engram_max_ngram_size", "engram_vocab_size": "engram_vocab_size",
     "engram_n_heads": "engram_n_heads", "engram_head_dim": "engram_head_dim", "engram_pad_id": "engram_pad_token_id",
     "engram_compressed_vocab_size": "engram_compressed_vocab_size", "n_mtp_layers": "num_nextn_predict_layers",
+    **{key: key for key in (
+        "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+        "dspark_n_routed_experts", "dspark_n_activated_experts",
+    )},
 }
 _REFERENCE_VISION_KEYS = {
     "vision_n_layers": "num_hidden_layers", "vision_dim": "hidden_size", "vision_n_heads": "num_attention_heads",
@@ -389,7 +449,7 @@ _REFERENCE_VISION_KEYS = {
     "vision_downsample_ratio": "downsample_ratio", "vision_max_n_token": "max_image_tokens",
     "vision_min_pixels": "min_pixels", "vision_max_wh_ratio": "max_wh_ratio",
 }
-# runtime knobs of the reference (cache sizes, sampling) and the DSpark draft head (out of scope)
+# runtime knobs of the reference (cache sizes, sampling)
 _REFERENCE_IGNORED_KEYS = {"max_batch_size", "max_seq_len", "temperature"}
 _REFERENCE_MARKER_KEYS = {"dim", "n_layers", "n_heads"}
 
@@ -451,7 +511,7 @@ def reference_to_config_dict(ref: dict[str, Any]) -> dict[str, Any]:
             extra.setdefault("released_storage", {})[key] = value
         elif key == "image_token_id":
             extra["image_token_id"] = value
-        elif key.startswith("dspark_") or key in _REFERENCE_IGNORED_KEYS:
+        elif key in _REFERENCE_IGNORED_KEYS:
             continue
         else:
             extra[key] = value

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import CacheStep, DeepseekV41LayerCache, gather_rows
+from .generation.cache import CacheStep, DeepseekV41LayerCache, gather_rows
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear, einsum_rounded_once
 from .norms import DeepseekV41RMSNorm
 from .quantization import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
@@ -310,7 +310,8 @@ class DeepseekV41Attention(nn.Module):
         self.rope_dim = config.qk_rope_head_dim
         self.n_groups, self.o_lora_rank = config.o_groups, config.o_lora_rank
         self.window = config.sliding_window
-        self.ratio = config.compress_ratios[layer_id]
+        # the DSpark draft blocks (ids past the backbone's) are window-only; compress_ratios may list them as 0
+        self.ratio = config.compress_ratios[layer_id] if layer_id < len(config.compress_ratios) else 0
         self.is_kv_source = layer_id in config.kv_source_layer_ids and self.ratio > 0
         self.is_index_source = layer_id in config.index_source_layer_ids and self.ratio > 0
         self.emulate_quantization = config.emulate_quantization

@@ -24,14 +24,16 @@ from transformers.modeling_outputs import (
     MultimodalBaseModelOutputWithPast,
     MultimodalCausalLMOutputWithPast,
 )
-from transformers.utils import can_return_tuple
+from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from configuration.configuration_dsv41 import DeepseekV41Config
 
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
-from .cache import CacheStep, DeepseekV41Cache, DeepseekV41StaticCache
+from .dspark import DeepseekV41DSpark, DeepseekV41DSparkBlock
+from .generation.cache import CacheStep, DeepseekV41Cache, DeepseekV41StaticCache
+from .generation.speculative import dspark_decoding
 from .hub.checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
@@ -72,11 +74,26 @@ class DeepseekV41ModelOutputWithPast(MultimodalBaseModelOutputWithPast):
         positions t·r … t·r + r - 1 for ``r = compress_ratios[layer]``); -1 is an empty slot.
     router_logits: one tensor [B·S, n_routed_experts] per layer (``output_router_logits=True``): the router's
         logits before its scoring function (the experts are chosen from the scores plus the balancing bias).
+    dspark_hidden_states: [B, S, D·n_targets] (``output_dspark_hidden_states=True``): what the DSpark draft head
+        reads, the mean over the ``hc_mult`` copies of the stream entering each ``dspark_target_layer_ids`` layer
+        (after its Engram), concatenated in layer order (the reference's ``main_hidden``).
     image_outputs: what :meth:`DeepseekV41Model.get_image_features` returned for this call's images.
     """
 
     attention_slots: tuple[torch.LongTensor, ...] | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
+    dspark_hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class DeepseekV41DSparkLossOutput(ModelOutput):
+    """:meth:`DeepseekV41ForCausalLM.dspark_loss`: ``loss`` = ``draft_loss`` + ``confidence_loss``, and the share
+    of drafted tokens (teacher-forced) equal to the backbone's, ``accuracy``."""
+
+    loss: torch.FloatTensor | None = None
+    draft_loss: torch.FloatTensor | None = None
+    confidence_loss: torch.FloatTensor | None = None
+    accuracy: torch.FloatTensor | None = None
 
 
 @dataclass
@@ -85,6 +102,7 @@ class DeepseekV41CausalLMOutputWithPast(MultimodalCausalLMOutputWithPast):
 
     attention_slots: tuple[torch.LongTensor, ...] | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
+    dspark_hidden_states: torch.Tensor | None = None
 
 
 class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
@@ -128,10 +146,12 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         cache: DeepseekV41Cache | None = None,
         step: CacheStep | None = None,
         output_attentions: bool = False,
+        tap_stream: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         """hidden_states [B,S,hc,D], pre_mix [B,S,hc], then the :class:`CompressedContext` the layer below handed
-        up, field by field → (hidden_states, this FFN's pre, the context this layer hands up, field by field, and
-        with ``output_attentions`` this layer's attention map and slot index, else two ``None``).
+        up, field by field → (hidden_states, this FFN's pre, the context this layer hands up, field by field, with
+        ``output_attentions`` this layer's attention map and slot index, else two ``None``, and with ``tap_stream``
+        the DSpark tap: the mean over the copies of the stream after Engram [B,S,D], else ``None``).
 
         The context travels as positional tensors, and so do the Engram rows, so that reentrant gradient
         checkpointing, which tracks tensor arguments only, carries their gradients back (to the layer that made
@@ -144,6 +164,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         if self.engram is not None:
             hash_ids = None if engram_hash_ids is None else engram_hash_ids[:, :, self.engram.hash_index]
             x = self.engram(x, hash_ids, engram_mask, rows=engram_rows)
+        tap = x.mean(dim=2) if tap_stream else None
         ctx = CompressedContext(compress_kv, index_k, selection, candidates)
 
         residual = x
@@ -160,7 +181,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         ffn_pre, post, comb = self.hc.mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         out = self.ffn(self.ffn_norm(self.hc.collapse(x, attn_pre)), image_mask)
         x = self.hc.expand(out, residual, post, comb)
-        return x, ffn_pre, ctx.compress_kv, ctx.index_k, ctx.selection, ctx.candidates, probs, slots
+        return x, ffn_pre, ctx.compress_kv, ctx.index_k, ctx.selection, ctx.candidates, probs, slots, tap
 
 
 class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
@@ -170,7 +191,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
     main_input_name = "input_ids"
     input_modalities = ("image", "text")
     supports_gradient_checkpointing = True
-    _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
+    _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock", "DeepseekV41DSparkBlock"]
     # The Engram tables are not bound to their layer's device: our planned device maps may leave them off the map, in
     # host memory (placement.py), and accelerate's dispatch then must not require them on it. When transformers plans
     # the map itself (device_map="auto" with a quantization_config), a table that fits no fresh accelerator stays off.
@@ -181,8 +202,10 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
         "hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale", "attn_sink",
         "gate.bias",
     ]
-    # the released checkpoint also carries the DSpark draft head (mtp.*) and an unused image_pad vector
-    _keys_to_ignore_on_load_unexpected = [r"^mtp\.", r"^image_pad$"]
+    # the released checkpoint carries an unused image_pad vector, and the DSpark draft head (mtp.*), which a model
+    # without the head (or the bare backbone) ignores: see post_init. A reference state dict also lists the shared
+    # embed / head under every draft block (aliases, never stored by the release).
+    _keys_to_ignore_on_load_unexpected = [r"^image_pad$", r"^mtp\.\d+\.(embed|head)\.weight$"]
     # ... but no Engram token map: from_pretrained builds it from the tokenizer
     _keys_to_ignore_on_load_missing = [r"(^|\.)engram_hasher\.token_map$"]
     _supports_sdpa = False
@@ -204,6 +227,10 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
             extra += ["gate.bias_vl", "norm1", "norm2", "vision.norm"]
         if isinstance(getattr(self, "lm_head", None), nn.Module):
             extra.append("lm_head")
+        if getattr(self, "mtp", None) is not None:  # the draft head's fp32 heads (its hc_*, sinks, gate biases above)
+            extra += ["markov_head.head", "confidence_head.proj"]
+        else:
+            self._keys_to_ignore_on_load_unexpected = [*type(self)._keys_to_ignore_on_load_unexpected, r"^mtp\."]
         self._keep_in_fp32_modules_strict = [*type(self)._keep_in_fp32_modules_strict, *extra]
         super().post_init()
 
@@ -241,7 +268,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
                 init.zeros_(module.bias)
         elif isinstance(module, DeepseekV41RMSNorm) or type(module).__name__ == "DeepseekV41VisionRMSNorm":
             init.ones_(module.weight)
-        elif isinstance(module, DeepseekV41DecoderLayer):
+        elif isinstance(module, (DeepseekV41DecoderLayer, DeepseekV41DSparkBlock)):
             for kind in ("attn", "ffn"):
                 init.normal_(getattr(module, f"hc_{kind}_fn"), mean=0.0, std=std)
                 init.zeros_(getattr(module, f"hc_{kind}_base"))
@@ -454,6 +481,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return_dict: bool | None = None,
         cache: DeepseekV41Cache | None = None,
         use_cache: bool | None = None,
+        output_dspark_hidden_states: bool = False,
         **kwargs,
     ) -> DeepseekV41ModelOutputWithPast:
         """Full-sequence forward from position 0, or the next tokens of a cached sequence.
@@ -473,11 +501,13 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 ``attention_mask`` then covers the cached columns too.
             use_cache: return a cache (a new one unless ``cache`` is given). Defaults to ``config.use_cache`` in
                 eval mode and to False in training mode; always off under gradient checkpointing in training.
-            output_hidden_states / output_attentions / output_router_logits: see
+            output_hidden_states / output_attentions / output_router_logits / output_dspark_hidden_states: see
                 :class:`DeepseekV41ModelOutputWithPast`.
         """
         output_hidden_states = _flag(output_hidden_states, self.config, "output_hidden_states")
         output_attentions = _flag(output_attentions, self.config, "output_attentions")
+        if output_dspark_hidden_states and not self.text_config.has_dspark:
+            raise ValueError("output_dspark_hidden_states needs a config with the DSpark draft head (dspark_block_size > 0)")
         cache = self._resolve_cache(cache, use_cache)
         if not torch.compiler.is_compiling():  # the checks read values on the host
             past_length = 0 if cache is None else cache.get_seq_length()
@@ -485,7 +515,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if cache is not None and not cache.is_empty:
             return self._forward_cached(
                 input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
-                output_hidden_states, output_attentions, cache,
+                output_hidden_states, output_attentions, cache, output_dspark_hidden_states,
             )
 
         shift = left_padding_shift(attention_mask)
@@ -513,12 +543,14 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         rotations = {False: self.window_rotary(positions), True: self.compress_rotary(positions)}
         outputs = self._run_layers(
             stream, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions,
-            cache, step,
+            cache, step, output_dspark_hidden_states,
         )
         if cache is not None:
             cache.finish_step(step, seq_len)
         if shift is not None:  # queries back in the caller's layout (slots keep counting from the first real token)
             outputs.last_hidden_state = roll_rows(outputs.last_hidden_state, shift)
+            if outputs.dspark_hidden_states is not None:
+                outputs.dspark_hidden_states = roll_rows(outputs.dspark_hidden_states, shift)
             for name in ("hidden_states", "attention_slots"):
                 if getattr(outputs, name) is not None:
                     setattr(outputs, name, tuple(roll_rows(t, shift) for t in getattr(outputs, name)))
@@ -545,7 +577,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
     def _forward_cached(
         self, input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
-        output_hidden_states, output_attentions, cache: DeepseekV41Cache,
+        output_hidden_states, output_attentions, cache: DeepseekV41Cache, output_dspark_hidden_states=False,
     ) -> DeepseekV41ModelOutputWithPast:
         """The new tokens of every row, at each row's own next positions."""
         stream, embeds, image_outputs = self._stage_input(
@@ -570,7 +602,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         rotations = {False: self.window_rotary(step.positions), True: self.compress_rotary(step.positions)}
         outputs = self._run_layers(
             stream, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions,
-            cache, step,
+            cache, step, output_dspark_hidden_states,
         )
         cache.finish_step(step, seq_len)
         outputs.image_outputs = image_outputs
@@ -578,7 +610,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
     def _run_layers(
         self, stream, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions,
-        cache, step,
+        cache, step, output_dspark_hidden_states=False,
     ) -> DeepseekV41ModelOutputWithPast:
         text = self.text_config
         engram_rows = self.gather_engram_rows(hash_ids)
@@ -586,13 +618,17 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         collapse = DeepseekV41HyperConnection.collapse
         all_hidden = [embeds] if output_hidden_states else None  # = the copies collapsed onto copy 0
         all_attentions, all_slots = ([], []) if output_attentions else (None, None)
+        targets = set(text.dspark_target_layer_ids) if output_dspark_hidden_states else set()
+        taps = []
         for layer in self._stage_layers():
             rotation = rotations[text.compress_ratios[layer.layer_id] > 0]
-            hidden, pre_mix, *compressed, probs, slots = layer(
+            hidden, pre_mix, *compressed, probs, slots, tap = layer(
                 hidden, pre_mix, rotation, *compressed, engram_rows.get(layer.layer_id), image_mask=image_mask,
                 engram_hash_ids=hash_ids, engram_mask=engram_mask, cache=cache, step=step,
-                output_attentions=output_attentions,
+                output_attentions=output_attentions, tap_stream=layer.layer_id in targets,
             )
+            if tap is not None:
+                taps.append(tap)
             if output_hidden_states:
                 all_hidden.append(collapse(hidden, pre_mix))
             if output_attentions:
@@ -608,6 +644,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             hidden_states=None if all_hidden is None else tuple(all_hidden),
             attentions=None if all_attentions is None else tuple(all_attentions),
             attention_slots=None if all_slots is None else tuple(all_slots),
+            dspark_hidden_states=torch.cat(taps, dim=-1) if taps else None,
         )
 
 
@@ -632,6 +669,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         text = config.get_text_config()
         self.model = DeepseekV41Model(config)
         self.lm_head = DeepseekV41Fp32Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float32)
+        # the DSpark draft head, under the release's names `mtp.{k}` (see dspark.py); it shares `embed` and `lm_head`
+        self.mtp = DeepseekV41DSpark(config) if text.has_dspark else None
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -665,6 +704,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         cache: DeepseekV41Cache | None = None,
         use_cache: bool | None = None,
+        output_dspark_hidden_states: bool = False,
         **kwargs,
     ) -> DeepseekV41CausalLMOutputWithPast:
         """As :meth:`DeepseekV41Model.forward`, plus ``labels`` ([B, S], -100 ignored; shifted inside, as in every
@@ -682,7 +722,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             pixel_values=pixel_values, image_grid_hw=image_grid_hw, image_token_types=image_token_types,
             output_hidden_states=output_hidden_states, output_attentions=output_attentions,
             output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
-            cache=cache, use_cache=use_cache, return_dict=True,
+            cache=cache, use_cache=use_cache, output_dspark_hidden_states=output_dspark_hidden_states, return_dict=True,
         )
         hidden = outputs.last_hidden_state  # None on all pipeline stages but the last
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -698,6 +738,36 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, image_outputs=outputs.image_outputs,
             attention_slots=outputs.attention_slots, router_logits=outputs.router_logits,
+            dspark_hidden_states=outputs.dspark_hidden_states,
+        )
+
+    def dspark_loss(
+        self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **inputs
+    ) -> DeepseekV41DSparkLossOutput:
+        """The draft head's training loss on sequences [B, S] (any other inputs, e.g. images, go to the backbone),
+        from the backbone's own predictions: the backbone runs without gradient; ``y[:, j]`` = its argmax at j.
+        The draft from every position c (first token ``y[:, c]``, teacher-forced Markov tokens ``y[:, c + i]``) is
+        trained with cross-entropy towards ``y[:, c + i + 1]`` (``draft_loss``), and the confidence head with binary
+        cross-entropy towards whether each drafted argmax equals it (``confidence_loss``: would greedy
+        verification accept it)."""
+        if self.mtp is None:
+            raise ValueError("dspark_loss needs the DSpark draft head (dspark_block_size > 0)")
+        with torch.no_grad():
+            out = self(input_ids=input_ids, attention_mask=attention_mask, output_dspark_hidden_states=True,
+                       use_cache=False, **inputs)
+        predictions = out.logits.argmax(dim=-1)
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        logits, confidence, targets = self.mtp.teacher_forced(
+            out.dspark_hidden_states, predictions, valid, self.model.embed, self.lm_head
+        )
+        keep = targets != -100
+        logits, confidence, targets = logits[keep], confidence[keep], targets[keep]
+        accepted = (logits.argmax(dim=-1) == targets).float()
+        draft_loss = F.cross_entropy(logits, targets)
+        confidence_loss = F.binary_cross_entropy_with_logits(confidence, accepted)
+        return DeepseekV41DSparkLossOutput(
+            loss=draft_loss + confidence_loss, draft_loss=draft_loss, confidence_loss=confidence_loss,
+            accuracy=accepted.mean(),
         )
 
     # ---- generation -----------------------------------------------------------------------------------
@@ -707,7 +777,34 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                 f"{type(self).__name__} supports greedy search, sampling, beam search and assisted generation, not "
                 f"{generation_mode.value}"
             )
+        if generation_config.use_mtp:  # transformers would only warn and decode without the draft head
+            if generation_mode != GenerationMode.ASSISTED_GENERATION:
+                raise ValueError(
+                    "DSpark speculative decoding (use_mtp=True) works with greedy search and sampling, not "
+                    f"{generation_mode.value} (num_beams={generation_config.num_beams})"
+                )
+            if generation_mode_kwargs.get("assistant_model") is not None:
+                raise ValueError("use_mtp=True drafts with the model's own DSpark head: pass no assistant_model")
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
+    def _prepare_generation_config(self, generation_config, **kwargs):
+        """``dspark_confidence_threshold`` may be passed to ``generate`` like a generation-config field."""
+        threshold = kwargs.pop("dspark_confidence_threshold", None)
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
+        if threshold is not None:
+            generation_config.dspark_confidence_threshold = threshold
+        return generation_config, model_kwargs
+
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                           streamer=None, **model_kwargs):
+        """``use_mtp=True``: DSpark speculative decoding, any batch size (:func:`.generation.speculative.dspark_decoding`)."""
+        if generation_config.use_mtp:
+            model_kwargs = {k: v for k, v in model_kwargs.items() if k not in ("inputs_tensor", "assistant_model",
+                                                                              "assistant_tokenizer", "tokenizer")}
+            return dspark_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                   synced_gpus, streamer, **model_kwargs)
+        return super()._assisted_decoding(input_ids, logits_processor, stopping_criteria, generation_config,
+                                          synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

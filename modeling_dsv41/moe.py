@@ -20,17 +20,18 @@ class DeepseekV41Gate(nn.Module):
     gradient or an optimizer (see :mod:`~modeling_dsv41.training.router_balancing`).
     """
 
-    def __init__(self, config, use_vision_bias: bool):
+    def __init__(self, config, use_vision_bias: bool, num_experts: int | None = None, top_k: int | None = None):
         super().__init__()
-        self.top_k = config.num_experts_per_tok
+        num_experts = num_experts or config.n_routed_experts
+        self.top_k = top_k or config.num_experts_per_tok
         self.scoring_func = config.scoring_func
         self.gate_temp = config.gate_temp
         self.norm_topk_prob = config.norm_topk_prob
         self.route_scale = config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
-        self.register_buffer("bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size))
+        self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32))
         if use_vision_bias:
-            self.register_buffer("bias_vl", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+            self.register_buffer("bias_vl", torch.zeros(num_experts, dtype=torch.float32))
         else:
             self.bias_vl = None
 
@@ -99,9 +100,9 @@ class DeepseekV41Experts(nn.Module):
     (:meth:`_apply_gate`), scale after ``w2`` and return the model dtype, so they agree with eager to rounding.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, num_experts: int | None = None):
         super().__init__()
-        self.num_experts = config.n_routed_experts
+        self.num_experts = num_experts or config.n_routed_experts
         self.hidden_dim = config.hidden_size
         self.intermediate_dim = config.moe_intermediate_size
         self.swiglu_limit = config.swiglu_limit
@@ -186,13 +187,14 @@ def routed_experts_forward(
     return out
 
 class DeepseekV41MoE(nn.Module):
-    """Routed ``experts`` (:class:`DeepseekV41Experts`) plus ``shared_experts``."""
+    """Routed ``experts`` (:class:`DeepseekV41Experts`) plus ``shared_experts``. ``num_experts`` / ``top_k`` default
+    to the config's (the DSpark draft blocks have their own)."""
 
-    def __init__(self, config, use_vision_bias: bool):
+    def __init__(self, config, use_vision_bias: bool, num_experts: int | None = None, top_k: int | None = None):
         super().__init__()
-        self.n_routed_experts = config.n_routed_experts
-        self.gate = DeepseekV41Gate(config, use_vision_bias)
-        self.experts = DeepseekV41Experts(config)
+        self.n_routed_experts = num_experts or config.n_routed_experts
+        self.gate = DeepseekV41Gate(config, use_vision_bias, self.n_routed_experts, top_k)
+        self.experts = DeepseekV41Experts(config, self.n_routed_experts)
         self.shared_experts = DeepseekV41Expert(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
         self.last_expert_indices: torch.Tensor | None = None  # [B, S, k], read by the bias-balancing rule
 

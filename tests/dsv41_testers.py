@@ -20,12 +20,11 @@ import tempfile
 import types
 from pathlib import Path
 
-import pytest
 import torch
 import transformers
 
 from configuration import DeepseekV41Config
-from modeling_dsv41.cache import DeepseekV41StaticCache
+from modeling_dsv41.generation.cache import DeepseekV41StaticCache
 
 IMAGE_TOKEN_ID = 250  # inside the testers' vocabulary (256), above the ids the text inputs draw from
 TEXT_TYPE = -1  # image_token_types of a text position

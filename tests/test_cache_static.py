@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from modeling_dsv41.cache import DeepseekV41Cache, DeepseekV41StaticCache
+from modeling_dsv41.generation.cache import DeepseekV41Cache, DeepseekV41StaticCache
 from modeling_dsv41.moe import DeepseekV41Experts, routed_experts_forward
 
 from test_generation import TOL, image_prompt, random_prompt, tiny_model

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.cache import DeepseekV41Cache
+from modeling_dsv41.generation.cache import DeepseekV41Cache
 
 NEW_TOKENS = 40
 # fp32 rounding of GEMMs of other shapes (one token vs the whole prefix), compounded over 6 layers, stays ~1e-6

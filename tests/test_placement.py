@@ -271,7 +271,7 @@ def test_bf16_weights_do_not_fit_8x141GiB(released):
 
 
 def test_cache_bytes_per_token_match_a_real_cache(tiny_model):
-    from modeling_dsv41.cache import DeepseekV41Cache
+    from modeling_dsv41.generation.cache import DeepseekV41Cache
 
     config = tiny_model.config
 

@@ -1,7 +1,6 @@
 """DeepSeek-V4.1 processor: placeholder expansion, token types, batching, chat template, saving, auto classes."""
 
 import base64
-import io
 
 import numpy as np
 import pytest

@@ -7,7 +7,7 @@ import torch
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.cache import DeepseekV41Cache
+from modeling_dsv41.generation.cache import DeepseekV41Cache
 
 SEQ = 24
 VIT_GRID = (6, 6)  # a 2×2 token grid: span = start + 2 × (2 + newline) + end = 8 positions

@@ -544,8 +544,9 @@ class DeepseekV41CheckpointLoadingMixin:
         skipped = sorted(key for key in loading_info.unexpected_keys if ignored.search(key))
         if skipped:
             logger.warning(
-                f"Ignoring {len(skipped)} checkpoint weights of parts this model does not implement (the DSpark draft "
-                f"head `mtp.*`, `image_pad`), e.g. {skipped[0]}"
+                f"Ignoring {len(skipped)} checkpoint weights this model does not load (`image_pad`; the DSpark draft "
+                f"head `mtp.*` when the config has none; draft blocks' copies of the shared embed / head), e.g. "
+                f"{skipped[0]}"
             )
         super()._adjust_missing_and_unexpected_keys(loading_info)
 
@@ -556,9 +557,10 @@ class DeepseekV41CheckpointLoadingMixin:
 
 # which of our tensors the release stores quantized (the reference's `Linear` default dtype, fixtures README §7)
 _RELEASED_FP8_BLOCK = re.compile(
-    r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$"
+    r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv|main_proj)"
+    r"\.weight$"
 )
-_RELEASED_FP4_ROWS = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+_RELEASED_FP4_ROWS = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 _RELEASED_FP8_ROWS = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
 _E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

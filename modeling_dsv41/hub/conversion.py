@@ -28,8 +28,11 @@ from configuration import DeepseekV41Config
 
 from .checkpoint_loading import dequantize_released_weight, released_storage_conversions
 
-# what the released checkpoint holds that our model does not load: the DSpark draft head and an unused vector
-IGNORED_KEYS = re.compile(r"^(mtp\.|image_pad$)")
+# what the released checkpoint holds that our model does not load: an unused vector, and copies of the shared embed /
+# head under the DSpark blocks (a reference state dict lists them; the release does not)
+IGNORED_KEYS = re.compile(r"^(image_pad$|mtp\.\d+\.(embed|head)\.weight$)")
+# ... and the DSpark draft head itself when the config has none
+IGNORED_KEYS_WITHOUT_DSPARK = re.compile(rf"{IGNORED_KEYS.pattern}|^mtp\.")
 # files copied next to the converted weights (tokenizer, chat template, generation defaults, licence)
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                 "chat_template.jinja", "LICENSE")
@@ -86,12 +89,12 @@ class _ReleasedCheckpoint:
         scale = name[: -len(_WEIGHT)] + _SCALE
         return scale if scale in self.files else None
 
-    def output_names(self) -> list[str]:
-        """Released tensors to convert, in file order: scales are folded into their weights, ignored keys dropped."""
+    def output_names(self, ignored: re.Pattern = IGNORED_KEYS) -> list[str]:
+        """Released tensors to convert, in file order: scales are folded into their weights, ``ignored`` keys dropped."""
         folded = {name for name in self.files if name.endswith(_SCALE) and name[: -len(_SCALE)] + _WEIGHT in self.files}
         return [
             name for name in sorted(self.files, key=lambda n: (str(self.files[n]), n))
-            if name not in folded and not IGNORED_KEYS.match(name)
+            if name not in folded and not ignored.match(name)
         ]
 
     def outputs(self, names: list[str]) -> dict[str, list[str]]:
@@ -192,8 +195,8 @@ def convert_released_checkpoint(
 ) -> dict[str, int]:
     """Dequantize ``source`` (released format) into ``destination`` (a new or empty folder).
 
-    Quantized weights become ``dtype``; tensors stored unquantized are copied as they are; the DSpark head
-    (``mtp.*``) is dropped. Writes ``config.json`` (our layout), safetensors shards with an index, and the
+    Quantized weights become ``dtype``; tensors stored unquantized are copied as they are; the DSpark draft head
+    (``mtp.*``) is kept when the config has it (``dspark_*`` keys), dropped otherwise. Writes ``config.json`` (our layout), safetensors shards with an index, and the
     tokenizer files found in ``source``. Returns ``{"tensors": n, "bytes": total}``.
     """
     source, destination = Path(source), Path(destination)
@@ -205,7 +208,9 @@ def convert_released_checkpoint(
     config = DeepseekV41Config.from_dict(json.loads((source / "config.json").read_text()))
     config.released_storage = None  # the weights are no longer stored quantized
     with _ReleasedCheckpoint(source) as checkpoint:
-        names = checkpoint.output_names()
+        names = checkpoint.output_names(
+            IGNORED_KEYS if config.text_config.has_dspark else IGNORED_KEYS_WITHOUT_DSPARK
+        )
         _check_destination(destination, checkpoint.output_bytes(names, dtype))
         total_bytes, parts = _write_shards(checkpoint, names, destination, dtype, max_shard_bytes, progress)
 
@@ -224,4 +229,4 @@ def convert_released_checkpoint(
     return {"tensors": sum(len(tensor_names) for _, tensor_names in parts), "bytes": total_bytes}
 
 
-__all__ = ["COPIED_FILES", "IGNORED_KEYS", "convert_released_checkpoint"]
+__all__ = ["COPIED_FILES", "IGNORED_KEYS", "IGNORED_KEYS_WITHOUT_DSPARK", "convert_released_checkpoint"]

@@ -75,6 +75,10 @@ def modules_kept_in_high_precision(model: nn.Module) -> list[str]:
             pattern = r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
             if pattern not in patterns:
                 patterns.append(pattern)
+    if getattr(model, "mtp", None) is not None:
+        # the DSpark draft head loads dequantized: transformers builds FP8Experts from the config's expert count,
+        # the backbone's, and the draft blocks have their own
+        patterns.append("mtp")
     return patterns
 
 

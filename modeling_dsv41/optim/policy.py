@@ -6,7 +6,7 @@
 - Head-wise Muon: the query up-projection ``attn.wq_b`` (one block per attention head), the ViT's fused
   ``attn.wqkv`` (q and k per head, v whole) and the routed experts' fused ``gate_up_proj`` (each expert's ``w1``
   and ``w3`` orthogonalized apart, as when they were separate matrices).
-- Sinkhorn-balanced: Engram tables, ``embed``, ``lm_head``.
+- Sinkhorn-balanced: Engram tables, ``embed``, ``lm_head``, the DSpark head's Markov ``embed``/``head``.
 - AdamW: norms, biases, ``attn_sink``, ``hc_*_base``/``hc_*_scale``, Engram ``q_weight``/``k_weight``, the
   image delimiter vectors, any other 0-/1-D parameter, and LoRA factors.
 - Frozen by default (left out of the optimizer): the indexer (its discrete top-k passes no gradient). The MoE
@@ -37,6 +37,11 @@ DEFAULT_RULES: tuple[tuple[str, str], ...] = (
     (r"(^|\.)attn\.indexer\.", FROZEN),
     (r"(^|\.)engram\.embed\.weight$", "sinkhorn"),
     (r"(^|\.)(embed|lm_head)\.weight$", "sinkhorn"),
+    # the DSpark draft head (mtp.*): its Markov bias is a token embedding and an output head; its blocks are matched
+    # by the backbone's rules below (same module names)
+    (r"(^|\.)markov_head\.(embed|head)\.weight$", "sinkhorn"),
+    (r"(^|\.)confidence_head\.proj\.weight$", "adamw"),  # [1, D + rank]: one output, a vector
+    (r"(^|\.)main_proj\.weight$", "muon"),
     (r"(^|\.)attn\.wq_b\.weight$", "muon_headwise"),
     (r"(^|\.)vision\.blocks\.\d+\.attn\.wqkv\.weight$", "muon_headwise"),
     (r"(^|\.)ffn\.experts\.gate_up_proj$", "muon_headwise"),

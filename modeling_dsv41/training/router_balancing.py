@@ -15,6 +15,7 @@ token with ``bias``, so every token counts toward it.
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 import torch.distributed as dist
@@ -91,7 +92,11 @@ class RouterBiasBalancer:
                 "not saved with an adapter: the adapter would not reload as the model it trained. Train adapters "
                 "without balancing (DeepseekV41Trainer leaves the biases as loaded)"
             )
-        self.moes = [module for module in model.modules() if isinstance(module, DeepseekV41MoE)]
+        # the backbone's routers (the DSpark draft blocks' have their own expert count and are not balanced here)
+        self.moes = [
+            module for name, module in model.named_modules()
+            if isinstance(module, DeepseekV41MoE) and not re.search(r"(^|\.)mtp\.", name)
+        ]
         backbones = [module for module in model.modules() if isinstance(module, DeepseekV41Model)]
         if not self.moes or not backbones:
             raise ValueError("the model has no DeepseekV41MoE layer: nothing to balance")

@@ -32,6 +32,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,6 +123,13 @@ class DeepseekV41TrainingArguments(TrainingArguments):
     freeze_default_parameters: bool = field(
         default=True,
         metadata={"help": "Freeze the indexer (SPEC §6; DDP needs it)."},
+    )
+    train_dspark_head: bool = field(
+        default=False,
+        metadata={
+            "help": "Train only the DSpark draft head (mtp.*) on the frozen backbone's own predictions "
+            "(DeepseekV41ForCausalLM.dspark_loss); router balancing is off (the backbone is frozen)."
+        },
     )
     logging_nan_inf_filter: bool = field(
         default=False,
@@ -216,6 +224,8 @@ class DeepseekV41Trainer(Trainer):
             check_trainable(model)  # a natively loaded (FP8/FP4) model: our refusal, before any freezing
         if args.freeze_default_parameters and model is not None:
             _freeze_default_parameters(model)
+        if args.train_dspark_head:
+            _freeze_all_but_the_draft_head(model)
         super().__init__(model=model, args=args, **kwargs)
         logger.setLevel(self.args.get_process_log_level())
         self.assignment_table = None
@@ -226,7 +236,7 @@ class DeepseekV41Trainer(Trainer):
                 "Training adapters: the router biases are part of the frozen base and stay as loaded (no balancing), "
                 "so the saved adapter reloads as the model it trained (bias_update_speed=0 silences this)"
             )
-        elif args.bias_update_speed > 0:
+        elif args.bias_update_speed > 0 and not args.train_dspark_head:
             self.router_balancing = RouterBiasBalancingCallback(args.bias_update_speed)
             self.add_callback(self.router_balancing)
 
@@ -305,6 +315,21 @@ class DeepseekV41Trainer(Trainer):
             offload_policy=plugin.cpu_offload,
         )
 
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        """``Trainer.compute_loss``; with ``train_dspark_head``, the draft head's loss (``labels`` are not used: the
+        targets are the backbone's own predictions)."""
+        if not self.args.train_dspark_head:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        inputs = {key: value for key, value in inputs.items() if key != "labels"}
+        output = self.accelerator.unwrap_model(model).dspark_loss(**inputs)
+        return (output.loss, output) if return_outputs else output.loss
+
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint (see
         :func:`last_complete_checkpoint`), and an incomplete one given by path is a clear error."""
@@ -362,3 +387,11 @@ __all__ = [
     "is_complete_checkpoint",
     "last_complete_checkpoint",
 ]
+
+
+def _freeze_all_but_the_draft_head(model: nn.Module | None) -> None:
+    """``requires_grad=False`` on everything outside ``mtp.*`` (the shared embed and LM head included)."""
+    if model is None or getattr(model, "mtp", None) is None:
+        raise ValueError("train_dspark_head needs a DeepseekV41ForCausalLM with the DSpark draft head (dspark_block_size > 0)")
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("mtp."))

@@ -20,6 +20,7 @@ from ..placement import ParallelPlan, meta_instance
 
 # component name → pattern searched in the parameter name; the first match wins
 COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("DSpark draft head", r"^(model\.)?mtp\."),
     ("token embedding", r"^(model\.)?embed\."),
     ("LM head", r"^lm_head\."),
     ("norms", r"(^|\.)(attn_norm|ffn_norm|norm)\.weight$"),

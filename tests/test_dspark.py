@@ -63,6 +63,8 @@ def run_protocol(model: DeepseekV41ForCausalLM, ids: torch.Tensor) -> dict[str, 
     cache, rings = DeepseekV41Cache(model.config), DeepseekV41DSparkCache(len(model.mtp), 16)
     with torch.no_grad():
         out = model(ids[:, :P], cache=cache, output_dspark_hidden_states=True)
+        keep("prefill_logits", out.logits[:, -1])
+        keep("prefill_output_ids", out.logits[:, -1].argmax(-1))
         keep("prefill_main_hidden", out.dspark_hidden_states)
         keep("prefill.main_x", model.mtp.main_x(out.dspark_hidden_states))
         model.mtp.write_ring(rings, out.dspark_hidden_states, torch.arange(P).expand(ids.shape[0], -1))
@@ -70,6 +72,8 @@ def run_protocol(model: DeepseekV41ForCausalLM, ids: torch.Tensor) -> dict[str, 
             keep(f"prefill.window_kv.mtp.{k}", ring)
         for t in range(P, S):
             out = model(ids[:, t : t + 1], cache=cache, output_dspark_hidden_states=True)
+            keep("logits", out.logits[:, -1])
+            keep("output_ids", out.logits[:, -1].argmax(-1))
             keep("main_hidden", out.dspark_hidden_states)
             position = torch.full((ids.shape[0],), t)
             model.mtp.write_ring(rings, out.dspark_hidden_states, position.unsqueeze(1))
@@ -149,6 +153,41 @@ def test_markov_bias_given_the_stored_ids_is_exact(protocol):
     torch.testing.assert_close(head_logits + bias, expected["draft_logits"], rtol=0, atol=1e-5)
     torch.testing.assert_close(embed, expected["markov_embed"], rtol=0, atol=0)
     torch.testing.assert_close(confidence, expected["confidence"], rtol=0, atol=1e-5)
+
+
+# Goldens made by DeepSeek's reference code on the fixture weights with this protocol inside
+# ``modeling_dsv41.numerics.reference_numerics()`` (tests/data/make_goldens.py, tests/data/README.md). In the mode every
+# product, reduction and transcendental is accumulated in fp64 and rounded once on both sides, so every step's
+# outputs, the drafts included, are compared bit for bit (the budgets above are only for the native-GEMM fixture).
+def reference_goldens(mode: str) -> dict[str, torch.Tensor]:
+    return load_file(Path(__file__).parent / f"data/reference_dspark_{mode}.safetensors")
+
+
+def test_every_step_equals_the_reference_in_reference_numerics_bit_for_bit(protocol):
+    mode, _, got, _ = protocol
+    golden = reference_goldens(mode)
+    for name in ("prefill_logits", "prefill_output_ids", "prefill_main_hidden"):
+        assert torch.equal(got[name][0], golden[name]), name
+    for name in ("logits", "output_ids", "main_hidden", "draft_output_ids", "draft_logits", "confidence"):
+        for s in range(S - P):
+            ours, expected = got[name][s], golden[name][s]
+            assert ours.dtype == expected.dtype and torch.equal(ours, expected), (
+                name, s, (ours.float() - expected.float()).abs().max().item()
+            )
+
+
+@pytest.mark.parametrize("mode", ["qdq", "noqdq"])
+def test_the_full_pass_equals_the_reference_in_reference_numerics_bit_for_bit(dspark_checkpoint, fixtures_dir, mode):
+    model = load(dspark_checkpoint, mode)
+    golden = reference_goldens(mode)
+    ids = load_file(fixtures_dir / "v41_tiny_dspark/inputs.safetensors")["input_ids"]
+    with torch.no_grad():
+        out = model(ids, output_dspark_hidden_states=True)
+    for ours, name in ((out.logits, "full_logits"), (out.logits[:, -1], "full_last_logits"),
+                       (out.dspark_hidden_states, "full_main_hidden")):
+        assert ours.dtype == golden[name].dtype and torch.equal(ours, golden[name]), (
+            name, (ours.float() - golden[name].float()).abs().max().item()
+        )
 
 
 def test_seeding_from_a_prompt_longer_than_the_window_wraps_the_ring(dspark_checkpoint, fixtures_dir):

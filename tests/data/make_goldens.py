@@ -2,7 +2,9 @@
 
 The reference is DeepSeek-V4.1-Flash's ``inference/`` code in the CPU port vendored by ``tenstorrent/tt-metal``
 (``models/demos/deepseek_v3_d_p/reference/deepseek_v41/``). It is not part of this repository: fetch it into a
-folder of its own and pass that folder (see README.md next to this file). Its sources must be the versions the
+folder of its own and pass that folder (see README.md next to this file). Two sets of goldens: logits (and a few
+captures) of the ``v41_tiny_vl`` fixture weights on three prompts, and the ``v41_tiny_dspark`` fixture's protocol
+(prefill, ring seeding, teacher-forced decode steps each with a draft call, full pass). Its sources must be the versions the
 fixtures were made with: their sha256 are checked against ``../shared/fixtures/v41_tiny_vl/meta.json``.
 
 The reference runs unmodified on the fixture weights inside ``modeling_dsv41.numerics.reference_numerics()`` of
@@ -235,7 +237,7 @@ def _image_start(token_types: torch.Tensor) -> int:
     return int((token_types[0] >= 0).nonzero()[0])
 
 
-def dspark_outputs(ref: ModuleType, mode: str) -> dict[str, torch.Tensor]:
+def dspark_outputs(ref: ModuleType, mode: str, native: bool = False) -> dict[str, torch.Tensor]:
     """The DSpark fixture's README §2 protocol: prefill, ``forward_spec(out, mh, 0)`` seeding the rings, then one
     teacher-forced token and one draft call per step; then the full pass on a fresh model, its head applied to
     every position. Returns the keys of the fixture's ``expected_{mode}.safetensors``."""
@@ -244,7 +246,7 @@ def dspark_outputs(ref: ModuleType, mode: str) -> dict[str, torch.Tensor]:
     ids, prompt_len = inputs["input_ids"], int(inputs["prompt_len"])
     steps: dict[str, list[torch.Tensor]] = {}
     model = build_model(ref, config, DSPARK_FIXTURE, ids.shape[1])
-    with quantization(ref, mode), reference_numerics(), ref.set_dtype(torch.bfloat16), torch.inference_mode():
+    with quantization(ref, mode), numerics(native), ref.set_dtype(torch.bfloat16), torch.inference_mode():
         out, logits, main_hidden = model(ids[:, :prompt_len], 0)
         tensors = {"prefill_logits": logits, "prefill_output_ids": out, "prefill_main_hidden": main_hidden}
         assert model.forward_spec(out, main_hidden, 0) is None
@@ -258,7 +260,7 @@ def dspark_outputs(ref: ModuleType, mode: str) -> dict[str, torch.Tensor]:
     tensors |= {key: torch.stack(values) for key, values in steps.items()}
     model, captured = build_model(ref, config, DSPARK_FIXTURE, ids.shape[1]), {}
     model.norm.register_forward_hook(lambda module, args, normed: captured.__setitem__("normed", normed))
-    with quantization(ref, mode), reference_numerics(), ref.set_dtype(torch.bfloat16), torch.inference_mode():
+    with quantization(ref, mode), numerics(native), ref.set_dtype(torch.bfloat16), torch.inference_mode():
         _, last, main_hidden = model(ids, 0)
         full_logits = model.head(captured["normed"], full_logits=True)
     tensors |= {"full_logits": full_logits, "full_last_logits": last, "full_main_hidden": main_hidden}
@@ -318,7 +320,8 @@ def make_goldens(ref: ModuleType, check: bool) -> bool:
 
 
 def compare_with_shipped_fixtures(ref: ModuleType) -> bool:
-    """The fixture prompt with native products vs the shipped ``expected_{qdq,noqdq}`` logits."""
+    """The fixture prompt with native products vs the shipped ``expected_{qdq,noqdq}`` logits, and the DSpark
+    protocol's outputs vs the DSpark fixture's."""
     prompt, ok = prompts()["fixture"], True
     for variant in VARIANTS:
         for mode in ("noqdq", "qdq"):
@@ -326,6 +329,10 @@ def compare_with_shipped_fixtures(ref: ModuleType) -> bool:
             logits = reference_logits(ref, model, prompt, mode, native=True)
             shipped = load_file(FIXTURE / variant / f"expected_{mode}.safetensors")["logits"]
             ok &= same_bits(f"{variant}/expected_{mode} logits", logits, shipped)
+    for mode in ("noqdq", "qdq"):
+        shipped = load_file(DSPARK_FIXTURE / f"expected_{mode}.safetensors")
+        for key, value in sorted(dspark_outputs(ref, mode, native=True).items()):
+            ok &= same_bits(f"v41_tiny_dspark/expected_{mode} {key}", value, shipped[key])
     return ok
 
 

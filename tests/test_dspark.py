@@ -1,11 +1,15 @@
 """The DSpark draft head (``mtp.*``) against DeepSeek's ``forward_spec`` on ``fixtures/v41_tiny_dspark`` (its README
 §2 protocol: prefill seeds the rings, then teacher-forced single-token steps each followed by one draft call).
 
-The model runs in reference numerics, so every figure here is the same on every CPU. The fixture was made with
-native bf16 GEMMs (AVX-512-BF16), which round a few outputs lying within an fp32 error of a bf16 midpoint the other
-way than the correctly rounded product of reference numerics: in QDQ mode the block's FP8 steps and the mHC/MoE stack
-amplify those ulps to a measured 0.028 on ``draft_logits`` and 0.060 on ``confidence`` (two of the eight steps;
-the others agree to 2.4e-7). Those are the budgets below; without QDQ everything agrees to fp32 rounding.
+The model runs in reference numerics, so every figure here is the same on every CPU. Against DeepSeek's reference run
+with the same protocol in the same mode (``tests/data/reference_dspark_*``) every step is compared bit for bit.
+The fixture itself was made with native bf16 GEMMs and fp32 accumulation; the mode accumulates in fp64 and rounds
+once, so a few bf16 outputs round the other way. Ours equals the reference in the mode bit for bit, so the budgets
+against the fixture below are the reference's own mode-vs-native differences, measured: taps, ``main_x`` and the
+backbone stream within 0.8% of each tensor's largest magnitude, the FP8 rings (QDQ) within one FP8 step (3.6%), and
+the drafts' inputs carry that through the block and the MoE. Two decisions lie within that noise: with QDQ one of
+64 DSpark routing decisions (step 7, last block) and without QDQ one drafted argmax (step 2, a top1-top2 gap of
+3.2e-3) go the other way than in the fixture, exactly as the reference does in the mode.
 """
 
 from __future__ import annotations
@@ -27,7 +31,17 @@ from modeling_dsv41.hub.conversion import convert_released_checkpoint
 from reference_fixture import stub_tokenizer
 
 P, S = 9, 17
-BUDGET = {"qdq": {"logits": 0.05, "confidence": 0.1}, "noqdq": {"logits": 1e-5, "confidence": 1e-5}}
+# vs the native fixture at the steps whose drafts agree (measured: qdq 0.082 / 0.164, noqdq 0.062 / 0.145)
+BUDGET = {"logits": 0.1, "confidence": 0.2}
+# the fixture steps that go the other way in reference numerics (module docstring): a DSpark routing flip (qdq),
+# a drafted argmax flip (noqdq)
+FLIPPED_STEP = {"qdq": 7, "noqdq": 2}
+
+
+def share(ours: torch.Tensor, expected: torch.Tensor) -> float:
+    """max|Δ| as a share of the expected tensor's largest magnitude."""
+    expected = expected.float()
+    return ((ours.float().view(expected.shape) - expected).abs().max() / expected.abs().max()).item()
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +77,8 @@ def run_protocol(model: DeepseekV41ForCausalLM, ids: torch.Tensor) -> dict[str, 
     cache, rings = DeepseekV41Cache(model.config), DeepseekV41DSparkCache(len(model.mtp), 16)
     with torch.no_grad():
         out = model(ids[:, :P], cache=cache, output_dspark_hidden_states=True)
+        keep("prefill_logits", out.logits[:, -1])
+        keep("prefill_output_ids", out.logits[:, -1].argmax(-1))
         keep("prefill_main_hidden", out.dspark_hidden_states)
         keep("prefill.main_x", model.mtp.main_x(out.dspark_hidden_states))
         model.mtp.write_ring(rings, out.dspark_hidden_states, torch.arange(P).expand(ids.shape[0], -1))
@@ -70,6 +86,8 @@ def run_protocol(model: DeepseekV41ForCausalLM, ids: torch.Tensor) -> dict[str, 
             keep(f"prefill.window_kv.mtp.{k}", ring)
         for t in range(P, S):
             out = model(ids[:, t : t + 1], cache=cache, output_dspark_hidden_states=True)
+            keep("logits", out.logits[:, -1])
+            keep("output_ids", out.logits[:, -1].argmax(-1))
             keep("main_hidden", out.dspark_hidden_states)
             position = torch.full((ids.shape[0],), t)
             model.mtp.write_ring(rings, out.dspark_hidden_states, position.unsqueeze(1))
@@ -107,34 +125,38 @@ def test_the_release_names_load_into_mtp(dspark_checkpoint):
 
 
 def test_token_independent_pieces_match(protocol):
-    """README §12 checks 1-3: main_hidden, main_x and the rings exactly; the block's attention and stream within
-    bf16 budget (they do not depend on drafted tokens); every DSpark routing decision exactly."""
+    """README §12 checks 1-3 against the native fixture: main_hidden, main_x and the rings within the mode's rounding
+    noise (module docstring); the block's attention and stream within it where no routing flips; every DSpark
+    routing decision but the one the reference also flips in the mode."""
     mode, _, got, expected = protocol
-    for name in ("prefill_main_hidden", "prefill.main_x", "prefill.window_kv.mtp.0", "prefill.window_kv.mtp.1"):
-        torch.testing.assert_close(got[name][0], expected[name], rtol=0, atol=0, msg=name)
-    for name in ("main_hidden", "window_kv.mtp.0", "window_kv.mtp.1"):
-        torch.testing.assert_close(torch.stack(got[name]), expected[name], rtol=0, atol=0, msg=name)
+    ring = 0.05 if mode == "qdq" else 0.01  # one FP8 step is 1/8 of a binade (measured 0.036); bf16 0.0062
+    for name, budget in (("prefill_main_hidden", 0.01), ("prefill.main_x", 0.01), ("prefill.window_kv.mtp.0", ring),
+                         ("prefill.window_kv.mtp.1", ring)):
+        assert share(got[name][0], expected[name]) <= budget, name
+    for name, budget in (("main_hidden", 0.01), ("window_kv.mtp.0", ring), ("window_kv.mtp.1", ring)):
+        assert share(torch.stack(got[name]), expected[name]) <= budget, name
+    flips = set()
     for name in ("mtp.0.gate_indices", "mtp.1.gate_indices"):
-        torch.testing.assert_close(torch.stack(got[name]).view(expected[name].shape), expected[name], rtol=0, atol=0)
-    # the first block's attention sees only token-independent inputs: agreement to one bf16 ulp at most
-    attn = torch.stack(got["mtp.0.attn_out"]).float()
-    assert (attn - expected["mtp.0.attn_out"].float()).abs().max() <= 2e-3
-    # later streams carry the flipped ulps through the MoE and mHC: a few elements move by up to 0.8% of the
-    # tensor's largest magnitude (QDQ, measured 0.92%); without QDQ they agree to fp32 rounding
-    share = 0.015 if mode == "qdq" else 1e-5
-    for name in ("mtp.0.x_out", "mtp.1.x_out", "draft_hidden"):
-        ours = torch.stack(got[name]).float()
-        ref = expected[name].float().view(ours.shape)
-        assert (ours - ref).abs().max() <= share * ref.abs().max(), name
+        differs = torch.stack(got[name]).view(expected[name].shape) != expected[name]
+        flips |= {int(s) for s in differs.nonzero()[:, 0]}
+        assert differs.sum() <= (mode == "qdq"), name
+    assert flips <= {FLIPPED_STEP[mode]}
+    # before the flip (qdq) or up to the draft ids (noqdq, whose block inputs never see a drafted id): measured
+    # attn_out 0.0083 / 0.0054, x_out 0.011 / 0.015, draft_hidden 0.0059 / 0.013 of the largest magnitude
+    steps = slice(0, FLIPPED_STEP[mode]) if mode == "qdq" else slice(None)
+    for name, budget in (("mtp.0.attn_out", 0.01), ("mtp.0.x_out", 0.02), ("mtp.1.x_out", 0.02),
+                         ("draft_hidden", 0.02)):
+        assert share(torch.stack(got[name])[steps], expected[name][steps]) <= budget, name
 
 
 def test_draft_logits_ids_and_confidence_match_step_by_step(protocol):
     mode, _, got, expected = protocol
-    budget = BUDGET[mode]
     for s in range(S - P):
+        if s == FLIPPED_STEP[mode]:  # drafts as the reference's in the mode: the bit-for-bit test below
+            continue
         torch.testing.assert_close(got["draft_output_ids"][s], expected["draft_output_ids"][s], rtol=0, atol=0)
-        assert (got["draft_logits"][s] - expected["draft_logits"][s]).abs().max() <= budget["logits"], s
-        assert (got["confidence"][s] - expected["confidence"][s]).abs().max() <= budget["confidence"], s
+        assert (got["draft_logits"][s] - expected["draft_logits"][s]).abs().max() <= BUDGET["logits"], s
+        assert (got["confidence"][s] - expected["confidence"][s]).abs().max() <= BUDGET["confidence"], s
 
 
 def test_markov_bias_given_the_stored_ids_is_exact(protocol):
@@ -151,6 +173,41 @@ def test_markov_bias_given_the_stored_ids_is_exact(protocol):
     torch.testing.assert_close(confidence, expected["confidence"], rtol=0, atol=1e-5)
 
 
+# Goldens made by DeepSeek's reference code on the fixture weights with this protocol inside
+# ``modeling_dsv41.numerics.reference_numerics()`` (tests/data/make_goldens.py, tests/data/README.md). In the mode every
+# product, reduction and transcendental is accumulated in fp64 and rounded once on both sides, so every step's
+# outputs, the drafts included, are compared bit for bit (the budgets above are only for the native-GEMM fixture).
+def reference_goldens(mode: str) -> dict[str, torch.Tensor]:
+    return load_file(Path(__file__).parent / f"data/reference_dspark_{mode}.safetensors")
+
+
+def test_every_step_equals_the_reference_in_reference_numerics_bit_for_bit(protocol):
+    mode, _, got, _ = protocol
+    golden = reference_goldens(mode)
+    for name in ("prefill_logits", "prefill_output_ids", "prefill_main_hidden"):
+        assert torch.equal(got[name][0], golden[name]), name
+    for name in ("logits", "output_ids", "main_hidden", "draft_output_ids", "draft_logits", "confidence"):
+        for s in range(S - P):
+            ours, expected = got[name][s], golden[name][s]
+            assert ours.dtype == expected.dtype and torch.equal(ours, expected), (
+                name, s, (ours.float() - expected.float()).abs().max().item()
+            )
+
+
+@pytest.mark.parametrize("mode", ["qdq", "noqdq"])
+def test_the_full_pass_equals_the_reference_in_reference_numerics_bit_for_bit(dspark_checkpoint, fixtures_dir, mode):
+    model = load(dspark_checkpoint, mode)
+    golden = reference_goldens(mode)
+    ids = load_file(fixtures_dir / "v41_tiny_dspark/inputs.safetensors")["input_ids"]
+    with torch.no_grad():
+        out = model(ids, output_dspark_hidden_states=True)
+    for ours, name in ((out.logits, "full_logits"), (out.logits[:, -1], "full_last_logits"),
+                       (out.dspark_hidden_states, "full_main_hidden")):
+        assert ours.dtype == golden[name].dtype and torch.equal(ours, golden[name]), (
+            name, (ours.float() - golden[name].float()).abs().max().item()
+        )
+
+
 def test_seeding_from_a_prompt_longer_than_the_window_wraps_the_ring(dspark_checkpoint, fixtures_dir):
     """The full 17-token prefill writes only the last 16 positions, position p in slot p % 16, and gives the rings
     the step-by-step protocol ends with."""
@@ -162,10 +219,10 @@ def test_seeding_from_a_prompt_longer_than_the_window_wraps_the_ring(dspark_chec
     with torch.no_grad():
         out = model(ids, output_dspark_hidden_states=True)
         model.mtp.write_ring(rings, out.dspark_hidden_states, torch.arange(S).expand(2, -1))
-    # a 17-token full pass rounds 3 of 6528 tap values one bf16 ulp the other way (the native-GEMM note above)
-    torch.testing.assert_close(out.dspark_hidden_states, expected["full_main_hidden"], rtol=8e-3, atol=1e-3)
-    for k in range(2):  # slot p % 16 holds position p: a misplaced slot would be off by far more than an ulp
-        torch.testing.assert_close(rings.rings[k], expected[f"full.window_kv.mtp.{k}"], rtol=1.6e-2, atol=1.6e-2)
+    # the mode's rounding noise (module docstring): measured 0.0078 on the taps, 0.018 / 0.033 (FP8) on the rings
+    assert share(out.dspark_hidden_states, expected["full_main_hidden"]) <= 0.01
+    for k in range(2):  # slot p % 16 holds position p: a misplaced slot would be off by the whole tensor's scale
+        assert share(rings.rings[k], expected[f"full.window_kv.mtp.{k}"]) <= 0.05, k
     assert rings.lengths.tolist() == [S, S]
 
 

@@ -2,7 +2,9 @@
 
 The reference is DeepSeek-V4.1-Flash's ``inference/`` code in the CPU port vendored by ``tenstorrent/tt-metal``
 (``models/demos/deepseek_v3_d_p/reference/deepseek_v41/``). It is not part of this repository: fetch it into a
-folder of its own and pass that folder (see README.md next to this file). Its sources must be the versions the
+folder of its own and pass that folder (see README.md next to this file). Two sets of goldens: logits (and a few
+captures) of the ``v41_tiny_vl`` fixture weights on three prompts, and the ``v41_tiny_dspark`` fixture's protocol
+(prefill, ring seeding, teacher-forced decode steps each with a draft call, full pass). Its sources must be the versions the
 fixtures were made with: their sha256 are checked against ``../shared/fixtures/v41_tiny_vl/meta.json``.
 
 The reference runs unmodified on the fixture weights inside ``modeling_dsv41.numerics.reference_numerics()`` of
@@ -39,6 +41,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from modeling_dsv41.numerics import portable_attention, reference_numerics  # noqa: E402
 
 FIXTURE = REPO_ROOT.parent / "shared" / "fixtures" / "v41_tiny_vl"
+DSPARK_FIXTURE = REPO_ROOT.parent / "shared" / "fixtures" / "v41_tiny_dspark"
 DATA = Path(__file__).resolve().parent
 # golden file → (QDQ mode, prompts): each holds ``{variant}_{prompt}_logits`` for both variants
 GOLDENS = {
@@ -46,6 +49,11 @@ GOLDENS = {
     "reference_qdq.safetensors": ("qdq", ("fixture", "text", "image")),
 }
 VARIANTS = ("dense", "sparse")
+# DSpark golden file → QDQ mode: the keys of the DSpark fixture's ``expected_{mode}`` (its README §2 protocol)
+DSPARK_GOLDENS = {
+    "reference_dspark_noqdq.safetensors": "noqdq",
+    "reference_dspark_qdq.safetensors": "qdq",
+}
 CAPTURED = ("dense", "fixture")  # the (variant, prompt) whose layer-0 attention and ViT captures are stored too
 REFERENCE_FILES = ("__init__.py", "model.py", "kernel_cpu.py", "engram.py", "vision.py", "image_processor.py")
 PACKAGE = "deepseek_v41_reference"
@@ -92,15 +100,16 @@ class TokenMapTokenizer:
         return f"c{self.token_map[ids[0]]}"
 
 
-def build_model(ref: ModuleType, variant: str, max_seq_len: int) -> torch.nn.Module:
-    """The reference ``Transformer`` of a fixture variant with the fixture weights and Engram state. ``max_seq_len``
-    only sizes the caches (RoPE tables are per position), so it is raised to fit the longest prompt."""
-    config = json.loads((FIXTURE / variant / "config.json").read_text())
+def build_model(ref: ModuleType, config: dict, folder: Path, max_seq_len: int) -> torch.nn.Module:
+    """The reference ``Transformer`` of a fixture config with the weights and Engram state in ``folder``.
+    ``max_seq_len`` only sizes the caches (RoPE tables are per position), so it is raised to fit the longest
+    prompt."""
     args = ref.ModelArgs(**{**config, "max_seq_len": max(config["max_seq_len"], max_seq_len)})
-    engram = load_file(FIXTURE / "engram.safetensors")
+    engram = load_file(folder / "engram.safetensors")
     with ref.set_dtype(torch.bfloat16):
         model = ref.Transformer(args, TokenMapTokenizer(engram["token_map"])).eval()
-    state = load_file(FIXTURE / "model.safetensors")
+    # the DSpark fixture also stores the shared ``mtp.{k}.embed/head`` as copies, as ``state_dict()`` lists them
+    state = load_file(folder / "model.safetensors")
     ours = model.state_dict()
     wrong = {k for k in state if k not in ours or ours[k].dtype != state[k].dtype} | (ours.keys() - state.keys())
     assert not wrong, f"fixture weights do not match the reference model: {sorted(wrong)}"
@@ -110,6 +119,12 @@ def build_model(ref: ModuleType, variant: str, max_seq_len: int) -> torch.nn.Mod
         assert torch.equal(getattr(hashes, name), engram[name]), name
     assert hashes.pad_id == engram["pad_id"].item()
     return model
+
+
+def build_vl_model(ref: ModuleType, variant: str, max_seq_len: int) -> torch.nn.Module:
+    """The reference model of a ``v41_tiny_vl`` variant (``dense`` / ``sparse``)."""
+    config = json.loads((FIXTURE / variant / "config.json").read_text())
+    return build_model(ref, config, FIXTURE, max_seq_len)
 
 
 def _no_act_quant(x: torch.Tensor, block_size: int = 128, scale_fmt: str | None = None,
@@ -222,6 +237,40 @@ def _image_start(token_types: torch.Tensor) -> int:
     return int((token_types[0] >= 0).nonzero()[0])
 
 
+def dspark_outputs(ref: ModuleType, mode: str, native: bool = False) -> dict[str, torch.Tensor]:
+    """The DSpark fixture's README §2 protocol: prefill, ``forward_spec(out, mh, 0)`` seeding the rings, then one
+    teacher-forced token and one draft call per step; then the full pass on a fresh model, its head applied to
+    every position. Returns the keys of the fixture's ``expected_{mode}.safetensors``."""
+    config = json.loads((DSPARK_FIXTURE / "config.json").read_text())
+    inputs = load_file(DSPARK_FIXTURE / "inputs.safetensors")
+    ids, prompt_len = inputs["input_ids"], int(inputs["prompt_len"])
+    steps: dict[str, list[torch.Tensor]] = {}
+    model = build_model(ref, config, DSPARK_FIXTURE, ids.shape[1])
+    with quantization(ref, mode), numerics(native), ref.set_dtype(torch.bfloat16), torch.inference_mode():
+        out, logits, main_hidden = model(ids[:, :prompt_len], 0)
+        tensors = {"prefill_logits": logits, "prefill_output_ids": out, "prefill_main_hidden": main_hidden}
+        assert model.forward_spec(out, main_hidden, 0) is None
+        for t in range(prompt_len, ids.shape[1]):
+            out, logits, main_hidden = model(ids[:, t : t + 1], t)
+            draft_ids, draft_logits, confidence = model.forward_spec(out, main_hidden, t)
+            for key, value in (("logits", logits), ("output_ids", out), ("main_hidden", main_hidden),
+                               ("draft_output_ids", draft_ids), ("draft_logits", draft_logits),
+                               ("confidence", confidence)):
+                steps.setdefault(key, []).append(value)
+    tensors |= {key: torch.stack(values) for key, values in steps.items()}
+    model, captured = build_model(ref, config, DSPARK_FIXTURE, ids.shape[1]), {}
+    model.norm.register_forward_hook(lambda module, args, normed: captured.__setitem__("normed", normed))
+    with quantization(ref, mode), numerics(native), ref.set_dtype(torch.bfloat16), torch.inference_mode():
+        _, last, main_hidden = model(ids, 0)
+        full_logits = model.head(captured["normed"], full_logits=True)
+    tensors |= {"full_logits": full_logits, "full_last_logits": last, "full_main_hidden": main_hidden}
+    shipped = load_file(DSPARK_FIXTURE / f"expected_{mode}.safetensors")
+    assert tensors.keys() == shipped.keys(), (sorted(tensors), sorted(shipped))
+    for key, value in tensors.items():
+        assert value.shape == shipped[key].shape and value.dtype == shipped[key].dtype, key
+    return tensors
+
+
 def same_bits(label: str, ours: torch.Tensor, expected: torch.Tensor) -> bool:
     """Prints max|Δ| of two tensors and whether they hold the same bits; returns the latter."""
     same = ours.shape == expected.shape and ours.dtype == expected.dtype
@@ -229,6 +278,19 @@ def same_bits(label: str, ours: torch.Tensor, expected: torch.Tensor) -> bool:
     delta = (ours.float() - expected.float()).abs().max().item()
     print(f"{label}: max|Δ| {delta:.3g} ({'same bits' if same else 'DIFFERENT BITS'})")
     return same
+
+
+def write_or_check(name: str, tensors: dict[str, torch.Tensor], check: bool) -> bool:
+    """Writes ``tensors`` to ``tests/data/{name}``, or compares them bit for bit with the committed file."""
+    if not check:
+        save_file(tensors, DATA / name)
+        print(f"wrote {DATA / name}")
+        return True
+    committed, ok = load_file(DATA / name), True
+    assert committed.keys() == tensors.keys(), (sorted(committed), sorted(tensors))
+    for key in sorted(tensors):
+        ok &= same_bits(f"{name} {key}", tensors[key], committed[key])
+    return ok
 
 
 def make_goldens(ref: ModuleType, check: bool) -> bool:
@@ -245,32 +307,32 @@ def make_goldens(ref: ModuleType, check: bool) -> bool:
             tensors["image_token_types"] = inputs["image"].token_types
         for variant in VARIANTS:
             for prompt in names:
-                model = build_model(ref, variant, longest)
+                model = build_vl_model(ref, variant, longest)
                 captures = {} if (variant, prompt) == CAPTURED else None
                 tensors[f"{variant}_{prompt}_logits"] = reference_logits(
                     ref, model, inputs[prompt], mode, native=False, captures=captures
                 )
                 tensors.update({f"{variant}_{prompt}_{key}": value for key, value in (captures or {}).items()})
-        if not check:
-            save_file(tensors, DATA / name)
-            print(f"wrote {DATA / name}")
-            continue
-        committed = load_file(DATA / name)
-        assert committed.keys() == tensors.keys(), (sorted(committed), sorted(tensors))
-        for key in sorted(tensors):
-            ok &= same_bits(f"{name} {key}", tensors[key], committed[key])
+        ok &= write_or_check(name, tensors, check)
+    for name, mode in DSPARK_GOLDENS.items():
+        ok &= write_or_check(name, dspark_outputs(ref, mode), check)
     return ok
 
 
 def compare_with_shipped_fixtures(ref: ModuleType) -> bool:
-    """The fixture prompt with native products vs the shipped ``expected_{qdq,noqdq}`` logits."""
+    """The fixture prompt with native products vs the shipped ``expected_{qdq,noqdq}`` logits, and the DSpark
+    protocol's outputs vs the DSpark fixture's."""
     prompt, ok = prompts()["fixture"], True
     for variant in VARIANTS:
         for mode in ("noqdq", "qdq"):
-            model = build_model(ref, variant, prompt.input_ids.shape[1])
+            model = build_vl_model(ref, variant, prompt.input_ids.shape[1])
             logits = reference_logits(ref, model, prompt, mode, native=True)
             shipped = load_file(FIXTURE / variant / f"expected_{mode}.safetensors")["logits"]
             ok &= same_bits(f"{variant}/expected_{mode} logits", logits, shipped)
+    for mode in ("noqdq", "qdq"):
+        shipped = load_file(DSPARK_FIXTURE / f"expected_{mode}.safetensors")
+        for key, value in sorted(dspark_outputs(ref, mode, native=True).items()):
+            ok &= same_bits(f"v41_tiny_dspark/expected_{mode} {key}", value, shipped[key])
     return ok
 
 

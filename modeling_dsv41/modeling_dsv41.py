@@ -232,6 +232,9 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
         else:
             self._keys_to_ignore_on_load_unexpected = [*type(self)._keys_to_ignore_on_load_unexpected, r"^mtp\."]
         self._keep_in_fp32_modules_strict = [*type(self)._keep_in_fp32_modules_strict, *extra]
+        # only the block classes this model has: accelerate's FSDP wraps by these names and refuses a missing one
+        present = {type(module).__name__ for module in self.modules()}
+        self._no_split_modules = [name for name in type(self)._no_split_modules if name in present]
         super().post_init()
 
     @classmethod

@@ -24,7 +24,7 @@ from torch import nn
 
 from .attention import DeepseekV41Attention
 from .generation.cache import DeepseekV41DSparkCache
-from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
+from .hyper_connections import add_block_hc_parameters, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear
 from .moe import DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
@@ -95,8 +95,7 @@ class DeepseekV41DSparkBlock(nn.Module):
     def __init__(self, config, stage: int):
         super().__init__()
         self.stage = stage
-        hc, dim = config.hc_mult, config.hidden_size
-        mix = (2 + hc) * hc
+        dim = config.hidden_size
         self.attn = DeepseekV41DSparkAttention(config, config.num_hidden_layers + stage)
         self.ffn = DeepseekV41MoE(
             config, use_vision_bias=False, num_experts=config.dspark_num_routed_experts,
@@ -104,13 +103,7 @@ class DeepseekV41DSparkBlock(nn.Module):
         )
         self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
         self.ffn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
-        self.hc = DeepseekV41HyperConnection(hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
-        self.hc_attn_fn = nn.Parameter(torch.empty(mix, hc * dim, dtype=torch.float32))
-        self.hc_ffn_fn = nn.Parameter(torch.empty(mix, hc * dim, dtype=torch.float32))
-        self.hc_attn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
-        self.hc_ffn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
-        self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
-        self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        add_block_hc_parameters(self, config)
         if stage == 0:
             self.main_proj = nn.Linear(dim * len(config.dspark_target_layer_ids), dim, bias=False)
             self.main_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)

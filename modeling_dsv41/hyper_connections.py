@@ -116,3 +116,15 @@ def identity_pre_mix(x: torch.Tensor, hc_mult: int) -> torch.Tensor:
     pre = x.new_zeros(x.shape[0], x.shape[1], hc_mult, dtype=torch.float32)
     pre[..., 0] = 1.0
     return pre
+
+
+def add_block_hc_parameters(block: nn.Module, config) -> None:
+    """A block's mHC mixer and its per-sub-layer parameters ``hc_{attn,ffn}_{fn,base,scale}`` (fp32, the checkpoint's
+    names): the same in every decoder layer and DSpark block."""
+    hc, dim = config.hc_mult, config.hidden_size
+    mix = (2 + hc) * hc
+    block.hc = DeepseekV41HyperConnection(hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+    shapes = {"fn": (torch.empty, (mix, hc * dim)), "base": (torch.zeros, (mix,)), "scale": (torch.ones, (3,))}
+    for kind, (make, shape) in shapes.items():  # registered fn, fn, base, base, scale, scale (optimizer order)
+        for sublayer in ("attn", "ffn"):
+            setattr(block, f"hc_{sublayer}_{kind}", nn.Parameter(make(*shape, dtype=torch.float32)))

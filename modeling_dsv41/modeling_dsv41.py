@@ -36,7 +36,7 @@ from .generation.cache import CacheStep, DeepseekV41Cache, DeepseekV41StaticCach
 from .generation.speculative import dspark_decoding
 from .hub.checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
-from .hyper_connections import DeepseekV41HyperConnection, identity_pre_mix
+from .hyper_connections import DeepseekV41HyperConnection, add_block_hc_parameters, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
@@ -115,20 +115,13 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config, layer_id: int, use_vision_bias: bool):
         super().__init__()
         self.layer_id = layer_id
-        hc, dim = config.hc_mult, config.hidden_size
-        mix = (2 + hc) * hc
+        dim = config.hidden_size
         self.engram = DeepseekV41Engram(config, layer_id) if layer_id in config.engram_layer_ids else None
         self.attn = DeepseekV41Attention(config, layer_id)
         self.ffn = DeepseekV41MoE(config, use_vision_bias)
         self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
         self.ffn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
-        self.hc = DeepseekV41HyperConnection(hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
-        self.hc_attn_fn = nn.Parameter(torch.empty(mix, hc * dim, dtype=torch.float32))
-        self.hc_ffn_fn = nn.Parameter(torch.empty(mix, hc * dim, dtype=torch.float32))
-        self.hc_attn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
-        self.hc_ffn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
-        self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
-        self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        add_block_hc_parameters(self, config)
 
     def forward(
         self,

@@ -2,7 +2,8 @@
 
 - ``dsv41 demo``: build, measure, fine-tune, publish, reload and caption a tiny DeepSeek-V4.1 (see :mod:`.demo`).
 - ``dsv41 inspect [PRESET|PATH] [--devices 8x141GiB]``: parameters, optimizer state and image token budgets, on the
-  meta device; with ``--devices``, where ``device_map="auto"`` puts the weights (see :mod:`modeling_dsv41.placement`).
+  meta device; with ``--devices``, where ``device_map="auto"`` puts the weights (see :mod:`modeling_dsv41.placement`);
+  with ``--train lora`` what LoRA fine-tuning on those devices takes (see :mod:`modeling_dsv41.training.planning`).
 - ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see
   :mod:`modeling_dsv41.hub.conversion`).
 
@@ -101,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--ep", type=_int_at_least(2), default=None, metavar="N",
                          help="per-rank weights under expert parallelism on N ranks: DistributedConfig(tp_size=N, "
                          "ep_size=N), the experts split by the EP plan and the rest by the TP plan")
+    inspect.add_argument("--train", choices=("lora",), default=None,
+                         help="with --devices: plan LoRA fine-tuning of the natively loaded weights, sharded with "
+                         "FSDP2 over the devices (frozen shards, gathered units, adapters and AdamW, activations "
+                         "with gradient checkpointing, logits), resident and offloaded to host memory")
+    inspect.add_argument("--seq", type=_int_at_least(1), default=4096, metavar="S",
+                         help="with --train: tokens per sequence (default: %(default)s)")
+    inspect.add_argument("--batch", type=_int_at_least(1), default=1, metavar="B",
+                         help="with --train: sequences per device and step (default: %(default)s)")
+    inspect.add_argument("--rank", type=_int_at_least(1), default=16, metavar="R",
+                         help="with --train: LoRA rank (default: %(default)s)")
     inspect.set_defaults(handler=_run_inspect)
 
     convert = commands.add_parser(
@@ -231,6 +242,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
     print(f"DeepSeek-V4.1 configuration: {args.target}")
     print(format_inspection(inspect_config(config)))
     native = args.storage == "released"
+    if args.train:
+        return _print_training_plan(config, args)
     if args.tp or args.ep:
         return _print_parallel_plan(config, args, native)
     if args.devices:
@@ -240,6 +253,25 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print()
         plan = plan_device_map(build_meta_model(config), args.devices, native=native)
         print(format_plan(plan, args.devices, native))
+    return 0
+
+
+def _print_training_plan(config, args: argparse.Namespace) -> int:
+    from ..training.planning import plan_lora_training
+    from .inspection import build_meta_model, format_training_plan
+
+    if not args.devices:
+        raise ValueError("--train lora plans a run on devices: give them with --devices (e.g. --devices 8x80GiB)")
+    if args.tp or args.ep or args.storage != "released":
+        raise ValueError("--train lora plans FSDP2 over the natively loaded (released) weights: drop --tp, --ep and "
+                         "--storage")
+    model = build_meta_model(config)
+    plans = [
+        plan_lora_training(model, args.devices, seq_len=args.seq, batch_size=args.batch, rank=args.rank, offload=offload)
+        for offload in (False, True)
+    ]
+    print()
+    print(format_training_plan(*plans))
     return 0
 
 

@@ -17,6 +17,7 @@ from ..optim import KINDS, AssignmentTable, KindSummary, assign_kinds, state_byt
 from ..optim.policy import FROZEN
 from ..modeling_dsv41 import DeepseekV41ForCausalLM
 from ..placement import ParallelPlan, meta_instance
+from ..training.planning import LoraTrainingPlan
 
 # component name → pattern searched in the parameter name; the first match wins
 COMPONENTS: tuple[tuple[str, str], ...] = (
@@ -166,5 +167,30 @@ def format_parallel_plan(plan: ParallelPlan, max_memory: dict[int | str, int] | 
     return "\n".join(lines)
 
 
+def format_training_plan(resident: LoraTrainingPlan, offloaded: LoraTrainingPlan) -> str:
+    """The per-device table ``dsv41 inspect --devices NxSIZE --train lora`` prints: the same run with the frozen
+    shards resident on the devices and with them (and the adapters' optimizer state) offloaded to host memory."""
+    lines = [
+        f"LoRA fine-tuning (rank {resident.rank}, attention + shared and routed experts: "
+        f"{_human(resident.adapter_parameters)} adapter parameters) on the natively loaded weights, FSDP2 over "
+        f"{resident.num_devices} devices (training.fsdp.shard_model), gradient checkpointing, micro-batch "
+        f"{resident.batch_size} × {resident.seq_len} tokens per device:",
+        f"{'per device':<44}{'resident':>14}{'offloaded':>14}",
+    ]
+    for name in resident.terms:
+        cells = [_bytes(plan.terms[name]) if name in plan.terms else "host" for plan in (resident, offloaded)]
+        lines.append(f"{name:<44}{cells[0]:>14}{cells[1]:>14}")
+    totals = [_bytes(plan.per_device) for plan in (resident, offloaded)]
+    verdicts = ["fits" if plan.fits else "does not fit" for plan in (resident, offloaded)]
+    lines.append(f"{'total':<44}{totals[0]:>14}{totals[1]:>14}")
+    lines.append(f"{'on ' + _bytes(resident.capacity) + ' devices':<44}{verdicts[0]:>14}{verdicts[1]:>14}")
+    lines.append(f"largest unit gathered: {resident.largest_unit} (and the next one, prefetched)")
+    for name, nbytes in offloaded.host_bytes.items():
+        lines.append(f"host memory, {name}: {_bytes(nbytes)}")
+    lines.append("offloaded = shard_model(..., offload_policy=CPUOffloadPolicy()): frozen shards, adapters and their "
+                 "optimizer step in host memory")
+    return "\n".join(lines)
+
+
 __all__ = ["COMPONENTS", "IMAGE_SIZES", "ModelInspection", "build_meta_model", "component_of", "format_inspection",
-           "format_parallel_plan", "inspect_config"]
+           "format_parallel_plan", "format_training_plan", "inspect_config"]

@@ -1,0 +1,187 @@
+"""Will a LoRA fine-tune fit? Per-device memory of training adapters on a natively loaded DeepSeek-V4.1 (FP8 Linears,
+FP4 experts, frozen) sharded with FSDP2 the way :func:`~.fsdp.shard_model` shards it, planned on the meta device.
+Backs ``dsv41 inspect --devices 8x80GiB --train lora``.
+
+Every rank holds (bytes per device):
+
+* **frozen shards**: 1/N of every frozen weight at its natively loaded size (released storage: FP8 + E8M0 scales,
+  packed FP4 + scales; the DSpark head too), the Engram tables excepted: they stay in host memory, read row by row;
+* **gathered units**: FSDP2 all-gathers one unit (a decoder layer, ``_no_split_modules``) for its forward and again
+  for its backward, while the next one is prefetched: twice the largest unit; the root's own weights (embedding, LM
+  head, final norms) stay gathered from the forward to the end of the backward;
+* **adapters**: LoRA weights, their gradients and two AdamW moments, all fp32 (PEFT keeps adapters in fp32; the
+  Trainer puts them in the AdamW group), sharded 1/N;
+* **checkpointed inputs**: with gradient checkpointing each decoder layer keeps only its input (the mHC stream and the
+  context it is handed) until its backward;
+* **recomputed layer**: during its backward one layer's forward is run again and its saved tensors live until its
+  gradients are done: :func:`layer_saved_bytes_per_token`, the eager attention path's (fp32 keys of every attended
+  slot dominate at long sequences);
+* **logits**: the fp32 logits, their log-softmax and its gradient, ``3 × tokens × vocab × 4`` bytes;
+* **reserve**: CUDA context, NCCL buffers and allocator slack, a fixed :data:`RESERVE_BYTES`.
+
+With ``offload=True`` (``shard_model(..., offload_policy=CPUOffloadPolicy())``) the frozen shards and the adapters'
+optimizer state live in host memory instead; only gathered units, activations and logits stay on the device.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..placement import is_engram_table_tensor, native_held_bytes
+
+RESERVE_BYTES = 3 * 2**30
+# the README's LoRA targets: attention Linears and shared experts (target_modules), routed experts (target_parameters)
+LORA_LINEARS = re.compile(r"(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.shared_experts\.w[123])$")
+LORA_EXPERTS = re.compile(r"(^|\.)layers\.\d+\.ffn\.experts$")
+_ADAPTER_BYTES_PER_PARAMETER = 4 * 4  # fp32 weight, gradient and two AdamW moments
+
+
+def attended_slots(config, ratio: int, seq_len: int) -> int:
+    """K=V slots a query of a layer with compression ratio ``ratio`` attends to at ``seq_len`` (the longest query
+    attends to most): the window, plus for compressed layers the top-k compressed rows."""
+    window = min(config.sliding_window, seq_len)
+    if ratio == 0:
+        return window
+    return window + min(config.index_topk, seq_len // ratio)
+
+
+def layer_saved_bytes_per_token(config, layer_id: int, seq_len: int, experts: bool = True) -> float:
+    """Bytes per token that one decoder layer's forward saves for its backward (bf16 activations, fp32 where the model
+    computes in fp32), term by term as the eager path saves them. ``experts=False`` counts a layer without MoE
+    adapters (the routed experts' inputs are then still saved: the input gradient flows through them)."""
+    d, hc, heads, hd = config.hidden_size, config.hc_mult, config.num_attention_heads, config.head_dim
+    ratio = config.compress_ratios[layer_id]
+    k = attended_slots(config, ratio, seq_len)
+    top_k, inter = config.num_experts_per_tok, config.moe_intermediate_size
+    routed = top_k + config.n_shared_experts
+    terms = {
+        # sink attention: fp32 keys of every attended slot and the fp32 query, then per slot block the scores,
+        # masks and probabilities ([H, K] fp32, about five of them) and the fp32 accumulator
+        "attention keys": (k + heads) * hd * 4,
+        "attention scores": 5 * heads * k * 4 + heads * hd * 4,
+        # q_a, q (before and after rope), kv, the attention output and the grouped output projection
+        "attention projections": (2 * config.q_lora_rank + 3 * heads * hd + 3 * hd) * 2 + heads * hd * 4
+        + config.o_groups * config.o_lora_rank * 2,
+        # mHC: the flattened stream in fp32 for both sub-blocks' mixes, the collapse inputs, Sinkhorn's iterations
+        "mHC": hc * d * (2 * 4 + 2 * 2) + 2 * (config.hc_sinkhorn_iters + 4) * hc * hc * 4 * 2,
+        "norms": 6 * d * 4,
+        # SwiGLU in fp32 (five [I] tensors per routed and shared slot), the routed slots' inputs and outputs
+        "MoE": 5 * routed * inter * 4 + top_k * (d * 4 + d * 2 + 2 * inter * 2) + config.n_routed_experts * 4 * 2,
+    }
+    if ratio:
+        terms["compressor"] = 3 * d * 4 // max(ratio, 1) + 2 * hd * 4
+        terms["indexer"] = config.index_n_heads * config.index_head_dim * 2 // 2
+    if layer_id in config.engram_layer_ids:
+        rows = (config.engram_max_ngram_size - 1) * config.engram_n_heads * config.engram_head_dim
+        terms["Engram"] = rows * (4 + 2) + hc * d * 4 * 5
+    return float(sum(terms.values()))
+
+
+def checkpointed_input_bytes_per_token(config) -> float:
+    """What one decoder layer keeps until its backward under gradient checkpointing: its input stream [hc, D] in
+    bf16 and its pre-mix [hc] in fp32 (the compressed context it is handed is a fraction of a token's worth)."""
+    return config.hc_mult * config.hidden_size * 2 + config.hc_mult * 4 + config.head_dim * 2
+
+
+@dataclass
+class LoraTrainingPlan:
+    """Per-device bytes of a LoRA step under FSDP2 on ``num_devices`` ranks (see the module docstring)."""
+
+    num_devices: int
+    capacity: int
+    seq_len: int
+    batch_size: int
+    rank: int
+    offload: bool
+    adapter_parameters: int = 0
+    terms: dict[str, float] = field(default_factory=dict)
+    largest_unit: str = ""
+    host_bytes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def per_device(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.per_device <= self.capacity
+
+
+def _fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
+    """The units :func:`~.fsdp.shard_model` shards (``_no_split_modules`` instances), by name."""
+    classes = set(model._no_split_modules)
+    return {name: module for name, module in model.named_modules() if type(module).__name__ in classes}
+
+
+def _runs_in_training(unit: nn.Module) -> bool:
+    """Whether the backbone's training forward runs (so gathers) the unit: not the DSpark draft blocks."""
+    return type(unit).__name__ != "DeepseekV41DSparkBlock"
+
+
+def _frozen_bytes(module: nn.Module, prefix: str = "") -> float:
+    """Natively loaded bytes of ``module``'s weights, the Engram tables left out (they stay in host memory)."""
+    return sum(
+        native_held_bytes(f"{prefix}{name}", p)
+        for name, p in module.named_parameters()
+        if not is_engram_table_tensor(f"{prefix}{name}")
+    )
+
+
+def lora_parameters(model: nn.Module, rank: int) -> int:
+    """LoRA weights PEFT builds for :data:`LORA_LINEARS` (``r·(in + out)`` each) and :data:`LORA_EXPERTS` (per expert,
+    ``r·(in + out)`` for ``gate_up_proj`` and ``down_proj``)."""
+    total = 0
+    for name, module in model.named_modules():
+        if LORA_LINEARS.search(name):
+            total += rank * (module.in_features + module.out_features)
+        elif LORA_EXPERTS.search(name):
+            for param in (module.gate_up_proj, module.down_proj):
+                experts, out_features, in_features = param.shape
+                total += experts * rank * (in_features + out_features)
+    return total
+
+
+def plan_lora_training(
+    model: nn.Module, devices: dict[int, int], seq_len: int = 4096, batch_size: int = 1, rank: int = 16,
+    offload: bool = False,
+) -> LoraTrainingPlan:
+    """Plan LoRA training of ``model`` (the causal LM, meta or not, in bf16) on ``devices`` (index → bytes, one rank
+    each), micro-batches of ``batch_size`` × ``seq_len`` tokens per rank, adapters of rank ``rank``."""
+    config = model.config.get_text_config()
+    n = len(devices)
+    plan = LoraTrainingPlan(n, min(devices.values()), seq_len, batch_size, rank, offload)
+    units = _fsdp_units(model)
+    sizes = {name: (_frozen_bytes(unit, f"{name}."), lora_parameters(unit, rank)) for name, unit in units.items()}
+    total = _frozen_bytes(model)
+    # a unit in use: its frozen weights and fp32 adapters gathered, and (backward) its adapters' unsharded gradients
+    running = {name: size for name, size in sizes.items() if _runs_in_training(units[name])}
+    plan.largest_unit, (frozen, adapted) = max(running.items(), key=lambda item: item[1][0] + 8 * item[1][1])
+    plan.adapter_parameters = lora_parameters(model, rank)
+    tokens = seq_len * batch_size
+    layers = range(config.num_hidden_layers)
+    saved = max(layer_saved_bytes_per_token(config, i, seq_len) for i in layers) * tokens
+    tables = sum(native_held_bytes(name, p) for name, p in model.named_parameters() if is_engram_table_tensor(name))
+    plan.host_bytes["Engram tables"] = tables
+    adapter_state = plan.adapter_parameters * _ADAPTER_BYTES_PER_PARAMETER
+    if offload:
+        plan.host_bytes["frozen shards and adapter state (all ranks)"] = total + adapter_state
+    else:
+        plan.terms["frozen shards"] = total / n
+        plan.terms["adapters + grads + AdamW"] = adapter_state / n
+    plan.terms["gathered units (one + prefetch)"] = 2 * (frozen + 4 * adapted) + 4 * adapted
+    plan.terms["root weights (gathered all step)"] = total - sum(f for f, _ in sizes.values())
+    plan.terms["checkpointed layer inputs"] = checkpointed_input_bytes_per_token(config) * tokens * len(layers)
+    plan.terms["recomputed layer"] = saved
+    plan.terms["logits + loss"] = 3 * tokens * config.vocab_size * 4
+    plan.terms["reserve"] = RESERVE_BYTES
+    return plan
+
+
+__all__ = [
+    "LORA_EXPERTS", "LORA_LINEARS", "LoraTrainingPlan", "RESERVE_BYTES", "attended_slots",
+    "checkpointed_input_bytes_per_token", "layer_saved_bytes_per_token", "lora_parameters", "plan_lora_training",
+]

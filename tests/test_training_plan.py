@@ -52,9 +52,10 @@ def saved_bytes_per_layer(config: DeepseekV41Config, seq_len: int) -> dict[int, 
 def wider_tiny() -> DeepseekV41Config:
     """The tiny preset with other widths, so that every term of the model scales with its own dimensions."""
     config = DeepseekV41Config.from_preset("tiny")
-    for name, value in dict(hidden_size=96, num_attention_heads=3, q_lora_rank=40, o_lora_rank=24,
-                            moe_intermediate_size=48, n_routed_experts=5, num_experts_per_tok=3, index_topk=12,
-                            sliding_window=20).items():
+    widths = {"hidden_size": 96, "num_attention_heads": 3, "q_lora_rank": 40, "o_lora_rank": 24,
+              "moe_intermediate_size": 48, "n_routed_experts": 5, "num_experts_per_tok": 3, "index_topk": 12,
+              "sliding_window": 20}
+    for name, value in widths.items():
         setattr(config.text_config, name, value)
     return config
 

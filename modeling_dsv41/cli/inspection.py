@@ -13,9 +13,9 @@ import torch
 from configuration import DeepseekV41Config
 from processing.image_processing_dsv41 import ImageGridPlan, plan_image_grid
 
+from ..modeling_dsv41 import DeepseekV41ForCausalLM
 from ..optim import KINDS, AssignmentTable, KindSummary, assign_kinds, state_bytes
 from ..optim.policy import FROZEN
-from ..modeling_dsv41 import DeepseekV41ForCausalLM
 from ..placement import ParallelPlan, meta_instance
 from ..training.planning import LoraTrainingPlan
 
@@ -171,10 +171,12 @@ def format_training_plan(resident: LoraTrainingPlan, offloaded: LoraTrainingPlan
     """The per-device table ``dsv41 inspect --devices NxSIZE --train lora`` prints: the same run with the frozen
     shards resident on the devices and with them (and the adapters' optimizer state) offloaded to host memory."""
     lines = [
-        f"LoRA fine-tuning (rank {resident.rank}, attention + shared and routed experts: "
-        f"{_human(resident.adapter_parameters)} adapter parameters) on the natively loaded weights, FSDP2 over "
-        f"{resident.num_devices} devices (training.fsdp.shard_model), gradient checkpointing, micro-batch "
-        f"{resident.batch_size} × {resident.seq_len} tokens per device:",
+        (
+            f"LoRA fine-tuning (rank {resident.rank}, attention + shared and routed experts: "
+            f"{_human(resident.adapter_parameters)} adapter parameters) on the natively loaded weights, FSDP2 over "
+            f"{resident.num_devices} devices (training.fsdp.shard_model), gradient checkpointing, micro-batch "
+            f"{resident.batch_size} × {resident.seq_len} tokens per device:"
+        ),
         f"{'per device':<44}{'resident':>14}{'offloaded':>14}",
     ]
     for name in resident.terms:

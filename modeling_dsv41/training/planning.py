@@ -28,7 +28,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from ..placement import is_engram_table_tensor, native_held_bytes
@@ -182,6 +181,13 @@ def plan_lora_training(
 
 
 __all__ = [
-    "LORA_EXPERTS", "LORA_LINEARS", "LoraTrainingPlan", "RESERVE_BYTES", "attended_slots",
-    "checkpointed_input_bytes_per_token", "layer_saved_bytes_per_token", "lora_parameters", "plan_lora_training",
+    "LORA_EXPERTS",
+    "LORA_LINEARS",
+    "RESERVE_BYTES",
+    "LoraTrainingPlan",
+    "attended_slots",
+    "checkpointed_input_bytes_per_token",
+    "layer_saved_bytes_per_token",
+    "lora_parameters",
+    "plan_lora_training",
 ]

@@ -5,6 +5,7 @@ SwiGLU routed experts stored fused as transformers' experts are (``gate_up_proj`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -153,18 +154,39 @@ class DeepseekV41Experts(nn.Module):
         return total
 
 
+class ProjectedWeight(Protocol):
+    """An expert weight [out, in] that is applied rather than materialized (the natively loaded FP4 experts:
+    dequantized inside the product and again in its backward, LoRA deltas added to the output)."""
+
+    shape: torch.Size
+
+    def linear(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``x @ W[rows].T``: x [N, in] → [N, len(rows)]."""
+        ...
+
+
+ExpertWeight = torch.Tensor | ProjectedWeight
+
+
+def _project(x: torch.Tensor, weight: ExpertWeight, rows: slice) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight[rows])
+    return weight.linear(x, rows)
+
+
 def routed_experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     num_experts: int,
     swiglu_limit: float,
-    expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    expert_weights: Callable[[int], tuple[ExpertWeight, ExpertWeight]],
 ) -> torch.Tensor:
     """The reference's routed experts (the eager implementation), shared by the plain and the natively quantized
-    experts. ``expert_weights(e)`` gives expert ``e``'s ``gate_up`` [2·I, D] and ``down`` [D, I] in the compute dtype;
-    it is called only for experts with tokens, in expert order. Returns fp32 [N, D]; one host sync reads how many
-    tokens each expert got."""
+    experts. ``expert_weights(e)`` gives expert ``e``'s ``gate_up`` [2·I, D] and ``down`` [D, I] in the compute dtype,
+    as tensors or as :class:`ProjectedWeight` (a frozen quantized weight applied without being kept); it is called
+    only for experts with tokens, in expert order. Returns fp32 [N, D]; one host sync reads how many tokens each
+    expert got."""
     num_tokens, top_k = top_k_index.shape
     expert_ids = top_k_index.flatten()
     order = expert_ids.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
@@ -181,9 +203,9 @@ def routed_experts_forward(
         # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter
         x = hidden_states.index_select(0, token)
         hidden = weight.unsqueeze(-1) * clamped_swiglu(
-            F.linear(x, gate_up[:inter]), F.linear(x, gate_up[inter:]), swiglu_limit
+            _project(x, gate_up, slice(0, inter)), _project(x, gate_up, slice(inter, None)), swiglu_limit
         )
-        out.index_add_(0, token, F.linear(hidden.to(x.dtype), down).float())
+        out.index_add_(0, token, _project(hidden.to(x.dtype), down, slice(None)).float())
     return out
 
 class DeepseekV41MoE(nn.Module):

@@ -87,4 +87,31 @@ def dequantize_released_weight(
     return out
 
 
-__all__ = ["dequantize_released_weight", "stored_scale"]
+class _FrozenQuantizedLinear(torch.autograd.Function):
+    """``input @ W.T`` for a frozen quantized ``W`` that is dequantized in the forward and again in the backward, so
+    that nothing dequantized outlives either: autograd through ``F.linear`` would keep the dequantized weight until
+    the backward, as much memory per layer as a bf16 copy of its experts."""
+
+    @staticmethod
+    def forward(ctx, input, weight, scale, columns):
+        ctx.save_for_backward(weight, scale)
+        ctx.columns = columns
+        return torch.nn.functional.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        weight, scale = ctx.saved_tensors
+        dense = dequantize_released_weight(weight, scale, ctx.columns, grad_output.dtype)
+        return grad_output @ dense, None, None, None
+
+
+def frozen_quantized_linear(input: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, columns: int) -> torch.Tensor:
+    """``F.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype))`` with the exact input
+    gradient and no weight gradient (released weights are frozen), holding only the stored bytes between the forward
+    and the backward."""
+    if not (torch.is_grad_enabled() and input.requires_grad):
+        return torch.nn.functional.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype))
+    return _FrozenQuantizedLinear.apply(input, weight, scale, columns)
+
+
+__all__ = ["dequantize_released_weight", "frozen_quantized_linear", "stored_scale"]

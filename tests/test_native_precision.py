@@ -275,7 +275,10 @@ def _lora_trained(base, kind: str, output_dir, start: dict[str, torch.Tensor] | 
 
 def _quantized_bytes(model) -> dict[str, torch.Tensor]:
     stored = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
-    return {n: p.detach().view(torch.uint8).clone() for n, p in model.named_parameters() if p.dtype in stored}
+    return {  # by the base model's names (PEFT nests the adapted modules' own under `base_layer`)
+        n.replace("base_layer.", ""): p.detach().view(torch.uint8).clone()
+        for n, p in model.named_parameters() if p.dtype in stored
+    }
 
 
 @pytest.mark.parametrize("kind", ["dsv41", "transformers"])

@@ -20,11 +20,12 @@ fused routed experts for ``FP8Experts`` (``weight`` + ``weight_scale_inv``; ``ga
 
 The quantized weights and scales are frozen on load. Backward through a weight-only module is backward through the
 dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's). Training
-goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) trains under ``DeepseekV41Trainer`` and
-transformers' ``Trainer``. Full fine-tuning is refused by our own error (:func:`check_trainable`, from
-``DeepseekV41Trainer`` and, through the quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load
-with ``FineGrainedFP8Config(dequantize=True)`` instead; so is an adapter on the packed FP4 experts (PEFT
-``target_parameters``), which could not act.
+goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) and on the FP4 experts (PEFT's
+``target_parameters``, adapters of the logical shape: :mod:`.native_lora`, whose forward is
+:func:`fp4_experts_forward` with the delta added) trains under ``DeepseekV41Trainer`` and transformers' ``Trainer``.
+Full fine-tuning is refused by our own error (:func:`check_trainable`, from ``DeepseekV41Trainer`` and, through the
+quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load with
+``FineGrainedFP8Config(dequantize=True)`` instead; so is an expert adapter of the packed width, which could not act.
 
 The config saves as transformers' own ``quant_method: "fp8"``.
 """
@@ -270,7 +271,7 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
     def is_trainable(self) -> bool:
         """transformers reads this only to validate a model for training (``Trainer.__init__``): our refusal
         (:func:`check_trainable`), which says what to do instead, is raised here rather than transformers' generic
-        one; with adapters on the Linears it trains."""
+        one; with adapters it trains."""
         model = getattr(self, "_model", lambda: None)()
         if model is None:
             return False

@@ -251,7 +251,8 @@ def _lora_trained(base, kind: str, output_dir, start: dict[str, torch.Tensor] | 
     from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
 
     class Losses(TrainerCallback):
-        seen: list[float] = []
+        def __init__(self):
+            self.seen: list[float] = []
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -267,7 +268,6 @@ def _lora_trained(base, kind: str, output_dir, start: dict[str, torch.Tensor] | 
     else:
         args, trainer_cls = TrainingArguments(**knobs), Trainer
     losses = Losses()
-    losses.seen = []
     trainer_cls(model=model, args=args, train_dataset=_SameBatch(), data_collator=_SameBatch.collate,
                 callbacks=[losses]).train()
     return model.eval(), initial, losses.seen
@@ -342,6 +342,27 @@ def test_expert_adapters_have_the_logical_shape_and_act(released):
             if "ffn.experts" not in name:
                 factor.zero_()  # only the expert adapters left
         assert (native(ids).logits - plain).abs().max() > 1e-2
+
+
+def test_expert_adapters_act_where_the_fp4_kernels_would_run(released):
+    """Where transformers' FP4 kernels run, the experts are its own ``FP8Experts``, whose kernels take no weight
+    delta: adapted, they run the weight-only computation with the delta (the same logits as the weight-only
+    modules'), so no inert adapter there either. Checked on the CPU with the kernels' module class holding the same
+    tensors (its kernel forward is never called)."""
+    folder, ids = released[0], torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(12))
+    kernel_path = _load(folder, native=True)
+    for layer in kernel_path.model.layers:
+        weight_only = layer.ffn.experts
+        with torch.device("meta"):
+            experts = FP8Experts(weight_only.config, block_size=weight_only.block_size, scale_fmt="ue8m0", expert_dtype="fp4")
+        experts.load_state_dict(weight_only.state_dict(), assign=True)
+        layer.ffn.experts = experts.requires_grad_(False)
+    torch.manual_seed(4)
+    weight_only = _adapted(_load(folder, native=True), init_lora_weights=False, target_modules=[])
+    kernel_path = _adapted(kernel_path, start=_lora_factors(weight_only), target_modules=[])
+    assert type(kernel_path.base_model.model.model.layers[0].ffn.experts.get_base_layer()) is FP8Experts
+    with torch.no_grad():
+        torch.testing.assert_close(kernel_path(ids).logits, weight_only(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_expert_adapter_gradients_equal_the_dequantized_models(released):

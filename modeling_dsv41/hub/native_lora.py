@@ -92,7 +92,9 @@ class ParamWrapper(PeftParamWrapper):
     def _active(self) -> list[str]:
         return [] if self.disable_adapters else [name for name in self.active_adapters if name in self.lora_A]
 
-    def forward(self, hidden_states: torch.Tensor, *args, expert_adapters: dict | None = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, *args, expert_adapters: dict | None = None, **kwargs
+    ) -> torch.Tensor:
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]; ``expert_adapters``: those of the
         wrappers around this one."""
         self._check_forward_args(hidden_states, *args, **kwargs)
@@ -131,7 +133,8 @@ class ParamWrapper(PeftParamWrapper):
             weight = torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=MERGED_DTYPE, device=packed.device)
             with torch.no_grad():
                 for expert in range(packed.shape[0]):
-                    dequantized = dequantize_released_weight(packed[expert], scales[expert], weight.shape[-1], MERGED_DTYPE)
+                    columns = weight.shape[-1]
+                    dequantized = dequantize_released_weight(packed[expert], scales[expert], columns, MERGED_DTYPE)
                     weight[expert] = dequantized if adapt is None else adapt(expert, dequantized)
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError(f"NaNs or infinities in the merged {name}: the adapter seems to be broken")

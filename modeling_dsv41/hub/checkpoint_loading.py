@@ -42,6 +42,7 @@ through PEFT's ``target_parameters``.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 import os
@@ -446,6 +447,16 @@ def _asks_native_precision(quantization_config) -> bool:
     )
 
 
+def _adapt_natively_with_peft() -> None:
+    """Where PEFT is installed, make its LoRA adapt a natively loaded model's FP8 Linears and FP4 experts as the bf16
+    model's (:mod:`.native_lora`)."""
+    if importlib.util.find_spec("peft") is None:
+        return
+    from .native_lora import install_peft_dispatch
+
+    install_peft_dispatch()
+
+
 class DeepseekV41CheckpointLoadingMixin:
     """``from_pretrained`` for DeepSeek-V4.1: released storage, the Engram token map, bitsandbytes skips."""
 
@@ -506,6 +517,10 @@ class DeepseekV41CheckpointLoadingMixin:
         # only those this load happened to use (transformers keeps just those).
         model._weight_conversions = None
         ensure_engram_token_map(model, pretrained_model_name_or_path, engram_tokenizer, **hub_kwargs)
+        if getattr(getattr(model, "hf_quantizer", None), "quantization_config", None) is not None and (
+            model.hf_quantizer.quantization_config.quant_method == QUANT_METHOD
+        ):
+            _adapt_natively_with_peft()
         return loaded
 
     @classmethod

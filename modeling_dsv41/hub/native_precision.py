@@ -20,11 +20,12 @@ fused routed experts for ``FP8Experts`` (``weight`` + ``weight_scale_inv``; ``ga
 
 The quantized weights and scales are frozen on load. Backward through a weight-only module is backward through the
 dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's). Training
-goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) trains under ``DeepseekV41Trainer`` and
-transformers' ``Trainer``. Full fine-tuning is refused by our own error (:func:`check_trainable`, from
-``DeepseekV41Trainer`` and, through the quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load
-with ``FineGrainedFP8Config(dequantize=True)`` instead; so is an adapter on the packed FP4 experts (PEFT
-``target_parameters``), which could not act.
+goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) and on the FP4 experts (PEFT's
+``target_parameters``, adapters of the logical shape: :mod:`.native_lora`, whose forward is
+:func:`fp4_experts_forward` with the delta added) trains under ``DeepseekV41Trainer`` and transformers' ``Trainer``.
+Full fine-tuning is refused by our own error (:func:`check_trainable`, from ``DeepseekV41Trainer`` and, through the
+quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load with
+``FineGrainedFP8Config(dequantize=True)`` instead; so is an expert adapter of the packed width, which could not act.
 
 The config saves as transformers' own ``quant_method: "fp8"``.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -104,11 +106,21 @@ def released_quantization_config(model: nn.Module, **kwargs) -> DeepseekV41FP8Co
     return DeepseekV41FP8Config(modules_to_not_convert=modules_kept_in_high_precision(model), **kwargs)
 
 
-def _adapted_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules PEFT adapts (their base layers)."""
+def _tuner_layers(model: nn.Module) -> list[nn.Module]:
+    """The adapter layers PEFT put in ``model``."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return [module.get_base_layer() for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+
+
+def _on_packed_bytes(layer: nn.Module) -> bool:
+    """Whether ``layer`` adapts FP4 experts with factors of the packed width (``in/2``): PEFT's own
+    ``target_parameters`` wrapper, whose delta would act on the bytes and round away. The adapters of the logical
+    shape (:mod:`.native_lora`) have the experts' true input width."""
+    experts = layer.get_base_layer()
+    if not isinstance(experts, FP8Experts) or not hasattr(layer, "parameter_name"):
+        return False
+    return layer.in_features != 2 * getattr(experts, layer.parameter_name).shape[-1]
 
 
 def check_trainable(model: nn.Module) -> None:
@@ -116,24 +128,25 @@ def check_trainable(model: nn.Module) -> None:
     and say how to train it instead.
 
     Its quantized weights have no gradient (the modules pass the input's exactly, backward through the dequantized
-    weight), so full fine-tuning cannot update them. LoRA on the FP8 Linears trains (PEFT's ``Linear`` around them);
-    on the packed FP4 experts PEFT's ``target_parameters`` adapters could not act, so they are refused."""
+    weight), so full fine-tuning cannot update them. LoRA trains: on the FP8 Linears (``target_modules``) and on the
+    FP4 experts (``target_parameters``, adapters of the logical per-expert shape, :mod:`.native_lora`). An expert
+    adapter of the packed width could not act, so it is refused."""
     if not isinstance(getattr(model, "hf_quantizer", None), DeepseekV41FP8Quantizer):
         return
     dequantized = "from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True))"
-    adapted = _adapted_modules(model)
-    if any(isinstance(module, FP8Experts) for module in adapted):
+    layers = _tuner_layers(model)
+    if any(_on_packed_bytes(layer) for layer in layers):
         raise ValueError(
-            "This model was loaded in the released precision (FP4 experts kept packed): adapters on its routed "
-            "experts (target_parameters) would act on the packed bytes and do nothing. Adapt its Linears "
-            f"(target_modules), or load it dequantized with {dequantized} to adapt the experts too."
+            "This model's routed experts carry adapters built on their packed FP4 bytes (half their input width), "
+            "which would do nothing: load the model with from_pretrained (its PEFT dispatch builds expert adapters "
+            f"of the logical shape), or load it dequantized with {dequantized}."
         )
-    if not adapted:
+    if not layers:
         raise ValueError(
             "This model was loaded in the released precision (FP8 Linears, FP4 experts kept quantized): its quantized "
-            "weights are frozen, so full fine-tuning cannot train them. Attach LoRA adapters to its Linears with "
-            "PEFT (target_modules), or, to fine-tune every weight, load it with "
-            f"{dequantized} (bf16 weights)."
+            "weights are frozen, so full fine-tuning cannot train them. Attach LoRA adapters with PEFT (its Linears "
+            "through target_modules, its routed experts through target_parameters=['experts.gate_up_proj', "
+            f"'experts.down_proj']), or, to fine-tune every weight, load it with {dequantized} (bf16 weights)."
         )
 
 
@@ -148,9 +161,40 @@ class WeightOnlyFP8Linear(FP8Linear):
         return F.linear(input, weight, self.bias)
 
 
+# expert `e`'s dequantized weight [out, in] (no gradient) → the weight its forward uses (a LoRA delta added)
+ExpertWeightAdapter = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def fp4_experts_forward(
+    experts: FP8Experts,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    adapters: Mapping[str, ExpertWeightAdapter] | None = None,
+) -> torch.Tensor:
+    """The FP4 ``experts`` computed as :class:`~modeling_dsv41.moe.DeepseekV41Experts`' eager forward, each expert's
+    weights dequantized only when tokens are routed to it, then passed through ``adapters[name]`` (``"gate_up_proj"``
+    / ``"down_proj"``) where given: the LoRA adapters of the logical shape (:mod:`.native_lora`), which add their
+    delta to the dequantized weight. hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
+    adapters = adapters or {}
+    dtype = hidden_states.dtype
+
+    def weight(name: str, expert: int) -> torch.Tensor:
+        with torch.no_grad():  # frozen bytes: the input and the adapters still get their gradients
+            packed, scale = getattr(experts, name)[expert], getattr(experts, f"{name}_scale_inv")[expert]
+            dequantized = dequantize_released_weight(packed, scale, 2 * packed.shape[-1], dtype)
+        adapter = adapters.get(name)
+        return dequantized if adapter is None else adapter(expert, dequantized)
+
+    return routed_experts_forward(
+        hidden_states, top_k_index, top_k_weights, experts.num_experts, experts.limit or 0.0,
+        lambda expert: (weight("gate_up_proj", expert), weight("down_proj", expert)),
+    )
+
+
 class WeightOnlyFP4Experts(FP8Experts):
-    """``FP8Experts`` (FP4 weights) computed as :class:`~modeling_dsv41.moe.DeepseekV41Experts`' eager forward, each
-    expert's weights dequantized only when tokens are routed to it."""
+    """``FP8Experts`` (FP4 weights) computed by :func:`fp4_experts_forward`: each expert's weights dequantized only
+    when tokens are routed to it."""
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -158,26 +202,12 @@ class WeightOnlyFP4Experts(FP8Experts):
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
         if parametrize.is_parametrized(self):
             raise ValueError(
-                "an adapter on the natively loaded FP4 experts (PEFT target_parameters=['experts.gate_up_proj', "
-                "'experts.down_proj']) would act on packed bytes [E, out, in/2], whose rounding back to FP4 drops its "
-                "delta: it would do nothing. Load the model with quantization_config=FineGrainedFP8Config("
-                "dequantize=True) to adapt the experts."
+                "a parametrization of the natively loaded FP4 experts (such as PEFT's own target_parameters adapter, "
+                "built on the packed bytes [E, out, in/2]) would act on packed bytes, whose rounding back to FP4 drops "
+                "its delta: it would do nothing. Load the model with from_pretrained (which makes PEFT build adapters "
+                "of the logical shape there) or with quantization_config=FineGrainedFP8Config(dequantize=True)."
             )
-
-        @torch.no_grad()
-        def expert_weights(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-            dtype = hidden_states.dtype
-            gate_up = dequantize_released_weight(
-                self.gate_up_proj[expert], self.gate_up_proj_scale_inv[expert], self.hidden_dim, dtype
-            )
-            down = dequantize_released_weight(
-                self.down_proj[expert], self.down_proj_scale_inv[expert], 2 * self.down_proj.shape[-1], dtype
-            )
-            return gate_up, down
-
-        return routed_experts_forward(
-            hidden_states, top_k_index, top_k_weights, self.num_experts, self.limit or 0.0, expert_weights
-        )
+        return fp4_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def _weight_only(module: nn.Module, config) -> nn.Module:
@@ -241,7 +271,7 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
     def is_trainable(self) -> bool:
         """transformers reads this only to validate a model for training (``Trainer.__init__``): our refusal
         (:func:`check_trainable`), which says what to do instead, is raised here rather than transformers' generic
-        one; with adapters on the Linears it trains."""
+        one; with adapters it trains."""
         model = getattr(self, "_model", lambda: None)()
         if model is None:
             return False

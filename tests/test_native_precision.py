@@ -13,7 +13,7 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.hub import native_precision
+from modeling_dsv41.hub import native_precision, released_storage
 from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
 from modeling_dsv41.hub.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
 from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
@@ -109,19 +109,27 @@ def test_only_the_selected_experts_are_dequantized(native, monkeypatch):
     experts = native.model.layers[0].ffn.experts
     assert isinstance(experts, WeightOnlyFP4Experts)
     read = []
-    original = native_precision.dequantize_released_weight
+    original = released_storage.dequantize_released_weight
+
+    def owner(weight: torch.Tensor) -> int:
+        """The expert whose stored bytes ``weight`` (a slice of its rows) lies in."""
+        for e in range(experts.num_experts):
+            for stored in (experts.gate_up_proj[e], experts.down_proj[e]):
+                start = stored.data_ptr()
+                if start <= weight.data_ptr() < start + stored.numel() * stored.element_size():
+                    return e
+        raise AssertionError("dequantized a tensor that is no expert's")
 
     def recording(weight, scale, columns, dtype):
-        read.append(next(e for e in range(experts.num_experts)
-                         if weight.data_ptr() in (experts.gate_up_proj[e].data_ptr(), experts.down_proj[e].data_ptr())))
+        read.append(owner(weight))
         return original(weight, scale, columns, dtype)
 
-    monkeypatch.setattr(native_precision, "dequantize_released_weight", recording)
+    monkeypatch.setattr(released_storage, "dequantize_released_weight", recording)
     hidden = torch.randn(5, TEXT["hidden_size"], dtype=torch.bfloat16)
     index = torch.tensor([[1, 3]] * 5)
     with torch.no_grad():
         out = experts(hidden, index, torch.full((5, 2), 0.5))
-    assert read == [1, 1, 3, 3] and out.shape == (5, TEXT["hidden_size"])
+    assert read == [1, 1, 1, 3, 3, 3] and out.shape == (5, TEXT["hidden_size"])  # gate rows, up rows, down
 
 
 def test_the_input_gets_a_gradient_through_a_weight_only_linear(native):
@@ -204,10 +212,12 @@ FP8_TARGETS = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_expert
 EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
-def _load(folder, native: bool):
+def _load(folder, native: bool, dtype: torch.dtype = torch.bfloat16):
     if native:
-        return DeepseekV41ForCausalLM.from_pretrained(folder)
-    return DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True))
+        return DeepseekV41ForCausalLM.from_pretrained(folder, dtype=dtype)
+    return DeepseekV41ForCausalLM.from_pretrained(
+        folder, dtype=dtype, quantization_config=FineGrainedFP8Config(dequantize=True)
+    )
 
 
 def _adapted(base, start: dict[str, torch.Tensor] | None = None, **lora):
@@ -285,16 +295,21 @@ def _quantized_bytes(model) -> dict[str, torch.Tensor]:
 def test_lora_on_attention_and_experts_trains_natively_as_on_the_dequantized_model(released, kind, tmp_path):
     """LoRA on the natively loaded FP8 Linears and FP4 experts trains under both trainers (finite losses, every
     factor moves, the stored bytes stay as loaded); after 3 steps its adapters equal those trained on the dequantized
-    base from the same factors (the gradients are the same, see below: the tolerance only allows for a BLAS that
-    picks kernels by shape and bf16 products that differ in the last bit). Each saved adapter loads onto the other
-    base with the same logits."""
+    base from the same factors. Both run in fp32: the native expert adapters add their delta to the output
+    (``x·Wᵀ + s·(x·Aᵀ)·Bᵀ``, nothing dequantized kept for the backward) where PEFT's on the bf16 experts fold it into
+    the weight first, and in bf16 those two roundings differ by an ulp that Adam's normalized steps amplify; in fp32
+    the tolerance only allows for a BLAS that picks kernels by shape. Each saved adapter loads onto the other base
+    with the same logits (fp32 too: in bf16, PEFT's fold of the trained delta into the bf16 expert weights rounds
+    it by up to half an ulp of the weight, which moves these logits by up to 0.04)."""
     from peft import PeftModel
 
     folder = released[0]
-    base = _load(folder, native=True)
+    base = _load(folder, native=True, dtype=torch.float32)
     stored = _quantized_bytes(base)
     native, initial, losses = _lora_trained(base, kind, tmp_path / "native")
-    dequantized, _, _ = _lora_trained(_load(folder, native=False), kind, tmp_path / "dequantized", start=initial)
+    dequantized, _, _ = _lora_trained(
+        _load(folder, native=False, dtype=torch.float32), kind, tmp_path / "dequantized", start=initial
+    )
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses
     ours, theirs = _lora_factors(native), _lora_factors(dequantized)
     assert ours.keys() == theirs.keys()
@@ -308,7 +323,7 @@ def test_lora_on_attention_and_experts_trains_natively_as_on_the_dequantized_mod
     ids = _SameBatch.ids
     for trained, onto in ((native, False), (dequantized, True)):
         trained.save_pretrained(tmp_path / f"adapter-{onto}")
-        reloaded = PeftModel.from_pretrained(_load(folder, native=onto), tmp_path / f"adapter-{onto}").eval()
+        reloaded = PeftModel.from_pretrained(_load(folder, onto, torch.float32), tmp_path / f"adapter-{onto}").eval()
         assert _lora_factors(reloaded).keys() == ours.keys()
         with torch.no_grad():
             # the same factors on the same dequantized weights: only bf16 rounding of the summation order differs
@@ -318,12 +333,13 @@ def test_lora_on_attention_and_experts_trains_natively_as_on_the_dequantized_mod
 def test_expert_adapters_have_the_logical_shape_and_act(released):
     """``target_parameters`` on the natively loaded FP4 experts builds exactly the adapters PEFT builds on the bf16
     experts (names and shapes: per expert [out, in] of the logical weight, not of the packed bytes), and they act:
-    with the same non-zero factors the native logits equal the dequantized model's (the same products on the same
-    dequantized weights), and the expert adapters alone move them."""
+    with the same non-zero factors the native logits equal the dequantized model's, and the expert adapters alone
+    move them. In fp32: the native experts add the delta to the output, PEFT's on the bf16 experts fold it into the
+    weight first, and in bf16 the fold's rounding differs."""
     folder, ids = released[0], torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(7))
     torch.manual_seed(0)
-    dequantized = _adapted(_load(folder, native=False), init_lora_weights=False)
-    native = _adapted(_load(folder, native=True), start=_lora_factors(dequantized))
+    dequantized = _adapted(_load(folder, native=False, dtype=torch.float32), init_lora_weights=False)
+    native = _adapted(_load(folder, native=True, dtype=torch.float32), start=_lora_factors(dequantized))
     shapes = {n: p.shape for n, p in _lora_factors(native).items()}
     assert shapes == {n: p.shape for n, p in _lora_factors(dequantized).items()}
     prefix = "base_model.model.model.layers.1.ffn.experts."
@@ -333,7 +349,7 @@ def test_expert_adapters_have_the_logical_shape_and_act(released):
     assert shapes[prefix + "lora_A.default.weight"] == (4 * E, inter)  # down_proj: in = I
     with torch.no_grad():
         ours, theirs = native(ids).logits, dequantized(ids).logits
-        # measured bit-equal on this CPU; the tolerance allows for a BLAS that picks kernels by shape
+        # x·(W + BA)ᵀ against x·Wᵀ + (x·Aᵀ)·Bᵀ in fp32: the same to rounding
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
         with native.disable_adapter():
             plain = native(ids).logits
@@ -367,12 +383,12 @@ def test_expert_adapters_act_where_the_fp4_kernels_would_run(released):
 
 def test_expert_adapter_gradients_equal_the_dequantized_models(released):
     """Gradients to every LoRA factor (attention and experts) and to the experts' input equal the dequantized
-    model's: backward runs through the same dequantized weights plus the same bf16 delta; the tolerance only allows
-    for a BLAS that picks kernels by shape."""
+    model's. In fp32: natively the delta is added to the output, on the bf16 experts PEFT folds it into the weight
+    (their bf16 roundings differ); the tolerance only allows for a BLAS that picks kernels by shape."""
     folder, ids = released[0], torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(8))
     torch.manual_seed(1)
-    dequantized = _adapted(_load(folder, native=False), init_lora_weights=False)
-    native = _adapted(_load(folder, native=True), start=_lora_factors(dequantized))
+    dequantized = _adapted(_load(folder, native=False, dtype=torch.float32), init_lora_weights=False)
+    native = _adapted(_load(folder, native=True, dtype=torch.float32), start=_lora_factors(dequantized))
     grads = []
     for model in (native, dequantized):
         model(input_ids=ids, labels=ids).loss.backward()
@@ -381,7 +397,7 @@ def test_expert_adapter_gradients_equal_the_dequantized_models(released):
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], rtol=1e-3, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
-    hidden = torch.randn(6, TEXT["hidden_size"], dtype=torch.bfloat16, generator=torch.Generator().manual_seed(9))
+    hidden = torch.randn(6, TEXT["hidden_size"], generator=torch.Generator().manual_seed(9))
     index = torch.arange(12).remainder(TEXT["n_routed_experts"]).view(6, 2)
     weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(10))
     inputs = []
@@ -403,6 +419,29 @@ def _merged_against_adapted(model, ids) -> tuple[nn.Module, float, torch.Tensor,
         merged = model.merge_and_unload()
         ours = merged(ids).logits
     return merged, ((ours - adapted).norm() / (adapted - plain).norm()).item(), adapted, ours
+
+
+def test_nothing_dequantized_waits_for_the_backward(released, monkeypatch):
+    """LoRA training on the native base keeps no dequantized weight between the forward and the backward (the FP8
+    Linears and FP4 experts dequantize again in the backward; the expert deltas go to the output): what autograd saves
+    is activations and the stored bytes. Kept alive until the end, every dequantized tensor has its own storage."""
+    torch.manual_seed(4)
+    model = _adapted(_load(released[0], native=True), init_lora_weights=False)
+    dequantized, original = [], released_storage.dequantize_released_weight
+
+    def recording(*args):
+        dequantized.append(original(*args))
+        return dequantized[-1]
+
+    monkeypatch.setattr(released_storage, "dequantize_released_weight", recording)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().data_ptr()) or t, lambda t: t):
+        loss = model(input_ids=_SameBatch.ids, labels=_SameBatch.ids).loss
+    forward_dequantized = len(dequantized)
+    loss.backward()
+    assert forward_dequantized > 0 and len(dequantized) > forward_dequantized  # the backward dequantized again
+    assert not {t.untyped_storage().data_ptr() for t in dequantized[:forward_dequantized]} & set(saved)
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n and "ffn.experts" in n)
 
 
 def test_merging_into_a_native_base_merges_into_dequantized_copies(released):
@@ -428,13 +467,20 @@ def test_merging_into_a_native_base_merges_into_dequantized_copies(released):
     # of the delta (PEFT's own merge on the dequantized bf16 base: 4%); a delta rounded into FP8 would be mostly lost.
     assert error < 0.1, error
 
-    # the merged experts hold exactly the weights the adapted forward computes (the same bf16 addmm per expert):
-    # equal logits up to the summation order of the bf16 experts' forward
+    # merged experts: each holds its dequantized weight plus the delta, computed in fp32 and rounded to bf16 once
     torch.manual_seed(3)
     experts_only = _adapted(_load(released[0], native=True), init_lora_weights=False, target_modules=[])
-    merged, _, adapted, ours = _merged_against_adapted(experts_only, ids)
-    assert type(merged.model.layers[0].ffn.experts) is DeepseekV41Experts
-    torch.testing.assert_close(ours, adapted, rtol=1e-4, atol=1e-4)
+    wrapper = experts_only.base_model.model.model.layers[0].ffn.experts  # down_proj's, around gate_up_proj's
+    fp4 = wrapper.get_base_layer()
+    lora_a, lora_b, scaling = wrapper._factors(["default"])(1)[0]
+    columns = 2 * fp4.down_proj.shape[-1]
+    expected = released_storage.dequantize_released_weight(fp4.down_proj[1], fp4.down_proj_scale_inv[1], columns,
+                                                           torch.float32) + scaling * lora_b.float() @ lora_a.float()
+    merged, error, _, _ = _merged_against_adapted(experts_only, ids)
+    experts = merged.model.layers[0].ffn.experts
+    assert type(experts) is DeepseekV41Experts
+    torch.testing.assert_close(experts.down_proj[1].float(), expected, rtol=2**-8, atol=1e-6)  # one bf16 rounding
+    assert error < 0.1, error
 
 
 def test_expert_adapters_of_the_packed_width_are_an_error_not_inert(released, monkeypatch, tmp_path):

@@ -7,9 +7,10 @@ applies it as a parametrization of that parameter. On the natively loaded expert
 dropped. :func:`install_peft_dispatch` makes PEFT build, for the released FP4 experts, :class:`ParamWrapper`
 instead: PEFT's class with the factors of the logical per-expert shape ``[out, in]`` (the same shapes and state-dict
 keys as on the bf16 :class:`~modeling_dsv41.moe.DeepseekV41Experts`, so adapters move between the two bases), whose
-forward adds each adapter's delta to the dequantized weight of every expert tokens are routed to
-(:func:`~.native_precision.fp4_experts_forward`): exact gradients to the factors and the input, no expert stack
-materialized. Where transformers' FP4 kernels run, adapted experts run that weight-only computation too (the kernels
+forward adds each adapter's delta to the output of every expert tokens are routed to, ``x·Wᵀ + s·(x·Aᵀ)·Bᵀ``
+(:func:`~.native_precision.fp4_experts_forward`): exact gradients to the factors and the input, and neither an
+expert stack nor a dequantized expert kept for the backward (PEFT's wrapper on the bf16 experts builds the whole
+``[E, out, in]`` delta in every forward). Where transformers' FP4 kernels run, adapted experts run that weight-only computation too (the kernels
 take no delta).
 
 Merging: ``merge_and_unload()`` cannot fold a delta into FP8 / FP4 storage without rounding it away (most LoRA
@@ -76,18 +77,34 @@ class ParamWrapper(PeftParamWrapper):
         self.num_experts, self._param_ndim = num_experts, 3
         return rows, 2 * packed_columns
 
-    def _adapters(self, adapter_names: list[str]):
-        """expert e, its dequantized weight [out, in] → the weight plus every named adapter's delta, in the weight's
-        dtype (as PEFT folds ``W + scaling · B_e A_e`` on the bf16 experts)."""
+    def _factors(self, adapter_names: list[str]):
+        """expert e → the named adapters' factors of it, [(lora_A [r, in], lora_B [out, r], scaling), ...], applied to
+        the output by the forward (:class:`~.native_precision.FrozenExpertWeight`)."""
 
-        def adapt(expert: int, weight: torch.Tensor) -> torch.Tensor:
-            for name in adapter_names:
-                lora_a = self.lora_A[name].weight.view(self.num_experts, -1, self.in_features)[expert]  # [r, in]
-                lora_b = self.lora_B[name].weight.view(self.out_features, -1, self.num_experts)[..., expert]  # [out, r]
-                weight = torch.addmm(weight, lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=self.scaling[name])
-            return weight
+        def factors(expert: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+            return [
+                (
+                    self.lora_A[name].weight.view(self.num_experts, -1, self.in_features)[expert],
+                    self.lora_B[name].weight.view(self.out_features, -1, self.num_experts)[..., expert],
+                    self.scaling[name],
+                )
+                for name in adapter_names
+            ]
 
-        return adapt
+        return factors
+
+    def _merged(self, adapter_names: list[str]):
+        """expert e, its dequantized weight [out, in] → the weight plus every named adapter's delta
+        ``scaling · B_e A_e``, summed in fp32 and rounded to the weight's dtype once, for merging."""
+        factors = self._factors(adapter_names)
+
+        def merge(expert: int, weight: torch.Tensor) -> torch.Tensor:
+            merged = weight.float()
+            for lora_a, lora_b, scaling in factors(expert):
+                merged = torch.addmm(merged, lora_b.float(), lora_a.float(), alpha=scaling)
+            return merged.to(weight.dtype)
+
+        return merge
 
     def _active(self) -> list[str]:
         return [] if self.disable_adapters else [name for name in self.active_adapters if name in self.lora_A]
@@ -101,7 +118,7 @@ class ParamWrapper(PeftParamWrapper):
         adapters = dict(expert_adapters or {})
         active = self._active()
         if active:
-            adapters[self.parameter_name] = self._adapters(active)
+            adapters[self.parameter_name] = self._factors(active)
         if isinstance(self.base_layer, ParamWrapper):
             return self.base_layer(hidden_states, *args, expert_adapters=adapters, **kwargs)
         if not adapters:  # adapters disabled: the experts' own forward (the FP4 kernels where they run)
@@ -129,7 +146,7 @@ class ParamWrapper(PeftParamWrapper):
             packed, scales = getattr(experts, name), getattr(experts, f"{name}_scale_inv")
             adapt = None
             if name in wrappers:
-                adapt = wrappers[name]._adapters(check_adapters_to_merge(wrappers[name], adapter_names))
+                adapt = wrappers[name]._merged(check_adapters_to_merge(wrappers[name], adapter_names))
             weight = torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=MERGED_DTYPE, device=packed.device)
             with torch.no_grad():
                 for expert in range(packed.shape[0]):

@@ -19,10 +19,12 @@ fused routed experts for ``FP8Experts`` (``weight`` + ``weight_scale_inv``; ``ga
   (:mod:`.checkpoint_loading`) rather than renamed by the quantizer, and are never cast on load.
 
 The quantized weights and scales are frozen on load. Backward through a weight-only module is backward through the
-dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's). Training
+dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's); the
+weight is dequantized again for the backward rather than kept (:func:`~.released_storage.frozen_quantized_linear`),
+so training holds no dequantized copy of a layer. Training
 goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) and on the FP4 experts (PEFT's
 ``target_parameters``, adapters of the logical shape: :mod:`.native_lora`, whose forward is
-:func:`fp4_experts_forward` with the delta added) trains under ``DeepseekV41Trainer`` and transformers' ``Trainer``.
+:func:`fp4_experts_forward` with the delta added to each expert's output) trains under ``DeepseekV41Trainer`` and transformers' ``Trainer``.
 Full fine-tuning is refused by our own error (:func:`check_trainable`, from ``DeepseekV41Trainer`` and, through the
 quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load with
 ``FineGrainedFP8Config(dequantize=True)`` instead; so is an expert adapter of the packed width, which could not act.
@@ -48,7 +50,7 @@ from transformers.utils.import_utils import is_kernels_available
 from ..moe import routed_experts_forward
 from ..quantization import RELEASED_BLOCK_SIZE
 from .registration import register_quantization_config, register_quantizer
-from .released_storage import dequantize_released_weight
+from .released_storage import dequantize_released_weight, frozen_quantized_linear
 
 QUANT_METHOD = "deepseek_v41_fp8"
 # our Linears the release stores FP8 and that compute through their forward (a `Linear` the model reads `.weight`
@@ -155,14 +157,30 @@ class WeightOnlyFP8Linear(FP8Linear):
     tensor parallelism it runs on its local shard (whole 32x32 scale blocks), whose width is the weight's own."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():  # frozen weights: the input still gets its gradient, as through `FP8LinearFunction`
-            columns = self.weight.shape[-1]
-            weight = dequantize_released_weight(self.weight, self.weight_scale_inv, columns, input.dtype)
-        return F.linear(input, weight, self.bias)
+        # frozen weights: the input still gets its gradient, as through `FP8LinearFunction`
+        return frozen_quantized_linear(input, self.weight, self.weight_scale_inv, self.weight.shape[-1], self.bias)
 
 
-# expert `e`'s dequantized weight [out, in] (no gradient) → the weight its forward uses (a LoRA delta added)
-ExpertWeightAdapter = Callable[[int, torch.Tensor], torch.Tensor]
+# expert e → the LoRA factors adapting its weight [out, in]: [(lora_A [r, in], lora_B [out, r], scaling), ...]
+ExpertFactors = Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
+
+
+class FrozenExpertWeight:
+    """One routed expert's FP4 weight [out, in] as :func:`~modeling_dsv41.moe.routed_experts_forward` applies it
+    (a :class:`~modeling_dsv41.moe.ProjectedWeight`): dequantized inside each product and again in its backward
+    (:func:`~.released_storage.frozen_quantized_linear`), so no dequantized expert waits for the backward, and LoRA
+    factors added to the output, ``x·Wᵀ + scaling·(x·Aᵀ)·Bᵀ``, so only the rank-r intermediate is kept."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, factors: list | None = None):
+        self.packed, self.scale, self.factors = packed, scale, factors or []
+        self.shape = torch.Size((packed.shape[0], 2 * packed.shape[1]))
+
+    def linear(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        out = frozen_quantized_linear(x, self.packed[rows], self.scale[rows], self.shape[1])
+        for lora_a, lora_b, scaling in self.factors:  # in the factors' dtype, as PEFT's Linear computes its delta
+            delta = F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b[rows]) * scaling
+            out = out + delta.to(out.dtype)
+        return out
 
 
 def fp4_experts_forward(
@@ -170,21 +188,18 @@ def fp4_experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    adapters: Mapping[str, ExpertWeightAdapter] | None = None,
+    adapters: Mapping[str, ExpertFactors] | None = None,
 ) -> torch.Tensor:
-    """The FP4 ``experts`` computed as :class:`~modeling_dsv41.moe.DeepseekV41Experts`' eager forward, each expert's
-    weights dequantized only when tokens are routed to it, then passed through ``adapters[name]`` (``"gate_up_proj"``
-    / ``"down_proj"``) where given: the LoRA adapters of the logical shape (:mod:`.native_lora`), which add their
-    delta to the dequantized weight. hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
+    """The FP4 ``experts`` computed as :class:`~modeling_dsv41.moe.DeepseekV41Experts`' eager forward, only the experts
+    tokens are routed to, each weight a :class:`FrozenExpertWeight` with the LoRA factors ``adapters[name]``
+    (``"gate_up_proj"`` / ``"down_proj"``) gives it, if any (the adapters of the logical shape, :mod:`.native_lora`).
+    hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
     adapters = adapters or {}
-    dtype = hidden_states.dtype
 
-    def weight(name: str, expert: int) -> torch.Tensor:
-        with torch.no_grad():  # frozen bytes: the input and the adapters still get their gradients
-            packed, scale = getattr(experts, name)[expert], getattr(experts, f"{name}_scale_inv")[expert]
-            dequantized = dequantize_released_weight(packed, scale, 2 * packed.shape[-1], dtype)
-        adapter = adapters.get(name)
-        return dequantized if adapter is None else adapter(expert, dequantized)
+    def weight(name: str, expert: int) -> FrozenExpertWeight:
+        packed, scale = getattr(experts, name)[expert], getattr(experts, f"{name}_scale_inv")[expert]
+        factors = adapters[name](expert) if name in adapters else None
+        return FrozenExpertWeight(packed, scale, factors)
 
     return routed_experts_forward(
         hidden_states, top_k_index, top_k_weights, experts.num_experts, experts.limit or 0.0,

@@ -93,25 +93,29 @@ class _FrozenQuantizedLinear(torch.autograd.Function):
     the backward, as much memory per layer as a bf16 copy of its experts."""
 
     @staticmethod
-    def forward(ctx, input, weight, scale, columns):
+    def forward(ctx, input, weight, scale, columns, bias):
         ctx.save_for_backward(weight, scale)
         ctx.columns = columns
-        return torch.nn.functional.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype))
+        return torch.nn.functional.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         weight, scale = ctx.saved_tensors
         dense = dequantize_released_weight(weight, scale, ctx.columns, grad_output.dtype)
-        return grad_output @ dense, None, None, None
+        return grad_output @ dense, None, None, None, None
 
 
-def frozen_quantized_linear(input: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, columns: int) -> torch.Tensor:
-    """``F.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype))`` with the exact input
-    gradient and no weight gradient (released weights are frozen), holding only the stored bytes between the forward
-    and the backward."""
+def frozen_quantized_linear(
+    input: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, columns: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype), bias)`` with the exact input
+    gradient and none for the (frozen) weight and bias, holding only the stored bytes between the forward and the
+    backward."""
     if not (torch.is_grad_enabled() and input.requires_grad):
-        return torch.nn.functional.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype))
-    return _FrozenQuantizedLinear.apply(input, weight, scale, columns)
+        with torch.no_grad():
+            dense = dequantize_released_weight(weight, scale, columns, input.dtype)
+        return torch.nn.functional.linear(input, dense, bias)
+    return _FrozenQuantizedLinear.apply(input, weight, scale, columns, bias)
 
 
 __all__ = ["dequantize_released_weight", "frozen_quantized_linear", "stored_scale"]

@@ -331,9 +331,9 @@ def test_a_native_model_saves_as_fine_grained_fp8_and_reloads_natively(native, t
 
 
 def test_where_the_fp8_kernels_run_transformers_modules_are_kept(monkeypatch):
-    """On a GPU with transformers' FP8 kernels the quantizer leaves its `FP8Linear` / `FP8Experts` (DeepGEMM / Triton
-    dispatch) in place; elsewhere it swaps in the weight-only subclasses. Checked on the meta device: this machine
-    has no such GPU."""
+    """On a GPU with transformers' FP8 kernels the quantizer keeps its `FP8Linear` / `FP8Experts` (DeepGEMM / Triton
+    dispatch) with our backward (FP8KernelLinear / FP4KernelExperts); elsewhere it swaps in the weight-only
+    subclasses. Checked on the meta device: this machine has no such GPU."""
     config = DeepseekV41Config(text_config=TEXT)
     for usable, device_map, weight_only in ((True, {"": "cuda:0"}, False), (True, None, True), (False, "cuda", True)):
         monkeypatch.setattr(native_precision, "_fp8_kernels_usable", lambda: usable)
@@ -345,8 +345,9 @@ def test_where_the_fp8_kernels_run_transformers_modules_are_kept(monkeypatch):
         quantizer.validate_environment(device_map=device_map)
         quantizer.preprocess_model(model)
         linear, experts = model.model.layers[0].attn.wq_a, model.model.layers[0].ffn.experts
-        assert (type(linear) is WeightOnlyFP8Linear) == weight_only and isinstance(linear, FP8Linear)
-        assert isinstance(experts, WeightOnlyFP4Experts) == weight_only and isinstance(experts, FP8Experts)
+        assert type(linear) is (WeightOnlyFP8Linear if weight_only else native_precision.FP8KernelLinear)
+        assert type(experts) is (WeightOnlyFP4Experts if weight_only else native_precision.FP4KernelExperts)
+        assert isinstance(linear, FP8Linear) and isinstance(experts, FP8Experts)
         assert experts.gate_up_proj.dtype == torch.int8 and experts.gate_up_proj.shape == (4, 256, 128)
 
 
@@ -367,3 +368,96 @@ def test_the_loading_benchmark_device_check_runs_the_weight_only_path_on_cpu(rel
     assert result["max_abs_logit_diff"] == 0.0
     assert result["argmax_equal"] == result["positions"] == ids.numel()
     assert result["memory"] == {}  # allocation figures are CUDA's only
+
+
+def _forward_only_kernel(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None,
+                         allow_deepgemm=True):
+    """Stands in for transformers' FP8 / FP4 kernel (``finegrained_fp8.fp8_linear``) on the CPU: the same product,
+    and, as the kernel, no backward."""
+    columns = 2 * weight.shape[-1] if weight.dtype == torch.int8 else weight.shape[-1]
+    with torch.no_grad():
+        dense = native_precision.dequantize_released_weight(weight, weight_scale_inv, columns, input.dtype)
+        return torch.nn.functional.linear(input, dense, bias)
+
+
+@pytest.fixture
+def kernel_path(released, monkeypatch):
+    """The stand-in loaded as on a GPU with transformers' FP8 kernels, the kernel call replaced by the forward-only
+    fake above (this machine has neither the GPU nor the ``kernels`` package)."""
+    from transformers.integrations import finegrained_fp8
+
+    monkeypatch.setattr(native_precision, "_fp8_kernels_usable", lambda: True)
+    monkeypatch.setattr(native_precision, "_on_accelerator", lambda device_map: True)
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", _forward_only_kernel)
+    model = DeepseekV41ForCausalLM.from_pretrained(released[0])
+    layer = model.model.layers[1]
+    assert type(layer.attn.wq_a) is native_precision.FP8KernelLinear
+    assert type(layer.ffn.experts) is native_precision.FP4KernelExperts
+    x = torch.randn(2, TEXT["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+    assert _forward_only_kernel(x, layer.attn.wq_a.weight, layer.attn.wq_a.weight_scale_inv).grad_fn is None
+    return model
+
+
+def test_on_the_kernel_path_the_input_gets_the_weight_only_modules_gradient(kernel_path, native):
+    """FP8KernelLinear / FP4KernelExperts wrap the kernel call (here a fake without backward) in an autograd
+    function whose backward goes through the dequantized weights: each module's input gradient, and the routing
+    weights' through the experts, equal those of the weight-only module on the same parameters. The products are
+    the same; the tolerance only allows for a BLAS that picks kernels by shape."""
+    ours, theirs = kernel_path.model.layers[1], native.model.layers[1]
+    generator = torch.Generator().manual_seed(7)
+
+    def upstream(width: int) -> torch.Tensor:  # the same output gradient for both, bf16 values
+        return torch.randn(6, width, generator=torch.Generator().manual_seed(width)).to(torch.bfloat16)
+
+    hidden = torch.randn(6, TEXT["hidden_size"], dtype=torch.bfloat16, generator=generator)
+    for name in ("attn.wq_a", "attn.wkv", "ffn.shared_experts.w2"):
+        kernel, weight_only = ours.get_submodule(name), theirs.get_submodule(name)
+        x = torch.randn(6, weight_only.in_features, dtype=torch.bfloat16, generator=generator)
+        grads = []
+        for module in (kernel, weight_only):
+            leaf = x.clone().requires_grad_()
+            module(leaf).backward(upstream(weight_only.out_features))
+            grads.append(leaf.grad)
+        assert grads[0].abs().sum() > 0
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+    index = torch.arange(12).remainder(TEXT["n_routed_experts"]).view(6, 2)
+    weights = torch.rand(6, 2, generator=generator)
+    grads = []
+    for experts in (ours.ffn.experts, theirs.ffn.experts):
+        x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = experts(x, index, w)
+        out.backward(upstream(TEXT["hidden_size"]).to(out.dtype))  # bf16 (kernel path) or fp32: the same values
+        grads.append((x.grad, w.grad))
+    for got, expected in zip(grads[0], grads[1]):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+
+
+def test_on_the_kernel_path_no_gradient_is_dropped(kernel_path, monkeypatch):
+    """Through the whole model (kernels in every FP8 Linear and the FP4 experts): every trainable parameter's
+    gradient, the embedding's below all layers included, equals the one autograd gives when the same forward is
+    differentiable (transformers' modules on a fake kernel with a backward). Tolerance: our experts' backward is the
+    weight-only experts' (fp32 SwiGLU), transformers' eager FP4 experts compute the SwiGLU in bf16."""
+    from transformers.integrations import finegrained_fp8
+
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(3))
+    ours = _trainable_gradients(kernel_path, ids)
+
+    def differentiable_kernel(input, weight, weight_scale_inv, block_size=None, bias=None, *args):
+        columns = 2 * weight.shape[-1] if weight.dtype == torch.int8 else weight.shape[-1]
+        dense = native_precision.dequantize_released_weight(weight, weight_scale_inv, columns, input.dtype)
+        return torch.nn.functional.linear(input, dense, bias)
+
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", differentiable_kernel)
+    monkeypatch.setattr(finegrained_fp8, "_apply_if_grad", lambda function, direct, *args: direct(*args))
+    monkeypatch.setattr(native_precision.FP8KernelLinear, "forward", FP8Linear.forward)
+    monkeypatch.setattr(native_precision.FP4KernelExperts, "forward", FP8Experts.forward)
+    theirs = _trainable_gradients(kernel_path, ids)
+    assert ours.keys() == theirs.keys() and ours["model.embed.weight"].abs().sum() > 0
+    for name, grad in ours.items():
+        assert (grad is None) == (theirs[name] is None), name
+        if grad is not None:
+            cos = torch.nn.functional.cosine_similarity(grad.flatten().float(), theirs[name].flatten().float(), 0)
+            assert cos > 0.999, (name, cos)  # measured ≥ 0.9995
+            assert (grad - theirs[name]).abs().max() <= 0.05 * theirs[name].abs().max(), name  # measured ≤ 0.036

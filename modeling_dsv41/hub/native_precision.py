@@ -19,7 +19,10 @@ fused routed experts for ``FP8Experts`` (``weight`` + ``weight_scale_inv``; ``ga
   (:mod:`.checkpoint_loading`) rather than renamed by the quantizer, and are never cast on load.
 
 The quantized weights and scales are frozen on load. Backward through a weight-only module is backward through the
-dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's). Training
+dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's). Where
+the kernels run, the quantizer keeps them but swaps in :class:`FP8KernelLinear` / :class:`FP4KernelExperts`: the
+kernel call inside a custom autograd function whose backward goes through the dequantized weights, so the gradient
+is that of the weight-only modules (transformers' FP4 expert kernels have no backward: none, or an error). Training
 goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) trains under ``DeepseekV41Trainer`` and
 transformers' ``Trainer``. Full fine-tuning is refused by our own error (:func:`check_trainable`, from
 ``DeepseekV41Trainer`` and, through the quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 from transformers import FineGrainedFP8Config
+from transformers.integrations import finegrained_fp8
 from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 from transformers.utils.import_utils import is_kernels_available
@@ -180,15 +184,95 @@ class WeightOnlyFP4Experts(FP8Experts):
         )
 
 
+class _KernelLinearFunction(torch.autograd.Function):
+    """A quantized kernel's product ``input @ W.T`` (forward only) with the backward of the dequantized product:
+    ``grad_input = grad_output @ W``, ``W`` dequantized as the weight-only modules do (frozen: no weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, weight_scale_inv, columns, kernel):
+        ctx.save_for_backward(weight, weight_scale_inv)
+        ctx.columns = columns
+        return kernel(input)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        weight, weight_scale_inv = ctx.saved_tensors
+        dense = dequantize_released_weight(weight, weight_scale_inv, ctx.columns, grad_output.dtype)
+        return grad_output @ dense, None, None, None, None
+
+
+class FP8KernelLinear(FP8Linear):
+    """``FP8Linear`` running transformers' FP8 kernel (DeepGEMM / Triton), with the exact input gradient: backward
+    through the dequantized weight (:class:`_KernelLinearFunction`), the gradient :class:`WeightOnlyFP8Linear` gives."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        def kernel(x: torch.Tensor) -> torch.Tensor:
+            return finegrained_fp8.fp8_linear(
+                x, self.weight, self.weight_scale_inv, self.block_size, self.bias, self.activation_scale,
+                not self._deepgemm_disabled,
+            )
+
+        if not (torch.is_grad_enabled() and input.requires_grad):
+            return kernel(input)
+        return _KernelLinearFunction.apply(input, self.weight, self.weight_scale_inv, self.weight.shape[-1], kernel)
+
+
+class _KernelExpertsFunction(torch.autograd.Function):
+    """The routed experts run by transformers' kernels (forward only: whichever ``experts_implementation``
+    dispatches them), differentiated as :class:`WeightOnlyFP4Experts`: the backward recomputes the experts on their
+    dequantized weights (as activation checkpointing would) and differentiates that, for the hidden states and the
+    routing weights. Only the inputs are saved."""
+
+    @staticmethod
+    def forward(ctx, experts, hidden_states, top_k_index, top_k_weights):
+        ctx.experts = experts
+        ctx.save_for_backward(hidden_states, top_k_index, top_k_weights)
+        return FP8Experts.forward(experts, hidden_states, top_k_index, top_k_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden_states, top_k_index, top_k_weights = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(needs) for t, needs in
+                  ((hidden_states, ctx.needs_input_grad[1]), (top_k_weights, ctx.needs_input_grad[3]))]
+        with torch.enable_grad():
+            out = WeightOnlyFP4Experts.forward(ctx.experts, inputs[0], top_k_index, inputs[1])
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad_output.to(out.dtype)))
+        grad_hidden, grad_weights = (next(grads) if t.requires_grad else None for t in inputs)
+        return None, grad_hidden, None, grad_weights
+
+
+class FP4KernelExperts(FP8Experts):
+    """``FP8Experts`` (FP4 weights) running transformers' kernels, with the exact input gradient: forward through
+    the kernels, backward through the dequantized weights (:class:`_KernelExpertsFunction`); the FP4 kernels have no
+    backward of their own (transformers' raises for FP4 weights, or has none and drops the gradient)."""
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)):
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        return _KernelExpertsFunction.apply(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _with_exact_gradient(module: nn.Module, config) -> nn.Module:
+    """The kernel-path module with our backward (same parameters, same kernels)."""
+    return _replacement(module, config, FP4KernelExperts, FP8KernelLinear)
+
+
 def _weight_only(module: nn.Module, config) -> nn.Module:
+    return _replacement(module, config, WeightOnlyFP4Experts, WeightOnlyFP8Linear)
+
+
+def _replacement(module: nn.Module, config, experts_class: type, linear_class: type) -> nn.Module:
     with torch.device("meta"):
         if isinstance(module, FP8Experts):
-            new = WeightOnlyFP4Experts(
+            new = experts_class(
                 module.config, block_size=config.weight_block_size, scale_fmt=config.scale_fmt,
                 expert_dtype=config.expert_dtype,
             )
         else:
-            new = WeightOnlyFP8Linear(
+            new = linear_class(
                 module.in_features, module.out_features, block_size=config.weight_block_size,
                 scale_fmt=config.scale_fmt, has_bias=module.bias is not None,
             )
@@ -214,11 +298,10 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         super()._process_model_before_weight_loading(model, **kwargs)
-        if not self.weight_only:
-            return
+        replace = _weight_only if self.weight_only else _with_exact_gradient
         for name, module in list(model.named_modules()):
             if type(module) is FP8Linear or isinstance(module, FP8Experts):
-                model.set_submodule(name, _weight_only(module, self.quantization_config))
+                model.set_submodule(name, replace(module, self.quantization_config))
 
     def get_new_dtype(self, converter, param, dtype):
         """Quantized checkpoint tensors (FP8 weights, E8M0 scales, FP4 bytes) load as stored: the conversions read
@@ -252,6 +335,8 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
 __all__ = [
     "DeepseekV41FP8Config",
     "DeepseekV41FP8Quantizer",
+    "FP4KernelExperts",
+    "FP8KernelLinear",
     "WeightOnlyFP4Experts",
     "WeightOnlyFP8Linear",
     "check_trainable",

@@ -142,12 +142,27 @@ def _trainable_gradients(model, ids: torch.Tensor) -> dict[str, torch.Tensor | N
     return grads
 
 
-def test_gradients_through_the_native_model_equal_the_dequantized_models(native, dequantized):
+@pytest.fixture(scope="module")
+def native_fp32(released):
+    return DeepseekV41ForCausalLM.from_pretrained(released[0], dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def dequantized_fp32(released):
+    config = FineGrainedFP8Config(dequantize=True)
+    return DeepseekV41ForCausalLM.from_pretrained(released[0], dtype=torch.float32, quantization_config=config)
+
+
+def test_gradients_through_the_native_model_equal_the_dequantized_models(native_fp32, dequantized_fp32):
     """Frozen quantized bases with exact gradients: backward through a weight-only module is backward through the
     dequantized weight it computes with, so the gradient of every parameter left trainable (the embedding below all
     layers, norms, router, mHC, ``wo_a``, the head) equals the dequantized model's. A dropped gradient (an FP8 module
     without backward) would leave the layers below it with none or another one. The two backward passes run the
-    same products on the same shapes; the tolerance only allows for a BLAS that picks kernels by shape."""
+    same products on the same shapes, but the experts' input gradients reach the layer's input as one sum (their
+    backward recomputes them, see WeightOnlyFP4Experts) where the dequantized model adds them one by one with the
+    shared expert's and the router's: in fp32, so that this order shows only in the last bits (in bf16 it moves
+    ulps, which the layers below carry on); the tolerance allows for that and a BLAS that picks kernels by shape."""
+    native, dequantized = native_fp32, dequantized_fp32
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(3))
     ours, theirs = _trainable_gradients(native, ids), _trainable_gradients(dequantized, ids)
     stored = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
@@ -156,9 +171,9 @@ def test_gradients_through_the_native_model_equal_the_dequantized_models(native,
     assert "model.embed.weight" in ours and ours["model.embed.weight"].abs().sum() > 0
     assert ours["model.layers.0.attn.wo_a.weight"].abs().sum() > 0  # below layer 1's FP8 Linears and FP4 experts
     for name, grad in ours.items():
-        assert (grad is None) == (theirs[name] is None), name
+        assert (grad is None) == (theirs[name] is None), (name, grad is None, theirs[name] is None)
         if grad is not None:
-            torch.testing.assert_close(grad, theirs[name], rtol=1e-3, atol=1e-6, msg=name)
+            torch.testing.assert_close(grad, theirs[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_the_input_gets_the_exact_gradient_through_the_weight_only_experts(native, dequantized):
@@ -256,14 +271,14 @@ def _lora_trained(base, kind: str, output_dir, start: dict[str, torch.Tensor] | 
 def test_lora_on_the_fp8_linears_trains_natively_as_on_the_dequantized_model(released, kind, tmp_path):
     """LoRA on the natively loaded FP8 Linears (PEFT's dispatch wraps transformers' FP8Linear) trains under both
     trainers; after 3 steps its adapters equal those trained on the dequantized base (the gradients are the same,
-    see above: the tolerance only allows for a BLAS that picks kernels by shape), and the saved adapter loads onto
-    either base with the same logits."""
+    see above; in fp32 for the same reason), and the saved adapter loads onto either base with the same logits."""
     from peft import PeftModel
 
     folder = released[0]
-    native, initial = _lora_trained(DeepseekV41ForCausalLM.from_pretrained(folder), kind, tmp_path / "native")
+    fp32 = {"dtype": torch.float32}
+    native, initial = _lora_trained(DeepseekV41ForCausalLM.from_pretrained(folder, **fp32), kind, tmp_path / "native")
     dequantized, _ = _lora_trained(
-        DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True)),
+        DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True), **fp32),
         kind, tmp_path / "dequantized", start=initial,
     )
     ours = {n: p for n, p in native.named_parameters() if "lora_" in n}
@@ -272,14 +287,19 @@ def test_lora_on_the_fp8_linears_trains_natively_as_on_the_dequantized_model(rel
     untrained = [n for n, p in ours.items() if torch.equal(p, initial[n])]
     assert not untrained  # every factor of every adapter moved
     for name, param in ours.items():
-        torch.testing.assert_close(param, theirs[name], rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        # Adam's first updates are ≈ lr·sign(g): where a gradient is near zero, the last-bit differences of the
+        # gradients (the order of one sum, see above) can move an element by up to 2·lr, so elementwise bounds
+        # cannot hold; the factor's update as a whole agrees (measured ≤ 0.01 relative: one or a few elements of
+        # 1024 off by ≤ 0.13·lr); a dropped or wrong gradient is off by O(1)
+        update = theirs[name] - initial[name]
+        assert (param - theirs[name]).norm() <= 0.05 * update.norm(), name
 
     native.save_pretrained(tmp_path / "adapter")
     ids = _SameBatch.ids
     with torch.no_grad():
         trained = native(input_ids=ids).logits
-        for base in (DeepseekV41ForCausalLM.from_pretrained(folder),
-                     DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True))):
+        for base in (DeepseekV41ForCausalLM.from_pretrained(folder, **fp32),
+                     DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True), **fp32)):
             reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
             torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, rtol=1e-3, atol=1e-3)
 
@@ -456,7 +476,7 @@ def test_on_the_kernel_path_no_gradient_is_dropped(kernel_path, monkeypatch):
     theirs = _trainable_gradients(kernel_path, ids)
     assert ours.keys() == theirs.keys() and ours["model.embed.weight"].abs().sum() > 0
     for name, grad in ours.items():
-        assert (grad is None) == (theirs[name] is None), name
+        assert (grad is None) == (theirs[name] is None), (name, grad is None, theirs[name] is None)
         if grad is not None:
             cos = torch.nn.functional.cosine_similarity(grad.flatten().float(), theirs[name].flatten().float(), 0)
             assert cos > 0.999, (name, cos)  # measured ≥ 0.9995

@@ -141,20 +141,87 @@ def check_trainable(model: nn.Module) -> None:
         )
 
 
+class _DequantizedBackwardLinear(torch.autograd.Function):
+    """``product(input)`` (``input @ W.T`` by an FP8 kernel or on the dequantized weight, not differentiated) with
+    the backward of the dequantized product: ``grad_input = grad_output @ W``, ``W`` dequantized again from the
+    saved FP8 weight (frozen: no weight gradient). Only the quantized weight is kept for backward, never a
+    dequantized copy."""
+
+    @staticmethod
+    def forward(ctx, input, weight, weight_scale_inv, columns, product):
+        ctx.save_for_backward(weight, weight_scale_inv)
+        ctx.columns = columns
+        return product(input)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        weight, weight_scale_inv = ctx.saved_tensors
+        dense = dequantize_released_weight(weight, weight_scale_inv, ctx.columns, grad_output.dtype)
+        return grad_output @ dense, None, None, None, None
+
+
+def _linear_with_dequantized_backward(module: FP8Linear, input: torch.Tensor, product) -> torch.Tensor:
+    if not (torch.is_grad_enabled() and input.requires_grad):
+        return product(input)
+    columns = module.weight.shape[-1]
+    return _DequantizedBackwardLinear.apply(input, module.weight, module.weight_scale_inv, columns, product)
+
+
 class WeightOnlyFP8Linear(FP8Linear):
     """``FP8Linear`` computed by dequantizing its weight to the input's dtype in the forward (no FP8 kernel). Under
-    tensor parallelism it runs on its local shard (whole 32x32 scale blocks), whose width is the weight's own."""
+    tensor parallelism it runs on its local shard (whole 32x32 scale blocks), whose width is the weight's own.
+    Backward dequantizes the weight again (:class:`_DequantizedBackwardLinear`): a training step holds no
+    dequantized copy of the weights between forward and backward."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():  # frozen weights: the input still gets its gradient, as through `FP8LinearFunction`
-            columns = self.weight.shape[-1]
-            weight = dequantize_released_weight(self.weight, self.weight_scale_inv, columns, input.dtype)
+        return _linear_with_dequantized_backward(self, input, self._dequantized_product)
+
+    @torch.no_grad()
+    def _dequantized_product(self, input: torch.Tensor) -> torch.Tensor:
+        weight = dequantize_released_weight(self.weight, self.weight_scale_inv, self.weight.shape[-1], input.dtype)
         return F.linear(input, weight, self.bias)
+
+
+class _DequantizedBackwardExperts(torch.autograd.Function):
+    """``run(hidden_states, top_k_index, top_k_weights)`` (the routed experts by transformers' kernels or on
+    dequantized weights, not differentiated) with the backward of :class:`WeightOnlyFP4Experts`' computation: it is
+    recomputed on the dequantized weights, as activation checkpointing would, and differentiated for the hidden
+    states, the routing weights and the module's trainable parameters (``params``). Only the inputs are saved, no
+    dequantized expert weights."""
+
+    @staticmethod
+    def forward(ctx, experts, run, hidden_states, top_k_index, top_k_weights, *params):
+        ctx.experts = experts
+        ctx.save_for_backward(hidden_states, top_k_index, top_k_weights, *params)
+        return run(hidden_states, top_k_index, top_k_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden_states, top_k_index, top_k_weights, *params = ctx.saved_tensors
+        hidden_states = hidden_states.detach().requires_grad_(ctx.needs_input_grad[2])
+        top_k_weights = top_k_weights.detach().requires_grad_(ctx.needs_input_grad[4])
+        with torch.enable_grad():
+            out = ctx.experts._dequantized_forward(hidden_states, top_k_index, top_k_weights)
+        inputs = [hidden_states, top_k_weights, *params]
+        needs = ctx.needs_input_grad[2:3] + ctx.needs_input_grad[4:]
+        wanted = [t for t, need in zip(inputs, needs) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad_output.to(out.dtype), allow_unused=True))
+        hidden_grad, weights_grad, *param_grads = (next(grads) if need else None for need in needs)
+        return None, None, hidden_grad, None, weights_grad, *param_grads
+
+
+def _experts_with_dequantized_backward(experts: FP8Experts, hidden_states, top_k_index, top_k_weights, run):
+    params = [p for p in experts.parameters() if p.requires_grad]
+    if not (torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad or params)):
+        return run(hidden_states, top_k_index, top_k_weights)
+    return _DequantizedBackwardExperts.apply(experts, run, hidden_states, top_k_index, top_k_weights, *params)
 
 
 class WeightOnlyFP4Experts(FP8Experts):
     """``FP8Experts`` (FP4 weights) computed as :class:`~modeling_dsv41.moe.DeepseekV41Experts`' eager forward, each
-    expert's weights dequantized only when tokens are routed to it."""
+    expert's weights dequantized only when tokens are routed to it. Backward recomputes the experts
+    (:class:`_DequantizedBackwardExperts`): a training step holds no dequantized expert weights between forward
+    and backward."""
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -167,7 +234,12 @@ class WeightOnlyFP4Experts(FP8Experts):
                 "delta: it would do nothing. Load the model with quantization_config=FineGrainedFP8Config("
                 "dequantize=True) to adapt the experts."
             )
+        run = torch.no_grad()(self._dequantized_forward)
+        return _experts_with_dequantized_backward(self, hidden_states, top_k_index, top_k_weights, run)
 
+    def _dequantized_forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         @torch.no_grad()
         def expert_weights(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
             dtype = hidden_states.dtype
@@ -184,75 +256,35 @@ class WeightOnlyFP4Experts(FP8Experts):
         )
 
 
-class _KernelLinearFunction(torch.autograd.Function):
-    """A quantized kernel's product ``input @ W.T`` (forward only) with the backward of the dequantized product:
-    ``grad_input = grad_output @ W``, ``W`` dequantized as the weight-only modules do (frozen: no weight gradient)."""
-
-    @staticmethod
-    def forward(ctx, input, weight, weight_scale_inv, columns, kernel):
-        ctx.save_for_backward(weight, weight_scale_inv)
-        ctx.columns = columns
-        return kernel(input)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        weight, weight_scale_inv = ctx.saved_tensors
-        dense = dequantize_released_weight(weight, weight_scale_inv, ctx.columns, grad_output.dtype)
-        return grad_output @ dense, None, None, None, None
-
-
 class FP8KernelLinear(FP8Linear):
     """``FP8Linear`` running transformers' FP8 kernel (DeepGEMM / Triton), with the exact input gradient: backward
-    through the dequantized weight (:class:`_KernelLinearFunction`), the gradient :class:`WeightOnlyFP8Linear` gives."""
+    through the dequantized weight (:class:`_DequantizedBackwardLinear`), the gradient :class:`WeightOnlyFP8Linear`
+    gives."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        def kernel(x: torch.Tensor) -> torch.Tensor:
-            return finegrained_fp8.fp8_linear(
-                x, self.weight, self.weight_scale_inv, self.block_size, self.bias, self.activation_scale,
-                not self._deepgemm_disabled,
-            )
+        return _linear_with_dequantized_backward(self, input, self._kernel_product)
 
-        if not (torch.is_grad_enabled() and input.requires_grad):
-            return kernel(input)
-        return _KernelLinearFunction.apply(input, self.weight, self.weight_scale_inv, self.weight.shape[-1], kernel)
-
-
-class _KernelExpertsFunction(torch.autograd.Function):
-    """The routed experts run by transformers' kernels (forward only: whichever ``experts_implementation``
-    dispatches them), differentiated as :class:`WeightOnlyFP4Experts`: the backward recomputes the experts on their
-    dequantized weights (as activation checkpointing would) and differentiates that, for the hidden states and the
-    routing weights. Only the inputs are saved."""
-
-    @staticmethod
-    def forward(ctx, experts, hidden_states, top_k_index, top_k_weights):
-        ctx.experts = experts
-        ctx.save_for_backward(hidden_states, top_k_index, top_k_weights)
-        return FP8Experts.forward(experts, hidden_states, top_k_index, top_k_weights)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        hidden_states, top_k_index, top_k_weights = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(needs) for t, needs in
-                  ((hidden_states, ctx.needs_input_grad[1]), (top_k_weights, ctx.needs_input_grad[3]))]
-        with torch.enable_grad():
-            out = WeightOnlyFP4Experts.forward(ctx.experts, inputs[0], top_k_index, inputs[1])
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad_output.to(out.dtype)))
-        grad_hidden, grad_weights = (next(grads) if t.requires_grad else None for t in inputs)
-        return None, grad_hidden, None, grad_weights
+    @torch.no_grad()
+    def _kernel_product(self, input: torch.Tensor) -> torch.Tensor:
+        return finegrained_fp8.fp8_linear(
+            input, self.weight, self.weight_scale_inv, self.block_size, self.bias, self.activation_scale,
+            not self._deepgemm_disabled,
+        )
 
 
 class FP4KernelExperts(FP8Experts):
-    """``FP8Experts`` (FP4 weights) running transformers' kernels, with the exact input gradient: forward through
-    the kernels, backward through the dequantized weights (:class:`_KernelExpertsFunction`); the FP4 kernels have no
-    backward of their own (transformers' raises for FP4 weights, or has none and drops the gradient)."""
+    """``FP8Experts`` (FP4 weights) running transformers' kernels (whichever ``experts_implementation`` dispatches
+    them), with the exact input gradient: backward through the dequantized weights, as :class:`WeightOnlyFP4Experts`
+    (:class:`_DequantizedBackwardExperts`). transformers' FP4 expert kernels have no backward of their own (its eager
+    and grouped paths raise for FP4 weights, its DeepGEMM and batched paths drop the gradient)."""
+
+    _dequantized_forward = WeightOnlyFP4Experts._dequantized_forward
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        if not (torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)):
-            return super().forward(hidden_states, top_k_index, top_k_weights)
-        return _KernelExpertsFunction.apply(self, hidden_states, top_k_index, top_k_weights)
+        run = torch.no_grad()(super().forward)
+        return _experts_with_dequantized_backward(self, hidden_states, top_k_index, top_k_weights, run)
 
 
 def _with_exact_gradient(module: nn.Module, config) -> nn.Module:

@@ -80,7 +80,11 @@ def measure(folder: str, case: str, device: str, seq: int, batch: int, steps: in
     timed steps; the memory figures of the module docstring."""
     import gc
 
+    import peft  # noqa: F401  imported before the memory baseline, as everything the step needs
     import torch
+    import transformers  # noqa: F401
+
+    import modeling_dsv41  # noqa: F401
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cuda = torch.device(device).type == "cuda"

@@ -176,9 +176,13 @@ def test_gradients_through_the_native_model_equal_the_dequantized_models(native_
             torch.testing.assert_close(grad, theirs[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_the_input_gets_the_exact_gradient_through_the_weight_only_experts(native, dequantized):
+@pytest.mark.parametrize("budget", ["default", "one expert"])
+def test_the_input_gets_the_exact_gradient_through_the_weight_only_experts(native, dequantized, budget, monkeypatch):
     """The FP4 experts' input gradient is that of the dequantized experts (backward through the dequantized
-    weights), for every routed expert."""
+    weights), for every routed expert; also when the backward recomputes the experts one at a time (the released
+    model's experts are each over the budget)."""
+    if budget == "one expert":
+        monkeypatch.setattr(native_precision, "_BACKWARD_BUDGET_BYTES", 1)
     ours, theirs = native.model.layers[1].ffn.experts, dequantized.model.layers[1].ffn.experts
     assert isinstance(ours, WeightOnlyFP4Experts)
     hidden = torch.randn(6, TEXT["hidden_size"], dtype=torch.bfloat16, generator=torch.Generator().manual_seed(4))
@@ -186,11 +190,12 @@ def test_the_input_gets_the_exact_gradient_through_the_weight_only_experts(nativ
     weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(5))
     grads = []
     for experts in (ours, theirs):
-        x = hidden.clone().requires_grad_()
-        experts(x, index, weights).pow(2).sum().backward()
-        grads.append(x.grad)
-    assert grads[0].abs().sum() > 0
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6)  # same products, see above
+        x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        experts(x, index, w).pow(2).sum().backward()
+        grads.append((x.grad, w.grad))
+    for got, expected in zip(*grads):  # the input's and the routing weights'
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-6)  # same products, see above
 
 
 def _trainer(kind: str, model, output_dir):

@@ -182,12 +182,18 @@ class WeightOnlyFP8Linear(FP8Linear):
         return F.linear(input, weight, self.bias)
 
 
+# the most bytes of dequantized expert weights one step of the experts' backward holds (transformers' FP8 grouped
+# backward has the same kind of budget); DeepSeek-V4.1's experts exceed it one by one: one expert at a time
+_BACKWARD_BUDGET_BYTES = 1 << 26
+
+
 class _DequantizedBackwardExperts(torch.autograd.Function):
     """``run(hidden_states, top_k_index, top_k_weights)`` (the routed experts by transformers' kernels or on
     dequantized weights, not differentiated) with the backward of :class:`WeightOnlyFP4Experts`' computation: it is
-    recomputed on the dequantized weights, as activation checkpointing would, and differentiated for the hidden
-    states, the routing weights and the module's trainable parameters (``params``). Only the inputs are saved, no
-    dequantized expert weights."""
+    recomputed on the dequantized weights, as activation checkpointing would, a group of experts at a time (at most
+    :data:`_BACKWARD_BUDGET_BYTES` of their weights dequantized at once; the other slots routed to the skipped id
+    ``num_experts``, as expert parallelism does), and differentiated for the hidden states, the routing weights and
+    the module's trainable parameters (``params``). Only the inputs are saved, no dequantized expert weights."""
 
     @staticmethod
     def forward(ctx, experts, run, hidden_states, top_k_index, top_k_weights, *params):
@@ -198,15 +204,26 @@ class _DequantizedBackwardExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         hidden_states, top_k_index, top_k_weights, *params = ctx.saved_tensors
+        experts = ctx.experts
         hidden_states = hidden_states.detach().requires_grad_(ctx.needs_input_grad[2])
         top_k_weights = top_k_weights.detach().requires_grad_(ctx.needs_input_grad[4])
-        with torch.enable_grad():
-            out = ctx.experts._dequantized_forward(hidden_states, top_k_index, top_k_weights)
         inputs = [hidden_states, top_k_weights, *params]
         needs = ctx.needs_input_grad[2:3] + ctx.needs_input_grad[4:]
         wanted = [t for t, need in zip(inputs, needs) if need]
-        grads = iter(torch.autograd.grad(out, wanted, grad_output.to(out.dtype), allow_unused=True))
-        hidden_grad, weights_grad, *param_grads = (next(grads) if need else None for need in needs)
+        sums = [None] * len(wanted)  # fp32: the groups' contributions add up without bf16 rounding in between
+        expert_bytes = 3 * experts.intermediate_dim * experts.hidden_dim * hidden_states.element_size()
+        per_group = max(1, _BACKWARD_BUDGET_BYTES // expert_bytes)
+        for first in range(0, experts.num_experts, per_group):
+            in_group = (top_k_index >= first) & (top_k_index < first + per_group)
+            if not in_group.any():
+                continue
+            index = top_k_index.masked_fill(~in_group, experts.num_experts)
+            with torch.enable_grad():
+                out = experts._dequantized_forward(hidden_states, index, top_k_weights)
+            grads = torch.autograd.grad(out, wanted, grad_output.to(out.dtype), allow_unused=True)
+            sums = [s if g is None else g.float() if s is None else s + g for s, g in zip(sums, grads)]
+        totals = iter(None if s is None else s.to(t.dtype) for s, t in zip(sums, wanted))
+        hidden_grad, weights_grad, *param_grads = (next(totals) if need else None for need in needs)
         return None, None, hidden_grad, None, weights_grad, *param_grads
 
 

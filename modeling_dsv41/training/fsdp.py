@@ -88,7 +88,8 @@ def shard_model(
         model: a DeepSeek-V4.1 model (or a PEFT wrapper around one) with its weights loaded.
         mesh: the 1-D data-parallel ``DeviceMesh`` (default: every rank of the default group).
         mp_policy: FSDP2 mixed precision; with a ``param_dtype`` other than fp32 the fp32-kept parameters stay
-            fp32 and replicated (see the module docstring).
+            fp32 and replicated, and the quantized modules (natively loaded FP8 / FP4) are units that cast
+            nothing (see the module docstring). Frozen Engram tables are never sharded.
         reshard_after_forward, offload_policy: as in ``fully_shard`` (``CPUOffloadPolicy()`` keeps the shards,
             their gradients and the optimizer step on the CPU).
     """

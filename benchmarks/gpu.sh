@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 14 and 15 in one run, about 9 minutes on one H200, from the repository root:
+# The GPU checks of issues 14, 15, 21 and 22 in one run, about 10 minutes on one H200, from the repository root:
 #
 #     bash benchmarks/gpu.sh
 #
@@ -73,6 +73,8 @@ EOF
     step 90 "$PYTHON" benchmarks/memory.py --size medium --device cuda --dtype bfloat16 --seqs 8192 131072
     # issue 14: the released-format stand-in loaded natively on the GPU, logits against the dequantized load
     step 100 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100
+    # issue 21: one LoRA step on the stand-in, native (FP8/FP4 kept) vs dequantized: peak memory, time, gradients
+    step 90 "$PYTHON" benchmarks/finetune.py --device cuda --seq 512 --steps 3
     # issue 22: DSpark speculative decoding vs plain cached greedy decoding (draft head trained first), tiny and medium
     step 120 "$PYTHON" benchmarks/speculative.py --size tiny --device cuda --new-tokens 128 --train-steps 300
     step 240 "$PYTHON" benchmarks/speculative.py --size medium --device cuda --dtype bfloat16 --new-tokens 64 \

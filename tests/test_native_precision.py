@@ -150,12 +150,27 @@ def _trainable_gradients(model, ids: torch.Tensor) -> dict[str, torch.Tensor | N
     return grads
 
 
-def test_gradients_through_the_native_model_equal_the_dequantized_models(native, dequantized):
+@pytest.fixture(scope="module")
+def native_fp32(released):
+    return DeepseekV41ForCausalLM.from_pretrained(released[0], dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def dequantized_fp32(released):
+    config = FineGrainedFP8Config(dequantize=True)
+    return DeepseekV41ForCausalLM.from_pretrained(released[0], dtype=torch.float32, quantization_config=config)
+
+
+def test_gradients_through_the_native_model_equal_the_dequantized_models(native_fp32, dequantized_fp32):
     """Frozen quantized bases with exact gradients: backward through a weight-only module is backward through the
     dequantized weight it computes with, so the gradient of every parameter left trainable (the embedding below all
     layers, norms, router, mHC, ``wo_a``, the head) equals the dequantized model's. A dropped gradient (an FP8 module
     without backward) would leave the layers below it with none or another one. The two backward passes run the
-    same products on the same shapes; the tolerance only allows for a BLAS that picks kernels by shape."""
+    same products on the same shapes, but the experts' input gradients reach the layer's input as one sum (their
+    backward recomputes them, see WeightOnlyFP4Experts) where the dequantized model adds them one by one with the
+    shared expert's and the router's: in fp32, so that this order shows only in the last bits (in bf16 it moves
+    ulps, which the layers below carry on); the tolerance allows for that and a BLAS that picks kernels by shape."""
+    native, dequantized = native_fp32, dequantized_fp32
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(3))
     ours, theirs = _trainable_gradients(native, ids), _trainable_gradients(dequantized, ids)
     stored = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
@@ -164,14 +179,14 @@ def test_gradients_through_the_native_model_equal_the_dequantized_models(native,
     assert "model.embed.weight" in ours and ours["model.embed.weight"].abs().sum() > 0
     assert ours["model.layers.0.attn.wo_a.weight"].abs().sum() > 0  # below layer 1's FP8 Linears and FP4 experts
     for name, grad in ours.items():
-        assert (grad is None) == (theirs[name] is None), name
+        assert (grad is None) == (theirs[name] is None), (name, grad is None, theirs[name] is None)
         if grad is not None:
-            torch.testing.assert_close(grad, theirs[name], rtol=1e-3, atol=1e-6, msg=name)
+            torch.testing.assert_close(grad, theirs[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_the_input_gets_the_exact_gradient_through_the_weight_only_experts(native, dequantized):
     """The FP4 experts' input gradient is that of the dequantized experts (backward through the dequantized
-    weights), for every routed expert."""
+    weights, each expert's dequantized again for its own products), for every routed expert."""
     ours, theirs = native.model.layers[1].ffn.experts, dequantized.model.layers[1].ffn.experts
     assert isinstance(ours, WeightOnlyFP4Experts)
     hidden = torch.randn(6, TEXT["hidden_size"], dtype=torch.bfloat16, generator=torch.Generator().manual_seed(4))
@@ -179,11 +194,12 @@ def test_the_input_gets_the_exact_gradient_through_the_weight_only_experts(nativ
     weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(5))
     grads = []
     for experts in (ours, theirs):
-        x = hidden.clone().requires_grad_()
-        experts(x, index, weights).pow(2).sum().backward()
-        grads.append(x.grad)
-    assert grads[0].abs().sum() > 0
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6)  # same products, see above
+        x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        experts(x, index, w).pow(2).sum().backward()
+        grads.append((x.grad, w.grad))
+    for got, expected in zip(*grads):  # the input's and the routing weights'
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-6)  # same products, see above
 
 
 def _trainer(kind: str, model, output_dir):
@@ -316,7 +332,11 @@ def test_lora_on_attention_and_experts_trains_natively_as_on_the_dequantized_mod
     assert any("shared_experts.w2" in n for n in ours) and sum("ffn.experts" in n for n in ours) == 8  # 2 layers × 2 × A/B
     assert not [n for n, p in ours.items() if torch.equal(p, initial[n])]  # every factor of every adapter moved
     for name, param in ours.items():
-        torch.testing.assert_close(param, theirs[name], rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        # Adam's first updates are ≈ lr·sign(g): where a gradient is near zero, the last-bit differences of the
+        # gradients (the order of one sum) can move an element by up to 2·lr, so elementwise bounds cannot hold;
+        # the factor's update as a whole agrees (measured ≤ 0.01 relative); a dropped or wrong gradient is off by O(1)
+        update = theirs[name] - initial[name]
+        assert (param - theirs[name]).norm() <= 0.05 * update.norm(), name
     after = _quantized_bytes(base)
     assert after.keys() == stored.keys() and all(torch.equal(after[n], stored[n]) for n in stored)
 
@@ -538,9 +558,9 @@ def test_a_native_model_saves_as_fine_grained_fp8_and_reloads_natively(native, t
 
 
 def test_where_the_fp8_kernels_run_transformers_modules_are_kept(monkeypatch):
-    """On a GPU with transformers' FP8 kernels the quantizer leaves its `FP8Linear` / `FP8Experts` (DeepGEMM / Triton
-    dispatch) in place; elsewhere it swaps in the weight-only subclasses. Checked on the meta device: this machine
-    has no such GPU."""
+    """On a GPU with transformers' FP8 kernels the quantizer keeps its `FP8Linear` / `FP8Experts` (DeepGEMM / Triton
+    dispatch) with our backward (FP8KernelLinear / FP4KernelExperts); elsewhere it swaps in the weight-only
+    subclasses. Checked on the meta device: this machine has no such GPU."""
     config = DeepseekV41Config(text_config=TEXT)
     for usable, device_map, weight_only in ((True, {"": "cuda:0"}, False), (True, None, True), (False, "cuda", True)):
         monkeypatch.setattr(native_precision, "_fp8_kernels_usable", lambda: usable)
@@ -552,8 +572,9 @@ def test_where_the_fp8_kernels_run_transformers_modules_are_kept(monkeypatch):
         quantizer.validate_environment(device_map=device_map)
         quantizer.preprocess_model(model)
         linear, experts = model.model.layers[0].attn.wq_a, model.model.layers[0].ffn.experts
-        assert (type(linear) is WeightOnlyFP8Linear) == weight_only and isinstance(linear, FP8Linear)
-        assert isinstance(experts, WeightOnlyFP4Experts) == weight_only and isinstance(experts, FP8Experts)
+        assert type(linear) is (WeightOnlyFP8Linear if weight_only else native_precision.FP8KernelLinear)
+        assert type(experts) is (WeightOnlyFP4Experts if weight_only else native_precision.FP4KernelExperts)
+        assert isinstance(linear, FP8Linear) and isinstance(experts, FP8Experts)
         assert experts.gate_up_proj.dtype == torch.int8 and experts.gate_up_proj.shape == (4, 256, 128)
 
 
@@ -574,3 +595,96 @@ def test_the_loading_benchmark_device_check_runs_the_weight_only_path_on_cpu(rel
     assert result["max_abs_logit_diff"] == 0.0
     assert result["argmax_equal"] == result["positions"] == ids.numel()
     assert result["memory"] == {}  # allocation figures are CUDA's only
+
+
+def _forward_only_kernel(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None,
+                         allow_deepgemm=True):
+    """Stands in for transformers' FP8 / FP4 kernel (``finegrained_fp8.fp8_linear``) on the CPU: the same product,
+    and, as the kernel, no backward."""
+    columns = 2 * weight.shape[-1] if weight.dtype == torch.int8 else weight.shape[-1]
+    with torch.no_grad():
+        dense = released_storage.dequantize_released_weight(weight, weight_scale_inv, columns, input.dtype)
+        return torch.nn.functional.linear(input, dense, bias)
+
+
+@pytest.fixture
+def kernel_path(released, monkeypatch):
+    """The stand-in loaded as on a GPU with transformers' FP8 kernels, the kernel call replaced by the forward-only
+    fake above (this machine has neither the GPU nor the ``kernels`` package)."""
+    from transformers.integrations import finegrained_fp8
+
+    monkeypatch.setattr(native_precision, "_fp8_kernels_usable", lambda: True)
+    monkeypatch.setattr(native_precision, "_on_accelerator", lambda device_map: True)
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", _forward_only_kernel)
+    model = DeepseekV41ForCausalLM.from_pretrained(released[0])
+    layer = model.model.layers[1]
+    assert type(layer.attn.wq_a) is native_precision.FP8KernelLinear
+    assert type(layer.ffn.experts) is native_precision.FP4KernelExperts
+    x = torch.randn(2, TEXT["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+    assert _forward_only_kernel(x, layer.attn.wq_a.weight, layer.attn.wq_a.weight_scale_inv).grad_fn is None
+    return model
+
+
+def test_on_the_kernel_path_the_input_gets_the_weight_only_modules_gradient(kernel_path, native):
+    """FP8KernelLinear / FP4KernelExperts wrap the kernel call (here a fake without backward) in an autograd
+    function whose backward goes through the dequantized weights: each module's input gradient, and the routing
+    weights' through the experts, equal those of the weight-only module on the same parameters. The products are
+    the same; the tolerance only allows for a BLAS that picks kernels by shape."""
+    ours, theirs = kernel_path.model.layers[1], native.model.layers[1]
+    generator = torch.Generator().manual_seed(7)
+
+    def upstream(width: int) -> torch.Tensor:  # the same output gradient for both, bf16 values
+        return torch.randn(6, width, generator=torch.Generator().manual_seed(width)).to(torch.bfloat16)
+
+    hidden = torch.randn(6, TEXT["hidden_size"], dtype=torch.bfloat16, generator=generator)
+    for name in ("attn.wq_a", "attn.wkv", "ffn.shared_experts.w2"):
+        kernel, weight_only = ours.get_submodule(name), theirs.get_submodule(name)
+        x = torch.randn(6, weight_only.in_features, dtype=torch.bfloat16, generator=generator)
+        grads = []
+        for module in (kernel, weight_only):
+            leaf = x.clone().requires_grad_()
+            module(leaf).backward(upstream(weight_only.out_features))
+            grads.append(leaf.grad)
+        assert grads[0].abs().sum() > 0
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+    index = torch.arange(12).remainder(TEXT["n_routed_experts"]).view(6, 2)
+    weights = torch.rand(6, 2, generator=generator)
+    grads = []
+    for experts in (ours.ffn.experts, theirs.ffn.experts):
+        x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = experts(x, index, w)
+        out.backward(upstream(TEXT["hidden_size"]).to(out.dtype))  # bf16 (kernel path) or fp32: the same values
+        grads.append((x.grad, w.grad))
+    for got, expected in zip(grads[0], grads[1]):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+
+
+def test_on_the_kernel_path_no_gradient_is_dropped(kernel_path, monkeypatch):
+    """Through the whole model (kernels in every FP8 Linear and the FP4 experts): every trainable parameter's
+    gradient, the embedding's below all layers included, equals the one autograd gives when the same forward is
+    differentiable (transformers' modules on a fake kernel with a backward). Tolerance: our experts' backward is the
+    weight-only experts' (fp32 SwiGLU), transformers' eager FP4 experts compute the SwiGLU in bf16."""
+    from transformers.integrations import finegrained_fp8
+
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(3))
+    ours = _trainable_gradients(kernel_path, ids)
+
+    def differentiable_kernel(input, weight, weight_scale_inv, block_size=None, bias=None, *args):
+        columns = 2 * weight.shape[-1] if weight.dtype == torch.int8 else weight.shape[-1]
+        dense = released_storage.dequantize_released_weight(weight, weight_scale_inv, columns, input.dtype)
+        return torch.nn.functional.linear(input, dense, bias)
+
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", differentiable_kernel)
+    monkeypatch.setattr(finegrained_fp8, "_apply_if_grad", lambda function, direct, *args: direct(*args))
+    monkeypatch.setattr(native_precision.FP8KernelLinear, "forward", FP8Linear.forward)
+    monkeypatch.setattr(native_precision.FP4KernelExperts, "forward", FP8Experts.forward)
+    theirs = _trainable_gradients(kernel_path, ids)
+    assert ours.keys() == theirs.keys() and ours["model.embed.weight"].abs().sum() > 0
+    for name, grad in ours.items():
+        assert (grad is None) == (theirs[name] is None), (name, grad is None, theirs[name] is None)
+        if grad is not None:
+            cos = torch.nn.functional.cosine_similarity(grad.flatten().float(), theirs[name].flatten().float(), 0)
+            assert cos > 0.999, (name, cos)  # measured ≥ 0.9995
+            assert (grad - theirs[name]).abs().max() <= 0.05 * theirs[name].abs().max(), name  # measured ≤ 0.036

@@ -31,7 +31,7 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
 from ..moe import DeepseekV41Experts
 from ..quantization import RELEASED_BLOCK_SIZE
-from .native_precision import fp4_experts_forward
+from .native_precision import FP4KernelExperts, WeightOnlyFP4Experts, fp4_experts_forward
 from .released_storage import dequantize_released_weight
 
 # what a merged module holds: the released model's compute dtype, as FineGrainedFP8Config(dequantize=True) loads it
@@ -123,6 +123,8 @@ class ParamWrapper(PeftParamWrapper):
             return self.base_layer(hidden_states, *args, expert_adapters=adapters, **kwargs)
         if not adapters:  # adapters disabled: the experts' own forward (the FP4 kernels where they run)
             return self.base_layer(hidden_states, *args, **kwargs)
+        if isinstance(self.base_layer, (WeightOnlyFP4Experts, FP4KernelExperts)):  # through its forward: its hooks run
+            return self.base_layer(hidden_states, *args, adapters=adapters, **kwargs)
         return fp4_experts_forward(self.base_layer, hidden_states, *args, adapters=adapters, **kwargs)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:

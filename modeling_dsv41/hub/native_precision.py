@@ -21,7 +21,10 @@ fused routed experts for ``FP8Experts`` (``weight`` + ``weight_scale_inv``; ``ga
 The quantized weights and scales are frozen on load. Backward through a weight-only module is backward through the
 dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's); the
 weight is dequantized again for the backward rather than kept (:func:`~.released_storage.frozen_quantized_linear`),
-so training holds no dequantized copy of a layer. Training
+so training holds no dequantized copy of a layer. Where the kernels run, the quantizer keeps them but swaps in
+:class:`FP8KernelLinear` / :class:`FP4KernelExperts`: the kernel call inside a custom autograd function whose backward
+goes through the dequantized weights, so the gradient is that of the weight-only modules (transformers' FP4 expert
+kernels have no backward: an error, or a dropped gradient). Training
 goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) and on the FP4 experts (PEFT's
 ``target_parameters``, adapters of the logical shape: :mod:`.native_lora`, whose forward is
 :func:`fp4_experts_forward` with the delta added to each expert's output) trains under ``DeepseekV41Trainer`` and transformers' ``Trainer``.
@@ -43,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 from transformers import FineGrainedFP8Config
+from transformers.integrations import finegrained_fp8
 from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 from transformers.utils.import_utils import is_kernels_available
@@ -50,7 +54,7 @@ from transformers.utils.import_utils import is_kernels_available
 from ..moe import routed_experts_forward
 from ..quantization import RELEASED_BLOCK_SIZE
 from .registration import register_quantization_config, register_quantizer
-from .released_storage import dequantize_released_weight, frozen_quantized_linear
+from .released_storage import frozen_quantized_linear
 
 QUANT_METHOD = "deepseek_v41_fp8"
 # our Linears the release stores FP8 and that compute through their forward (a `Linear` the model reads `.weight`
@@ -212,9 +216,12 @@ class WeightOnlyFP4Experts(FP8Experts):
     when tokens are routed to it."""
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        adapters: Mapping[str, ExpertFactors] | None = None,
     ) -> torch.Tensor:
-        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
+        """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]; ``adapters``: the LoRA factors of
+        the wrappers around it (:mod:`.native_lora`), passed through the module's own forward so that its hooks
+        (an FSDP2 unit's all-gather) run."""
         if parametrize.is_parametrized(self):
             raise ValueError(
                 "a parametrization of the natively loaded FP4 experts (such as PEFT's own target_parameters adapter, "
@@ -222,18 +229,87 @@ class WeightOnlyFP4Experts(FP8Experts):
                 "its delta: it would do nothing. Load the model with from_pretrained (which makes PEFT build adapters "
                 "of the logical shape there) or with quantization_config=FineGrainedFP8Config(dequantize=True)."
             )
-        return fp4_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return fp4_experts_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
+
+
+class FP8KernelLinear(FP8Linear):
+    """``FP8Linear`` running transformers' FP8 kernel (DeepGEMM / Triton), with the exact input gradient: backward
+    through the dequantized weight (:func:`~.released_storage.frozen_quantized_linear`), the gradient
+    :class:`WeightOnlyFP8Linear` gives."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return frozen_quantized_linear(
+            input, self.weight, self.weight_scale_inv, self.weight.shape[-1], self.bias, product=self._kernel_product
+        )
+
+    def _kernel_product(self, input: torch.Tensor) -> torch.Tensor:
+        return finegrained_fp8.fp8_linear(
+            input, self.weight, self.weight_scale_inv, self.block_size, self.bias, self.activation_scale,
+            not self._deepgemm_disabled,
+        )
+
+
+class _KernelExpertsFunction(torch.autograd.Function):
+    """The routed experts run by transformers' kernels (forward only), differentiated as :func:`fp4_experts_forward`:
+    the backward recomputes them on the dequantized weights (as activation checkpointing would; nothing dequantized
+    is kept by that either) and differentiates the recomputation for the hidden states and the routing weights.
+    Only the inputs are saved."""
+
+    @staticmethod
+    def forward(ctx, experts, hidden_states, top_k_index, top_k_weights):
+        ctx.experts = experts
+        ctx.save_for_backward(hidden_states, top_k_index, top_k_weights)
+        return FP8Experts.forward(experts, hidden_states, top_k_index, top_k_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden_states, top_k_index, top_k_weights = ctx.saved_tensors
+        hidden_states = hidden_states.detach().requires_grad_(ctx.needs_input_grad[1])
+        top_k_weights = top_k_weights.detach().requires_grad_(ctx.needs_input_grad[3])
+        wanted = [t for t in (hidden_states, top_k_weights) if t.requires_grad]
+        with torch.enable_grad():
+            out = fp4_experts_forward(ctx.experts, hidden_states, top_k_index, top_k_weights)
+        grads = iter(torch.autograd.grad(out, wanted, grad_output.to(out.dtype)))
+        hidden_grad, weights_grad = (next(grads) if t.requires_grad else None for t in (hidden_states, top_k_weights))
+        return None, hidden_grad, None, weights_grad
+
+
+class FP4KernelExperts(FP8Experts):
+    """``FP8Experts`` (FP4 weights) running transformers' kernels (whichever ``experts_implementation`` dispatches
+    them), with the exact input gradient: backward through the dequantized weights (:class:`_KernelExpertsFunction`).
+    transformers' FP4 expert kernels have no backward of their own (its eager and grouped paths raise for FP4 weights,
+    its DeepGEMM and batched paths drop the gradient). Adapted experts run :func:`fp4_experts_forward` instead
+    (:mod:`.native_lora`: the kernels take no delta)."""
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        adapters: Mapping[str, ExpertFactors] | None = None,
+    ) -> torch.Tensor:
+        if adapters:  # the kernels take no delta: the weight-only computation with the adapters' factors
+            return fp4_experts_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
+        if not (torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)):
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        return _KernelExpertsFunction.apply(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _with_exact_gradient(module: nn.Module, config) -> nn.Module:
+    """The kernel-path module with our backward (same parameters, same kernels)."""
+    return _replacement(module, config, FP4KernelExperts, FP8KernelLinear)
 
 
 def _weight_only(module: nn.Module, config) -> nn.Module:
+    return _replacement(module, config, WeightOnlyFP4Experts, WeightOnlyFP8Linear)
+
+
+def _replacement(module: nn.Module, config, experts_class: type, linear_class: type) -> nn.Module:
     with torch.device("meta"):
         if isinstance(module, FP8Experts):
-            new = WeightOnlyFP4Experts(
+            new = experts_class(
                 module.config, block_size=config.weight_block_size, scale_fmt=config.scale_fmt,
                 expert_dtype=config.expert_dtype,
             )
         else:
-            new = WeightOnlyFP8Linear(
+            new = linear_class(
                 module.in_features, module.out_features, block_size=config.weight_block_size,
                 scale_fmt=config.scale_fmt, has_bias=module.bias is not None,
             )
@@ -259,11 +335,10 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         super()._process_model_before_weight_loading(model, **kwargs)
-        if not self.weight_only:
-            return
+        replace = _weight_only if self.weight_only else _with_exact_gradient
         for name, module in list(model.named_modules()):
             if type(module) is FP8Linear or isinstance(module, FP8Experts):
-                model.set_submodule(name, _weight_only(module, self.quantization_config))
+                model.set_submodule(name, replace(module, self.quantization_config))
 
     def get_new_dtype(self, converter, param, dtype):
         """Quantized checkpoint tensors (FP8 weights, E8M0 scales, FP4 bytes) load as stored: the conversions read
@@ -297,6 +372,8 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
 __all__ = [
     "DeepseekV41FP8Config",
     "DeepseekV41FP8Quantizer",
+    "FP4KernelExperts",
+    "FP8KernelLinear",
     "WeightOnlyFP4Experts",
     "WeightOnlyFP8Linear",
     "check_trainable",

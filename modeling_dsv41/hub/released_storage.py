@@ -8,6 +8,7 @@ forward).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -88,15 +89,16 @@ def dequantize_released_weight(
 
 
 class _FrozenQuantizedLinear(torch.autograd.Function):
-    """``input @ W.T`` for a frozen quantized ``W`` that is dequantized in the forward and again in the backward, so
-    that nothing dequantized outlives either: autograd through ``F.linear`` would keep the dequantized weight until
-    the backward, as much memory per layer as a bf16 copy of its experts."""
+    """``product(input)``, ``input @ W.T`` for a frozen quantized ``W`` (by a kernel, or on ``W`` dequantized for the
+    product), with the backward of the dequantized product, ``W`` dequantized again: nothing dequantized outlives
+    either pass (autograd through ``F.linear`` would keep the dequantized weight until the backward, as much memory
+    per layer as a bf16 copy of it)."""
 
     @staticmethod
-    def forward(ctx, input, weight, scale, columns, bias):
+    def forward(ctx, input, weight, scale, columns, product):
         ctx.save_for_backward(weight, scale)
         ctx.columns = columns
-        return torch.nn.functional.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype), bias)
+        return product(input)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -106,16 +108,21 @@ class _FrozenQuantizedLinear(torch.autograd.Function):
 
 
 def frozen_quantized_linear(
-    input: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, columns: int, bias: torch.Tensor | None = None
+    input: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, columns: int, bias: torch.Tensor | None = None,
+    product: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``F.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype), bias)`` with the exact input
-    gradient and none for the (frozen) weight and bias, holding only the stored bytes between the forward and the
-    backward."""
+    """``F.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype), bias)`` (or ``product(input)``,
+    a kernel computing the same) with the exact input gradient and none for the (frozen) weight and bias, holding only
+    the stored bytes between the forward and the backward."""
+
+    @torch.no_grad()
+    def dequantized_product(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, dequantize_released_weight(weight, scale, columns, x.dtype), bias)
+
+    product = product or dequantized_product
     if not (torch.is_grad_enabled() and input.requires_grad):
-        with torch.no_grad():
-            dense = dequantize_released_weight(weight, scale, columns, input.dtype)
-        return torch.nn.functional.linear(input, dense, bias)
-    return _FrozenQuantizedLinear.apply(input, weight, scale, columns, bias)
+        return product(input)
+    return _FrozenQuantizedLinear.apply(input, weight, scale, columns, torch.no_grad()(product))
 
 
 __all__ = ["dequantize_released_weight", "frozen_quantized_linear", "stored_scale"]

@@ -14,6 +14,18 @@ ViT norms) becomes its own unit with an fp32 policy, and those that sit next to 
 module (``hc_*`` on the decoder layer, ``attn_sink``) are left out of sharding: each rank keeps a full fp32 copy
 (vectors and ``[mix, hc·D]`` matrices: small) and their gradients are averaged over the mesh after backward, as
 FSDP2 averages the sharded ones.
+
+A model loaded in the released precision (FP8 Linears with E8M0 scales, packed FP4 experts as int8 bytes, frozen)
+shards as it is stored. FSDP2 all-gathers a unit's parameters of several dtypes as bytes, so mixed dtypes in one
+unit are fine; but it counts ``float8_e4m3fn`` and ``float8_e8m0fnu`` as floating point and would cast them to a
+low-precision ``param_dtype`` (int8 it leaves alone). Under such a policy every module holding quantized parameters
+(``FP8Linear``, ``FP8Experts``) becomes its own unit that casts nothing; a PEFT adapter around it stays in its
+layer's unit, under the layer's policy.
+
+Frozen Engram tables (FP8 as stored, or any table under LoRA) are left out of sharding: each rank keeps its table
+where it is (host memory, pinned or memory-mapped) and the model looks up only the rows its hash ids address before
+the layers run (:meth:`~modeling_dsv41.modeling_dsv41.DeepseekV41Model.gather_engram_rows`); sharded, a table
+would be all-gathered whole at every forward of its layer. A trainable table is sharded with its layer.
 """
 
 from __future__ import annotations
@@ -24,10 +36,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..placement import ENGRAM_TABLE
+
 try:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 except ImportError:  # torch built without distributed
     FSDPModule = MixedPrecisionPolicy = OffloadPolicy = fully_shard = None
+
+
+# the dtypes the release stores weights in: FP8 e4m3 values, E8M0 scales, FP4 pairs packed in int8
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -39,8 +57,13 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 
 
 def fp32_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The trainable parameters the model keeps in fp32 whatever its dtype: those ``from_pretrained`` keeps fp32
-    (``_keep_in_fp32_modules_strict``, matched as transformers' loader matches it)."""
+    """The trainable parameters the model keeps in fp32 whatever its dtype (see :func:`_kept_fp32`)."""
+    return [p for p in _kept_fp32(model) if p.requires_grad]
+
+
+def _kept_fp32(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter ``from_pretrained`` keeps fp32 (``_keep_in_fp32_modules_strict``, matched as transformers'
+    loader matches it), frozen ones too: under LoRA the mHC and head weights do not train but still compute in fp32."""
     from transformers import PreTrainedModel
     from transformers.core_model_loading import build_glob_alternation
 
@@ -49,7 +72,7 @@ def fp32_parameters(model: nn.Module) -> list[nn.Parameter]:
     if not patterns:
         return []
     matcher = build_glob_alternation(patterns)[0]
-    return [p for name, p in base.named_parameters() if p.requires_grad and matcher.search(name)]
+    return [p for name, p in base.named_parameters() if matcher.search(name)]
 
 
 def shard_model(
@@ -65,7 +88,8 @@ def shard_model(
         model: a DeepSeek-V4.1 model (or a PEFT wrapper around one) with its weights loaded.
         mesh: the 1-D data-parallel ``DeviceMesh`` (default: every rank of the default group).
         mp_policy: FSDP2 mixed precision; with a ``param_dtype`` other than fp32 the fp32-kept parameters stay
-            fp32 and replicated (see the module docstring).
+            fp32 and replicated, and the quantized modules (natively loaded FP8 / FP4) are units that cast
+            nothing (see the module docstring). Frozen Engram tables are never sharded.
         reshard_after_forward, offload_policy: as in ``fully_shard`` (``CPUOffloadPolicy()`` keeps the shards,
             their gradients and the optimizer step on the CPU).
     """
@@ -75,29 +99,49 @@ def shard_model(
     kwargs = {
         "mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy(),
     }
-    fp32_units, replicated = [], set()
+    tables = frozen_engram_tables(model)
+    own_units, replicated = [], set()
     if mp_policy.param_dtype not in (None, torch.float32):
-        fp32_units, replicated = _split_fp32(model)
-    fp32_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None)
-    for unit in fp32_units:
-        fully_shard(unit, mp_policy=fp32_policy, **kwargs)
+        own_units, replicated = _split_fp32(model)
+        own_units += [m for m in quantized_modules(model) if not tables & set(m.parameters(recurse=False))]
+    no_cast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None)
+    for unit in own_units:
+        fully_shard(unit, mp_policy=no_cast, **kwargs)
+    ignored = replicated | tables
     for unit in fsdp_units(model):
-        fully_shard(unit, mp_policy=mp_policy, ignored_params=replicated, **kwargs)
+        fully_shard(unit, mp_policy=mp_policy, ignored_params=ignored, **kwargs)
     # the root's output is the model's: fp32 loss and logits (the LM head is fp32), whatever `output_dtype` says
     root_policy = dataclasses.replace(mp_policy, output_dtype=None)
-    fully_shard(model, mp_policy=root_policy, ignored_params=replicated, **kwargs)
+    fully_shard(model, mp_policy=root_policy, ignored_params=ignored, **kwargs)
     group = None if mesh is None else mesh.get_group()
-    for param in replicated:
+    for param in (p for p in replicated if p.requires_grad):  # frozen ones have no gradient to average
         param.register_post_accumulate_grad_hook(lambda p: _average_over_ranks(p.grad, group))
     return model
 
 
+def quantized_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules holding parameters in a stored quantized dtype (FP8 e4m3 weights, E8M0 scales, packed FP4 bytes):
+    the natively loaded ``FP8Linear`` / ``FP8Experts``, and FP8 Engram tables."""
+    return [
+        module for module in model.modules()
+        if any(p.dtype in QUANTIZED_DTYPES for p in module.parameters(recurse=False))
+    ]
+
+
+def frozen_engram_tables(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters of the Engram tables that do not train (FP8 ones always; any under LoRA)."""
+    return {
+        param for name, module in model.named_modules() if ENGRAM_TABLE.search(name)
+        for param in module.parameters() if not param.requires_grad
+    }
+
+
 def _split_fp32(model: nn.Module) -> tuple[list[nn.Module], set[nn.Parameter]]:
     """fp32-kept parameters as (modules made only of them: their own fp32 units, the rest: replicated)."""
-    kept = set(fp32_parameters(model))
+    kept = set(_kept_fp32(model))
     units, replicated = [], set()
     for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        own = list(module.parameters(recurse=False))
         mine = [p for p in own if p in kept]
         if mine and len(mine) == len(own) and not any(True for _ in module.children()):
             units.append(module)  # e.g. lm_head, the ratio-2 compressor projections, ViT norms
@@ -113,4 +157,4 @@ def _average_over_ranks(grad: torch.Tensor, group) -> None:
     grad.div_(dist.get_world_size(group))
 
 
-__all__ = ["fp32_parameters", "fsdp_units", "shard_model"]
+__all__ = ["QUANTIZED_DTYPES", "fp32_parameters", "frozen_engram_tables", "fsdp_units", "quantized_modules", "shard_model"]

@@ -1,0 +1,151 @@
+"""LoRA on a model loaded in the released precision, sharded with FSDP2 (:func:`~modeling_dsv41.training.fsdp.shard_model`):
+the frozen FP8 weights, E8M0 scales and packed FP4 experts are sharded as stored, the adapters too, the frozen Engram
+tables stay where they are. 2 gloo processes on CPU, spawned from pytest, bounded in time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_processes import WORLD, spawn
+from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+
+# the Linears the release stores in FP8 (FP8Linear once loaded natively): attention and the shared expert
+FP8_TARGETS = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1", "shared_experts.w2", "shared_experts.w3"]
+# the routed experts' adapters (PEFT target_parameters: logical-shape factors on the native FP4 experts)
+EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
+STEPS = 3
+LR = 0.5
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    """The two-layer stand-in of tests/test_native_precision.py in the released storage format."""
+    import modeling_dsv41  # noqa: F401
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=QUANT_FORMAT_TEXT)).to(torch.bfloat16)
+    folder = tmp_path_factory.mktemp("released")
+    save_released_checkpoint(model, folder, max_shard_bytes=1 << 20)
+    stub_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def lora_model(folder: Path, engram_table_dtype: str):
+    """The stand-in loaded natively with LoRA on its FP8 Linears (every factor drawn at random from one seed, so
+    that each rank builds the same adapters and every factor gets a gradient at the first step), gradient
+    checkpointing on, in training mode."""
+    from peft import LoraConfig, get_peft_model
+
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+
+    config = DeepseekV41Config.from_pretrained(folder)
+    config.text_config.engram_table_dtype = engram_table_dtype  # "fp8": kept as stored; "float": dequantized on load
+    base = DeepseekV41ForCausalLM.from_pretrained(folder, config=config)
+    base.gradient_checkpointing_enable()
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=FP8_TARGETS, target_parameters=EXPERT_TARGETS,
+                      init_lora_weights=False)
+    return get_peft_model(base, lora).train()
+
+
+def _adapters(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _sgd_steps(model, batches: list[list[torch.Tensor]]) -> None:
+    """Plain SGD (an update linear in the gradient: two runs whose gradients differ in the last bits stay that
+    close; Adam's first steps, ≈ lr·sign(g), would lift those bits to O(lr) where a gradient is near zero)."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for micro_batches in batches:
+        for ids in micro_batches:
+            (model(input_ids=ids, labels=ids).loss / len(micro_batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _native_lora_sharded_matches_one_process(
+    rank: int, tmp: Path, folder: str, engram_table_dtype: str, bf16_compute: bool
+) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from modeling_dsv41.training.fsdp import QUANTIZED_DTYPES, shard_model
+
+    ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(2))
+    halves = [ids[:2], ids[2:]]  # each rank's half; one process accumulates both
+
+    single = lora_model(Path(folder), engram_table_dtype)
+    initial = {n: p.detach().clone() for n, p in _adapters(single).items()}
+    model = lora_model(Path(folder), engram_table_dtype)
+    table = model.base_model.model.model.layers[0].engram.embed
+    table_storage = [p.data_ptr() for p in table.parameters()]
+    # bf16_compute: as a launch with `mixed_precision: bf16` shards it; the stored FP8 / E8M0 must not be cast
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else None
+    shard_model(model, mp_policy=policy)
+
+    names = dict(model.named_parameters())
+    quantized = {n for n, p in names.items() if p.dtype in QUANTIZED_DTYPES and ".engram.embed." not in n}
+    assert {p.dtype for n, p in names.items() if n in quantized} == set(QUANTIZED_DTYPES)
+    assert any(".experts." in n and n.endswith(".gate_up_proj") for n in quantized)
+    for name in quantized | set(_adapters(model)):  # sharded, as stored (no cast): each rank holds its rows
+        param = names[name]
+        assert isinstance(param, DTensor), name
+        local = param.to_local()
+        assert local.shape[0] == -(-param.shape[0] // WORLD) or rank == WORLD - 1, name
+    for param in table.parameters():  # frozen: left in place, whole, unsharded; the model reads its rows only
+        assert not isinstance(param, DTensor) and not param.requires_grad
+    seen = {}  # the dtypes the forward computes with
+    layer = model.base_model.model.model.layers[1]
+    hooks = {"wq_a": layer.attn.wq_a.base_layer, "lora_A": layer.attn.wq_a.lora_A["default"],
+             "experts": layer.ffn.experts.get_base_layer(), "lm_head": model.base_model.model.lm_head}
+    for key, module in hooks.items():
+        weight = "gate_up_proj" if key == "experts" else "weight"
+        module.register_forward_pre_hook(lambda m, a, key=key, w=weight: seen.__setitem__(key, getattr(m, w).dtype))
+    layer.register_forward_pre_hook(lambda m, a: seen.__setitem__("hc_attn_fn", m.hc_attn_fn.dtype))
+
+    _sgd_steps(single, [halves] * STEPS)
+    _sgd_steps(model, [[halves[rank]]] * STEPS)
+
+    assert seen == {
+        "wq_a": torch.float8_e4m3fn, "experts": torch.int8, "lm_head": torch.float32, "hc_attn_fn": torch.float32,
+        "lora_A": torch.bfloat16 if bf16_compute else torch.float32,
+    }, seen
+    assert [p.data_ptr() for p in table.parameters()] == table_storage
+    ours, theirs = _adapters(model), _adapters(single)
+    assert ours.keys() == theirs.keys() == initial.keys()
+    assert any("attn.wo_b" in n for n in ours) and any("shared_experts.w2" in n for n in ours)
+    worst = 0.0
+    for name, param in ours.items():
+        full = param.full_tensor().detach()
+        assert not torch.equal(full, initial[name]), f"{name} did not train"
+        worst = max(worst, ((full - theirs[name]).abs().max() / (theirs[name] - initial[name]).abs().max()).item())
+        if not bf16_compute:
+            # each rank runs the products one process runs for its half, on the same shapes; only the mean of
+            # the two halves' gradients is summed in another order (measured: bit-identical)
+            torch.testing.assert_close(full, theirs[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    if rank == 0:
+        (tmp / "worst.txt").write_text(f"{worst:.3g}")
+
+
+@pytest.mark.parametrize(("engram_table_dtype", "bf16_compute"), [("fp8", False), ("float", True)])
+def test_lora_on_the_native_base_sharded_on_two_processes_trains_as_one_process(
+    released, engram_table_dtype, bf16_compute, tmp_path
+):
+    """3 SGD steps of LoRA on the FP8 Linears and FP4 experts of the natively loaded stand-in, gradient checkpointing on: FSDP2 on
+    2 processes (each half of the batch) gives the adapters one process gets accumulating both halves.
+
+    With a bf16 ``param_dtype`` the adapters compute in bf16 where one process computes them in fp32, so no
+    single-process run is the reference there: that case checks what is sharded and cast (the FP8 / FP4 bases and
+    the model's fp32 modules, frozen under LoRA, keep their dtypes) and that every factor trains."""
+    spawn(_native_lora_sharded_matches_one_process, tmp_path, str(released), engram_table_dtype, bf16_compute,
+          timeout_s=240)
+    print("max |Δ adapter| / max |update|:", (tmp_path / "worst.txt").read_text())

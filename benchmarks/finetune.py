@@ -3,7 +3,8 @@ Linears and FP4 experts kept as stored, frozen) against the baseline, the same f
 (``FineGrainedFP8Config(dequantize=True)``).
 
 Both get the same LoRA adapters (r 16 on the FP8 Linears: attention ``wq_a``, ``wq_b``, ``wkv``, ``wo_b`` and the
-shared experts; the factors drawn once, both nonzero, kept in fp32) and the same batch; each case runs in a fresh
+shared experts, and on the routed experts through PEFT ``target_parameters``; the factors drawn once, both nonzero,
+kept in fp32) and the same batch; each case runs in a fresh
 process. Reported, native ÷ dequantized:
 
 - peak memory of a step (forward, backward, AdamW on the adapters) with the model loaded: on CPU the rise of the
@@ -14,11 +15,10 @@ process. Reported, native ÷ dequantized:
 - the step time (median of ``--steps`` steps after one warm-up step);
 - max |Δ| between the two cases' adapter gradients at the first step (and that relative to the largest gradient).
 
-``--experts`` adds adapters on the routed experts (PEFT ``target_parameters``); on the native base they are refused
-today (an adapter on the packed FP4 bytes could not act), so the native case fails with that error.
+``--no-experts`` leaves the routed experts without adapters.
 
     python benchmarks/finetune.py [--device cpu|cuda] [--seq 128] [--batch 1] [--steps 3] [--threads 2]
-        [--gradient-checkpointing] [--experts] [--workdir DIR]
+        [--gradient-checkpointing] [--no-experts] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--experts", action="store_true", help="adapters on the routed experts too (refused today)")
+    parser.add_argument("--experts", action=argparse.BooleanOptionalAction, default=True,
+                        help="adapters on the routed experts too (default: %(default)s)")
     parser.add_argument("--shard-mb", type=int, default=100)
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()

@@ -179,8 +179,8 @@ def dspark_decoding(
     cache = model_kwargs.get("cache")
     if cache is None:
         raise ValueError("DSpark speculative decoding needs a cache (use_cache=True)")
-    cache.activate_past_recording()  # a static cache refuses: it cannot roll back over rejected tokens
     generator = DeepseekV41DSparkCandidateGenerator(model, generation_config, logits_processor)
+    cache.activate_past_recording(max_rewind=generator.head.block_size)  # a step rejects at most a whole draft
     do_sample, pad = generation_config.do_sample, generation_config._pad_token_tensor
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
 

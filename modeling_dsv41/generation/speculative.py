@@ -67,17 +67,19 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         budget = min(self.head.block_size, self.max_length - input_ids.shape[1] - 1)
         if budget <= 0:
             return input_ids, None
+        processed: list[torch.Tensor] = []
         ids, logits, confidence = self.head.draft(
             self.rings, input_ids[:, -1], self.rings.lengths - 1, self.model.model.embed, self.model.lm_head,
-            choose=self._chooser(input_ids),
+            choose=self._chooser(input_ids, processed),
         )
+        processed = torch.stack(processed, dim=1)
         length = budget
         if self.threshold is not None:  # keep the draft up to (not including) any row's first unconfident token
             confident = torch.sigmoid(confidence[:, :budget]) >= self.threshold
             length = int(confident.long().cumprod(dim=1).sum(dim=1).min())
             if length == 0:
                 return input_ids, None
-        return torch.cat([input_ids, ids[:, 1 : length + 1]], dim=-1), self._processed[:, :length]
+        return torch.cat([input_ids, ids[:, 1 : length + 1]], dim=-1), processed[:, :length]
 
     def _write_accepted(
         self, taps: torch.Tensor, attention_mask: torch.Tensor | None, total: int, n_last_matches: int
@@ -95,23 +97,21 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         positions = self.rings.lengths.unsqueeze(1) + torch.arange(taps.shape[1], device=taps.device)
         self.head.write_ring(self.rings, taps, positions)
 
-    def _chooser(self, input_ids: torch.LongTensor):
+    def _chooser(self, input_ids: torch.LongTensor, processed: list[torch.Tensor]):
         """The token choice for each draft column: the logits processors on the sequence drafted so far, then argmax
-        or a sample; the processed logits are kept (the acceptance rule compares the main model's against them)."""
+        or a sample; the processed logits are appended to ``processed`` (the acceptance rule compares the main
+        model's against them)."""
         sequence = input_ids
-        processed = []
+        processors = self.logits_processor if self.logits_processor is not None and len(self.logits_processor) else None
 
         def choose(logits: torch.Tensor, column: int) -> torch.Tensor:
             nonlocal sequence
-            if self.logits_processor is not None and len(self.logits_processor) > 0:
-                logits = self.logits_processor(sequence, logits)
+            if processors is not None:
+                logits = processors(sequence, logits)
             processed.append(logits)
-            if self.do_sample:
-                token = torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(1)
-            else:
-                token = logits.argmax(dim=-1)
-            sequence = torch.cat([sequence, token.unsqueeze(1)], dim=-1)
-            self._processed = torch.stack(processed, dim=1)
+            token = _choose(logits, self.do_sample)
+            if processors is not None:  # only processors read the drafted sequence
+                sequence = torch.cat([sequence, token.unsqueeze(1)], dim=-1)
             return token
 
         return choose

@@ -16,7 +16,7 @@ from transformers.generation.streamers import BaseStreamer
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.generation.cache import DeepseekV41Cache, DeepseekV41StaticCache
-from modeling_dsv41.generation.speculative import accept_sampled
+from modeling_dsv41.generation.speculative import accept_greedy, accept_sampled
 from test_generation import image_prompt, random_prompt
 
 NEW_TOKENS = 16
@@ -195,6 +195,18 @@ def test_eos_stops_each_row_as_plain_decoding_does():
     spec = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=2,
                           use_mtp=True)
     assert torch.equal(spec, plain)
+
+
+def test_finished_rows_do_not_shorten_the_accepted_prefix():
+    """Row 1 has finished (it emits padding): its disagreeing draft must not cut row 0's fully agreeing one."""
+    target = torch.nn.functional.one_hot(torch.tensor([[3, 4, 5, 6], [0, 0, 0, 0]]), 8).float()
+    draft = torch.tensor([[3, 4, 5], [1, 1, 1]])
+    assert accept_greedy(draft, target).shape[1] == 1  # both rows active: row 1 rejects at once
+    kept = accept_greedy(draft, target, torch.tensor([True, False]))
+    assert kept[0].tolist() == [3, 4, 5, 6]
+    sampled = accept_sampled(draft, (target * 50).log_softmax(-1)[:, :-1], (target * 50).log_softmax(-1),
+                             torch.tensor([True, False]))
+    assert sampled[0].tolist() == [3, 4, 5, 6]
 
 
 @pytest.mark.parametrize(

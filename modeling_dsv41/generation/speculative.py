@@ -134,25 +134,33 @@ def _processed(logits_processor, sequences: torch.Tensor, logits: torch.Tensor) 
     return torch.stack([logits_processor(sequences[:, : start + i], logits[:, i]) for i in range(logits.shape[1])], 1)
 
 
-def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
     """draft [B, L], the main model's processed logits [B, L+1, V] → the tokens every row keeps [B, n+1]: the longest
-    draft prefix all rows' argmaxes agree with, then the main model's next token (its argmax after that prefix)."""
+    draft prefix all ``active`` rows' argmaxes agree with (rows that have finished emit padding whatever they draft,
+    so they do not shorten it), then the main model's next token (its argmax after that prefix)."""
     chosen = target_logits.argmax(dim=-1)
-    n = int((draft == chosen[:, :-1]).long().cumprod(dim=1).sum(dim=1).min())
+    agree = draft == chosen[:, :-1]
+    if active is not None:
+        agree = agree | ~active.unsqueeze(1)
+    n = int(agree.long().cumprod(dim=1).sum(dim=1).min())
     return chosen[:, : n + 1]
 
 
-def accept_sampled(draft: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+def accept_sampled(
+    draft: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor, active: torch.Tensor | None = None
+) -> torch.Tensor:
     """The speculative-sampling rule (Leviathan et al. 2023, algorithm 1), per row: draft token i is kept with
     probability min(1, p/q); at the first rejection the token is drawn from normalize(max(0, p - q)), and after a
     fully kept draft from p. Every row keeps as many tokens as the row that kept fewest: a row past its own first
     rejection would be conditioned on another row's, so each row's token at that column is decided by its own rule
-    there (kept draft token, or its residual draw), which has p's distribution given its prefix.
-    Returns [B, n+1]."""
+    there (kept draft token, or its residual draw), which has p's distribution given its prefix. Rows not ``active``
+    (finished: they emit padding) keep every token. Returns [B, n+1]."""
     p, q = target_logits.softmax(dim=-1), draft_logits.softmax(dim=-1)
     p_draft = p[:, :-1].gather(-1, draft.unsqueeze(-1)).squeeze(-1)
     q_draft = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
     kept = torch.rand_like(p_draft) * q_draft <= p_draft  # u <= p / q
+    if active is not None:
+        kept = kept | ~active.unsqueeze(1)
     n = int(kept.long().cumprod(dim=1).sum(dim=1).min())
     if n == draft.shape[1]:
         last = torch.multinomial(p[:, n], num_samples=1).squeeze(1)
@@ -215,9 +223,9 @@ def dspark_decoding(
         if length == 0:
             tokens = _choose(target[:, 0], do_sample).unsqueeze(1)
         elif do_sample:
-            tokens = accept_sampled(draft, draft_logits, target)
+            tokens = accept_sampled(draft, draft_logits, target, unfinished.bool())
         else:
-            tokens = accept_greedy(draft, target)
+            tokens = accept_greedy(draft, target, unfinished.bool())
         kept = tokens.shape[1] - 1
         cache.crop(-(length - kept))
         finished = emit(tokens)

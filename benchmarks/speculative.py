@@ -21,7 +21,7 @@ Reported, for ``--batch`` prompts:
 
 Usage: ``python benchmarks/speculative.py [--size tiny|medium|demo] [--demo-dir DIR] [--device cpu|cuda]
 [--dtype float32|bfloat16] [--batch 1] [--new-tokens 64] [--block-size 5] [--stages 2] [--train-steps 200]
-[--reps 3] [--threads 2]``
+[--reps 3] [--threads 2] [--clock wall|process]``
 """
 
 from __future__ import annotations
@@ -100,14 +100,17 @@ def train_head(model, steps: int, device: str, vocab: int) -> None:
         print(f"draft head accuracy on its training sequences: {float(model.dspark_loss(sequences.to(device)).accuracy):.3f}")
 
 
-def timed(device: str, call) -> tuple[float, torch.Tensor]:
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def timed(device: str, call, clock=time.perf_counter) -> tuple[float, torch.Tensor]:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = clock()
     out = call()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+    return clock() - start, out
 
 
 def decoded_tokens(new: torch.Tensor, eos_token_id: int | None) -> int:
@@ -131,6 +134,9 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=200)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="process: this process's CPU time (all its threads), steadier on a machine shared with "
+                             "other jobs; use it with --threads 1 (idle OpenMP threads spin)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.size == "demo":
@@ -149,18 +155,21 @@ def main() -> None:
     kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False)
     prefill_times, plain_times, spec_times, steps = [], [], [], []
     for _ in range(args.reps):
-        prefill_times.append(timed(args.device, lambda: model.generate(**inputs, max_new_tokens=1, do_sample=False))[0])
-        seconds, plain = timed(args.device, lambda: model.generate(**inputs, **kwargs))
+        clock = CLOCKS[args.clock]
+        prefill_times.append(
+            timed(args.device, lambda: model.generate(**inputs, max_new_tokens=1, do_sample=False), clock)[0]
+        )
+        seconds, plain = timed(args.device, lambda: model.generate(**inputs, **kwargs), clock)
         plain_times.append(seconds)
         forwards.clear()
-        seconds, spec = timed(args.device, lambda: model.generate(**inputs, use_mtp=True, **kwargs))
+        seconds, spec = timed(args.device, lambda: model.generate(**inputs, use_mtp=True, **kwargs), clock)
         spec_times.append(seconds)
         steps.append(len(forwards) - 1)
     prompt_len = inputs["input_ids"].shape[1]
     tokens = decoded_tokens(plain[:, prompt_len:], model.generation_config.eos_token_id)
     prefill, plain_s, spec_s = (statistics.median(t) for t in (prefill_times, plain_times, spec_times))
     text = model.config.text_config
-    print(f"size {args.size}, {args.device} {args.dtype}, batch {args.batch}, {tokens} decoded tokens (at most "
+    print(f"size {args.size}, {args.device} {args.dtype}, {args.threads} threads, {args.clock} clock, batch {args.batch}, {tokens} decoded tokens (at most "
           f"{args.new_tokens} per row), block {text.dspark_block_size}, {text.num_nextn_predict_layers} stages")
     print(f"end to end:  plain greedy {tokens / plain_s:.1f} tokens/s   DSpark {tokens / spec_s:.1f} tokens/s   "
           f"ratio {plain_s / spec_s:.2f}x")

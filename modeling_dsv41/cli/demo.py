@@ -62,6 +62,7 @@ NUM_SAMPLE_IMAGES = 8
 # caption and its EOS) per verification; the pad token fills the block after its first token (it never occurs in text)
 DEMO_DSPARK = {"num_nextn_predict_layers": 1, "dspark_block_size": 4, "dspark_target_layer_ids": [3, 4, 5],
                "dspark_markov_rank": 32}
+DSPARK_STEPS_DIVISOR = 4  # the draft head trains steps // 4 steps: a few seconds in the demo (the loss levels off later)
 DSPARK_TIMING_REPS = 2  # each decoding timed this many times, alternating; the fastest counts (least disturbed)
 MIN_FREE_BYTES = 200 * 2**20  # checkpoints, the export and the samples take ≈ 30 MB; keep a margin
 
@@ -79,7 +80,7 @@ class DemoSettings:
     """What a demo run does. Everything but ``output`` must match when resuming."""
 
     output: Path = Path("dsv41-demo")
-    steps: int = 120  # per training stage (full fine-tuning, then LoRA, then the DSpark draft head)
+    steps: int = 120  # per training stage (full fine-tuning, then LoRA; the DSpark draft head a quarter of it)
     lora: bool = False
     seed: int = 0
     batch_size: int = 32
@@ -353,15 +354,16 @@ def train_draft_head(
     """The DSpark stage: fine-tuning made the draft head stale (here: it starts random), so it learns the final
     backbone's own predictions on the training captions, backbone frozen; then :func:`dspark_speed` on held-out
     images."""
-    trainer = fine_tune(model, processor, settings, stage="dspark", style=style, steps=settings.steps,
-                        print_fn=print_fn, train_dspark_head=True)
+    steps = max(1, settings.steps // DSPARK_STEPS_DIVISOR)
+    trainer = fine_tune(model, processor, settings, stage="dspark", style=style, steps=steps, print_fn=print_fn,
+                        train_dspark_head=True)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     images = [s.image for s in ShapesDataset("eval", settings.num_eval, settings.seed, style)]
     measured = dspark_speed(model, processor, images)
     print_fn(f"DSpark: {measured['dspark_tokens_per_s']:.0f} tokens/s vs {measured['plain_tokens_per_s']:.0f} plain "
              f"({measured['speedup']:.2f}x), {measured['mean_accepted_length']:.2f} tokens per verification, "
              f"captions {'identical' if measured['captions_identical'] else 'DIFFER'}")
-    return {"train_steps": settings.steps, "final_train_loss": losses[-1] if losses else None, **measured}
+    return {"train_steps": steps, "final_train_loss": losses[-1] if losses else None, **measured}
 
 
 # ---------------------------------------------------------------------------------------------------------------

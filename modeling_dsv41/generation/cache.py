@@ -14,9 +14,10 @@ Top-k selections and candidate blocks depend on the new queries only, so they ar
 handed to consumer layers through that step's :class:`~.attention.CompressedContext`; nothing of them is kept.
 
 :class:`DeepseekV41StaticCache` holds the same state in buffers sized once (for ``max_cache_len`` columns) and
-updated in place, for ``generate(cache_implementation="static")`` and compiled decode steps. The dynamic cache
-rolls back over its last tokens (``crop``, for assisted generation) once ``activate_past_recording()`` has made it
-keep what a rollback needs.
+updated in place, for ``generate(cache_implementation="static")`` and compiled decode steps. Both roll back over
+their last tokens (``crop``: assisted generation, DSpark speculative decoding) once ``activate_past_recording()``
+has made them keep what a rollback needs: the dynamic cache any number of tokens, the static one up to the
+``max_rewind`` it was given, in its fixed buffers.
 
 Rows count positions from their own first real token (a left-padded prompt is aligned to start at 0), so rows
 of one batch sit at different positions and complete their compression groups at different steps:

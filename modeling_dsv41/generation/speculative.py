@@ -10,8 +10,8 @@ the main model accepted — never a rejected one, so nothing of it is rolled bac
 :func:`dspark_decoding` is the loop, transformers' assisted decoding carried past batch 1: the main model verifies
 each draft in one forward, every row keeps the longest prefix all rows agree on plus the main model's own next token
 (greedy: the tokens plain greedy decoding gives), or the standard speculative-sampling acceptance rule decides per
-row (sampling: the main model's distribution is kept), the :class:`~.cache.DeepseekV41Cache` is cropped back over
-the rejected tokens, and the accepted tokens go through the stopping criteria and the streamer one by one, as plain
+row (sampling: the main model's distribution is kept), the main cache (dynamic, or static with a rollback of up to
+a block) is cropped back over the rejected tokens, and the accepted tokens go through the stopping criteria and the streamer one by one, as plain
 decoding hands them over.
 
 ``dspark_confidence_threshold`` (a generation-config attribute, or a ``generate`` argument) cuts a draft before the

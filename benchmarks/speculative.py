@@ -20,7 +20,7 @@ Reported, for ``--batch`` prompts:
 - whether both give the same tokens (they must).
 
 Usage: ``python benchmarks/speculative.py [--size tiny|medium|demo] [--demo-dir DIR] [--device cpu|cuda]
-[--dtype float32|bfloat16] [--batch 1] [--new-tokens 64] [--block-size 5] [--stages 2] [--train-steps 200]
+[--dtype float32|bfloat16] [--batch 1] [--new-tokens 64] [--block-size 5] [--stages 2] [--train-steps 200] [--train-sequences 32]
 [--reps 3] [--threads 2] [--clock wall|process]``
 """
 
@@ -85,8 +85,8 @@ def load_demo(folder: Path, batch: int, train_steps: int):
     return model, dict(demo_reload.caption_inputs(processor, images, PROMPT))
 
 
-def train_head(model, steps: int, device: str, vocab: int) -> None:
-    prompts = torch.randint(3, min(vocab, 500), (32, 8), generator=torch.Generator().manual_seed(1)).to(device)
+def train_head(model, steps: int, device: str, vocab: int, sequences: int = 32) -> None:
+    prompts = torch.randint(3, min(vocab, 500), (sequences, 8), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         sequences = model.generate(prompts, max_new_tokens=56, do_sample=False).cpu()
     with tempfile.TemporaryDirectory() as out:
@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=5)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--train-steps", type=int, default=200)
+    parser.add_argument("--train-sequences", type=int, default=32,
+                        help="tiny/medium: the backbone's greedy continuations of this many random prompts train the head")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
@@ -144,7 +146,7 @@ def main() -> None:
     else:
         model = build(args.size, args.block_size, args.stages).to(args.device)
         vocab = model.config.text_config.vocab_size
-        train_head(model, args.train_steps, args.device, vocab)
+        train_head(model, args.train_steps, args.device, vocab, args.train_sequences)
         inputs = {"input_ids": torch.randint(3, min(vocab, 500), (args.batch, 8), generator=torch.Generator().manual_seed(2))}
     model = model.eval().to(args.device).to(getattr(torch, args.dtype))
     inputs = {k: v.to(args.device) for k, v in inputs.items()}

@@ -98,8 +98,8 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     assert report["lora"] is None
     # the draft head trained on the backbone's own predictions, then DSpark decoding measured against plain decoding
     dspark = report["dspark"]
-    assert [p.name for p in (out / "checkpoints" / "dspark").iterdir()] == ["checkpoint-1"]  # 4 // 4 steps
-    assert dspark["captions_identical"] is True and dspark["images"] == 8 and dspark["train_steps"] == 1
+    assert [p.name for p in (out / "checkpoints" / "dspark").iterdir()] == ["checkpoint-4"]
+    assert dspark["captions_identical"] is True and dspark["images"] == 8 and dspark["train_steps"] == 4
     assert dspark["plain_tokens_per_s"] > 0 and dspark["speedup"] == pytest.approx(
         dspark["dspark_tokens_per_s"] / dspark["plain_tokens_per_s"])
     assert 1 <= dspark["mean_accepted_length"] <= 1 + demo_module.DEMO_DSPARK["dspark_block_size"]

@@ -78,8 +78,8 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     captured = capsys.readouterr()
     assert f"Resuming from {checkpoints / 'checkpoint-2'}" in captured.out
     assert "caption exact match" in captured.out and "generations equal" in captured.out
-    stages = re.search(r"Wall time per stage: build \+ baseline [\d.]+ s, fine-tuning [\d.]+ s, export [\d.]+ s, "
-                       r"reload check [\d.]+ s", captured.out)
+    stages = re.search(r"Wall time per stage: build \+ baseline [\d.]+ s, fine-tuning [\d.]+ s, DSpark head [\d.]+ s, "
+                       r"export [\d.]+ s, reload check [\d.]+ s", captured.out)
     assert stages, captured.out
     assert re.search(rf"\d+ threads on {re.escape(demo_module._cpu_name())}\n", captured.out)
 
@@ -96,6 +96,15 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     assert len(report["samples"]) == 8 and all(Path(s["image"]).is_file() for s in report["samples"])
     assert (out / "checkpoints" / "full" / "checkpoint-4").is_dir()  # the last step is saved: a rerun trains no more
     assert report["lora"] is None
+    # the draft head trained on the backbone's own predictions, then DSpark decoding measured against plain decoding
+    dspark = report["dspark"]
+    assert [p.name for p in (out / "checkpoints" / "dspark").iterdir()] == ["checkpoint-4"]
+    assert dspark["captions_identical"] is True and dspark["images"] == 8 and dspark["train_steps"] == 4
+    assert dspark["plain_tokens_per_s"] > 0 and dspark["speedup"] == pytest.approx(
+        dspark["dspark_tokens_per_s"] / dspark["plain_tokens_per_s"])
+    assert 1 <= dspark["mean_accepted_length"] <= 1 + demo_module.DEMO_DSPARK["dspark_block_size"]
+    assert re.search(r"DSpark [\d.]+ tokens/s \([\d.]+x\), [\d.]+ tokens per verification, captions identical",
+                     captured.out)
 
     with Image.open(out / "loss.png") as image:
         assert image.format == "PNG" and image.size == (640, 400)
@@ -105,6 +114,8 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     assert (exported / "model.safetensors").is_file() and (exported / "tokenizer.json").is_file()
     card = (exported / "README.md").read_text()
     assert "caption exact match, fine-tuned" in card
+    assert "mean accepted length" in card and "captions identical to plain decoding | yes" in card
+    assert config["text_config"]["dspark_block_size"] == demo_module.DEMO_DSPARK["dspark_block_size"]
 
     assert main(["demo", "--output", str(out), "--steps", "4", "--seed", "1"]) == 2
     assert "other settings (seed)" in _one_line_error(capsys.readouterr().err, "demo")
@@ -388,3 +399,4 @@ def test_full_demo_meets_the_acceptance_criteria(tmp_path):
     before, after = report["before"]["exact_match"], report["after"]["exact_match"]
     assert after >= 0.5 and after >= 3 * before
     assert report["reloaded_generations_equal"] is True
+    assert report["dspark"]["captions_identical"] is True

@@ -15,7 +15,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.generation.speculative import accept_sampled
+from modeling_dsv41.generation.cache import DeepseekV41Cache, DeepseekV41StaticCache
+from modeling_dsv41.generation.speculative import accept_greedy, accept_sampled
 from test_generation import image_prompt, random_prompt
 
 NEW_TOKENS = 16
@@ -88,6 +89,69 @@ def test_greedy_with_an_image_in_the_prompt():
     assert torch.equal(spec, plain)
 
 
+def left_padded_batch():
+    rows = [random_prompt(37, 1), random_prompt(7, 2), random_prompt(20, 3)]  # past the 16-token window, and short
+    width = max(r.shape[1] for r in rows)
+    ids = torch.cat([torch.nn.functional.pad(r, (width - r.shape[1], 0), value=2) for r in rows])
+    mask = torch.cat([torch.tensor([[0] * (width - r.shape[1]) + [1] * r.shape[1]]) for r in rows])
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("prompt", ["batch", "image"])
+def test_static_cache_rolls_back_in_its_fixed_buffers(prompt, monkeypatch):
+    """use_mtp on the static cache: every rejected draft is cropped in place (the buffers keep their shapes and
+    addresses), and the tokens are plain greedy decoding's (dynamic cache)."""
+    model = dspark_model(block_size=4, stages=2)
+    inputs = left_padded_batch() if prompt == "batch" else image_prompt(5)
+    plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    crops, buffers = [], {}
+
+    def crop(self, tokens):
+        if not buffers:  # after the prefill: the fixed buffers every later step must reuse
+            buffers.update({(i, name): getattr(layer, name).data_ptr() for i, layer in enumerate(self.layers)
+                            for name in layer._STATE if getattr(layer, name) is not None})
+        crops.append(tokens)
+        DeepseekV41StaticCache.crop.__wrapped__(self, tokens)
+
+    crop.__wrapped__ = DeepseekV41StaticCache.crop
+    monkeypatch.setattr(DeepseekV41StaticCache, "crop", crop)
+    out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True,
+                         cache_implementation="static", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert any(n < 0 for n in crops)  # drafts were rejected and rolled back
+    cache = out.past_key_values
+    assert isinstance(cache, DeepseekV41StaticCache)
+    assert {(i, name): getattr(layer, name).data_ptr() for i, layer in enumerate(cache.layers)
+            for name in layer._STATE if getattr(layer, name) is not None} == buffers
+
+
+def test_static_cache_crop_equals_a_cache_that_never_saw_the_tokens():
+    """Crop a static cache (into the prompt too, across steps), decode on: the logits are those of a dynamic cache
+    that never saw the removed tokens (fp32 rounding: other GEMM widths, as in test_cache_static.py); and what the
+    buffers can no longer undo is refused."""
+    model = dspark_model()
+    ids, other = random_prompt(45, 0), random_prompt(6, 1)
+    with torch.no_grad():
+        static = DeepseekV41StaticCache(model.config, max_cache_len=64)
+        with pytest.raises(ValueError, match="needs the most tokens one crop removes"):
+            static.activate_past_recording()
+        static.activate_past_recording(max_rewind=4)
+        model(ids[:, :37], cache=static)
+        static.crop(-2)  # into the prompt
+        model(other[:, :4], cache=static)
+        static.crop(-3)
+        model(other[:, 4:6], cache=static)
+        static.crop(-3)  # back to the prompt's first 35 tokens: all 4 recorded steps are used up
+        with pytest.raises(ValueError, match="can undo only its newest 0"):
+            static.crop(-1)
+        assert static.get_seq_length() == 35 and static.lengths.tolist() == [35]
+        plain = DeepseekV41Cache(model.config)
+        model(ids[:, :35], cache=plain)
+        for new in (ids[:, 35:40], ids[:, 40:41]):  # groups across the crop point, then one token
+            torch.testing.assert_close(model(new, cache=static).logits, model(new, cache=plain).logits, rtol=0,
+                                       atol=1e-4)
+
+
 def test_confidence_threshold_cuts_drafts_and_keeps_the_output():
     model = dspark_model()
     prompt = random_prompt(10, 6)
@@ -133,11 +197,22 @@ def test_eos_stops_each_row_as_plain_decoding_does():
     assert torch.equal(spec, plain)
 
 
+def test_finished_rows_do_not_shorten_the_accepted_prefix():
+    """Row 1 has finished (it emits padding): its disagreeing draft must not cut row 0's fully agreeing one."""
+    target = torch.nn.functional.one_hot(torch.tensor([[3, 4, 5, 6], [0, 0, 0, 0]]), 8).float()
+    draft = torch.tensor([[3, 4, 5], [1, 1, 1]])
+    assert accept_greedy(draft, target).shape[1] == 1  # both rows active: row 1 rejects at once
+    kept = accept_greedy(draft, target, torch.tensor([True, False]))
+    assert kept[0].tolist() == [3, 4, 5, 6]
+    sampled = accept_sampled(draft, (target * 50).log_softmax(-1)[:, :-1], (target * 50).log_softmax(-1),
+                             torch.tensor([True, False]))
+    assert sampled[0].tolist() == [3, 4, 5, 6]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(num_beams=2), "use_mtp=True\\) works with greedy search and sampling"),
-        (dict(cache_implementation="static"), "static DeepSeek-V4.1 cache cannot record its past"),
         (dict(output_scores=True, return_dict_in_generate=True), "does not support \\['output_scores'\\]"),
     ],
 )

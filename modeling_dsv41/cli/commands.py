@@ -156,7 +156,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 # `report["timings_s"]` keys → the stage names the summary prints
 STAGE_NAMES = {"build_and_baseline_s": "build + baseline", "train_s": "fine-tuning", "lora_s": "LoRA",
-               "export_s": "export", "reload_s": "reload check"}
+               "dspark_s": "DSpark head", "export_s": "export", "reload_s": "reload check"}
 
 
 def _cell(value: float | None) -> str:
@@ -188,6 +188,15 @@ def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
             f"{'':<28}{'fine-tuned':>11}{'+ LoRA':>12}",
             f"{'caption exact match':<28}{_cell(before):>11}{_cell(after):>12}",
         ]
+    dspark = report["dspark"]
+    lines += [
+        "",
+        f"DSpark speculative decoding (draft head trained {dspark['train_steps']} steps on the backbone's own "
+        f"predictions), greedy captions of {dspark['images']} held-out images, one at a time:",
+        f"  plain {dspark['plain_tokens_per_s']:.1f} tokens/s, DSpark {dspark['dspark_tokens_per_s']:.1f} tokens/s "
+        f"({dspark['speedup']:.2f}x), {dspark['mean_accepted_length']:.2f} tokens per verification, captions "
+        f"{'identical' if dspark['captions_identical'] else 'DIFFER'}",
+    ]
     lines += ["", f"{'image':<16}{'truth':<34}{'generated':<34}reloaded"]
     for sample in report["samples"]:
         lines.append(f"{Path(sample['image']).name:<16}{sample['truth']:<34}{sample['in_process']:<34}"

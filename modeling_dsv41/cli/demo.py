@@ -6,6 +6,9 @@
    optimizer — and measure again.
    With ``lora``, then teach the fine-tuned model a new caption wording (``"a red circle in the top left"``)
    through a PEFT LoRA adapter on the language model, measure that, and merge the adapter.
+   Then train the DSpark draft head (``mtp.*``) on the fine-tuned backbone's own predictions (backbone frozen,
+   ``DeepseekV41Trainer(train_dspark_head=True)``), and caption the held-out images with and without DSpark
+   speculative decoding (``generate(use_mtp=True)``): tokens/s of both, the mean accepted length, identical captions.
 4. Export a Hub-ready folder (:func:`~.export.export_for_hub`: weights, config, processor,
    tokenizer, remote code and a model card holding the measured results).
 5. Reload that folder in a fresh interpreter with ``AutoModelForCausalLM`` / ``AutoProcessor``
@@ -52,9 +55,15 @@ from ..training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments,
 # cannot take one), and per expert on the fused routed experts; the LM head trains in full, as new words need their
 # output rows
 LORA_TARGET_MODULES = r"model\.layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.shared_experts\.w[123])"
-LORA_TARGET_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+LORA_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 LORA_FULLY_TRAINED = ["lm_head"]
 NUM_SAMPLE_IMAGES = 8
+# the demo model's draft head: one DSpark block reading the last three backbone layers, drafting 4 tokens (a short
+# caption and its EOS) per verification; the pad token fills the block after its first token (it never occurs in text)
+DEMO_DSPARK = {"num_nextn_predict_layers": 1, "dspark_block_size": 4, "dspark_target_layer_ids": [3, 4, 5],
+               "dspark_markov_rank": 32}
+DSPARK_TIMING_REPS = 2
+DSPARK_IMAGES = 16  # held-out images captioned one at a time (batch 1: a request's latency) with and without DSpark  # each decoding timed this many times, alternating; the fastest counts (least disturbed)
 MIN_FREE_BYTES = 200 * 2**20  # checkpoints, the export and the samples take ≈ 30 MB; keep a margin
 
 
@@ -71,7 +80,7 @@ class DemoSettings:
     """What a demo run does. Everything but ``output`` must match when resuming."""
 
     output: Path = Path("dsv41-demo")
-    steps: int = 120  # per training stage (full fine-tuning, then LoRA)
+    steps: int = 120  # per training stage (full fine-tuning, then LoRA, then the DSpark draft head)
     lora: bool = False
     seed: int = 0
     batch_size: int = 32
@@ -98,12 +107,14 @@ class DemoSettings:
 
 
 def demo_config(tokenizer: Any) -> DeepseekV41Config:
-    """The ``tiny`` preset sized for 84×84 images (an 8-position image span) and this tokenizer's Engram map."""
+    """The ``tiny`` preset sized for 84×84 images (an 8-position image span) and this tokenizer's Engram map, with a
+    DSpark draft head (:data:`DEMO_DSPARK`)."""
     base = DeepseekV41Config.from_preset("tiny")
     _, compressed_vocab_size = build_compressed_token_map(tokenizer)
     config = DeepseekV41Config.from_preset(
         "tiny",
-        text_config={**base.text_config.to_dict(), "engram_compressed_vocab_size": compressed_vocab_size},
+        text_config={**base.text_config.to_dict(), "engram_compressed_vocab_size": compressed_vocab_size,
+                     **DEMO_DSPARK, "dspark_noise_token_id": tokenizer.pad_token_id},
         vision_config={**base.vision_config.to_dict(), "min_pixels": IMAGE_SIZE * IMAGE_SIZE},
     )
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
@@ -211,6 +222,13 @@ class _CheckpointOnInterrupt(TrainerCallback):
             signal.signal(signal.SIGINT, self._previous_handler)
 
 
+def lora_target_parameters(model: DeepseekV41ForCausalLM) -> list[str]:
+    """The backbone layers' fused routed experts by full name (PEFT matches name suffixes: ``experts.down_proj``
+    alone would also take the draft head's experts, which the caption loss never reaches)."""
+    layers = model.config.text_config.num_hidden_layers
+    return [f"model.layers.{i}.ffn.experts.{name}" for i in range(layers) for name in LORA_EXPERT_PARAMETERS]
+
+
 def attach_lora(model: DeepseekV41ForCausalLM) -> Any:
     """A PEFT LoRA adapter (rank 8) on the language model's matrices, plus a trainable copy of the LM head."""
     from peft import LoraConfig, get_peft_model
@@ -218,13 +236,16 @@ def attach_lora(model: DeepseekV41ForCausalLM) -> Any:
     return get_peft_model(
         model,
         LoraConfig(
-            r=8, lora_alpha=16, target_modules=LORA_TARGET_MODULES, target_parameters=LORA_TARGET_PARAMETERS,
+            r=8, lora_alpha=16, target_modules=LORA_TARGET_MODULES, target_parameters=lora_target_parameters(model),
             modules_to_save=LORA_FULLY_TRAINED,
         ),
     )
 
 
-def training_arguments(settings: DemoSettings, output_dir: Path, steps: int) -> DeepseekV41TrainingArguments:
+def training_arguments(
+    settings: DemoSettings, output_dir: Path, steps: int, train_dspark_head: bool = False
+) -> DeepseekV41TrainingArguments:
+    """The stage's arguments; the draft head's stage is not evaluated (its loss is not the caption loss)."""
     return DeepseekV41TrainingArguments(
         output_dir=str(output_dir),
         max_steps=steps,
@@ -236,9 +257,10 @@ def training_arguments(settings: DemoSettings, output_dir: Path, steps: int) -> 
         weight_decay=0.1,  # Muon kinds only (the AdamW group takes none)
         max_grad_norm=1.0,
         logging_steps=max(1, min(5, steps // 10)),
-        eval_strategy="steps",
+        eval_strategy="no" if train_dspark_head else "steps",
         eval_steps=max(10, steps // 6),
-        eval_on_start=True,
+        eval_on_start=not train_dspark_head,
+        train_dspark_head=train_dspark_head,
         save_strategy="steps",
         save_steps=max(1, steps // 4),
         save_total_limit=1,
@@ -254,16 +276,17 @@ def training_arguments(settings: DemoSettings, output_dir: Path, steps: int) -> 
 
 def fine_tune(
     model: Any, processor: DeepseekV41Processor, settings: DemoSettings, *, stage: str, style: str, steps: int,
-    print_fn=print,
+    print_fn=print, train_dspark_head: bool = False,
 ) -> DeepseekV41Trainer:
     """Train on ``style`` captions with DeepseekV41Trainer, in ``<output>/checkpoints/<stage>`` (resuming from the
-    latest complete checkpoint there, if any: a run killed while saving resumes from the one before)."""
+    latest complete checkpoint there, if any: a run killed while saving resumes from the one before). With
+    ``train_dspark_head``, only the draft head trains, on the frozen backbone's own predictions on those captions."""
     output_dir = settings.output / "checkpoints" / stage
     trainer = DeepseekV41Trainer(
         model=model,
-        args=training_arguments(settings, output_dir, steps),
+        args=training_arguments(settings, output_dir, steps, train_dspark_head),
         train_dataset=ShapesDataset("train", settings.num_train, settings.seed, style),
-        eval_dataset=ShapesDataset("eval", settings.num_eval, settings.seed, style),
+        eval_dataset=None if train_dspark_head else ShapesDataset("eval", settings.num_eval, settings.seed, style),
         data_collator=CaptionCollator(processor),
     )
     trainer.remove_callback(ProgressCallback)
@@ -280,6 +303,69 @@ def fine_tune(
     if interrupt.interrupted:
         raise DemoInterrupted(last_complete_checkpoint(output_dir))
     return trainer
+
+
+def _decoded_tokens(new: torch.Tensor, eos_token_id: int) -> int:
+    """Tokens generated in new [B, N]: each row's up to its first EOS (included), or all N."""
+    is_eos = new == eos_token_id
+    ended = is_eos.any(dim=1)
+    return int(torch.where(ended, is_eos.long().argmax(dim=1) + 1, new.shape[1]).sum())
+
+
+@torch.no_grad()
+def dspark_speed(model: DeepseekV41ForCausalLM, processor: DeepseekV41Processor, images: list) -> dict[str, Any]:
+    """Greedy captions of ``images``, one image per ``generate`` call (batch 1: in a batch every row advances by the
+    shortest accepted prefix), by plain cached decoding and by DSpark speculative decoding, timed in alternation
+    (the fastest of :data:`DSPARK_TIMING_REPS` each): tokens/s of both, their ratio, the mean accepted length
+    (tokens decoded per verification forward after the prefill's) and whether the tokens are identical."""
+    model.eval()
+    greedy = dict(max_new_tokens=demo_reload.MAX_NEW_TOKENS, do_sample=False)
+    forwards = []
+    hook = model.model.register_forward_hook(lambda *args: forwards.append(1))
+    seconds = {False: [0.0] * DSPARK_TIMING_REPS, True: [0.0] * DSPARK_TIMING_REPS}
+    tokens = decoded = verifications = 0
+    identical = True
+    try:
+        for image in images:
+            inputs = demo_reload.caption_inputs(processor, [image], PROMPT)
+            for rep in range(DSPARK_TIMING_REPS):
+                outputs = {}
+                for use_mtp in (False, True):
+                    forwards.clear()
+                    start = time.perf_counter()
+                    outputs[use_mtp] = model.generate(**inputs, use_mtp=use_mtp, **greedy)
+                    seconds[use_mtp][rep] += time.perf_counter() - start
+            prompt_len = inputs["input_ids"].shape[1]
+            tokens += _decoded_tokens(outputs[False][:, prompt_len:], model.generation_config.eos_token_id)
+            decoded += outputs[True].shape[1] - prompt_len - 1
+            verifications += len(forwards) - 1
+            identical &= bool(torch.equal(outputs[True], outputs[False]))
+    finally:
+        hook.remove()
+    plain_rate, spec_rate = tokens / min(seconds[False]), tokens / min(seconds[True])
+    return {
+        "images": len(images), "tokens": tokens,
+        "plain_tokens_per_s": plain_rate, "dspark_tokens_per_s": spec_rate, "speedup": spec_rate / plain_rate,
+        "mean_accepted_length": decoded / max(verifications, 1), "captions_identical": identical,
+    }
+
+
+def train_draft_head(
+    model: DeepseekV41ForCausalLM, processor: DeepseekV41Processor, settings: DemoSettings, style: str, print_fn=print
+) -> dict[str, Any]:
+    """The DSpark stage: fine-tuning made the draft head stale (here: it starts random), so it learns the final
+    backbone's own predictions on the training captions, backbone frozen; then :func:`dspark_speed` on held-out
+    images."""
+    steps = settings.steps  # fewer leave the head too weak to help (30 steps: 1.0 token per verification)
+    trainer = fine_tune(model, processor, settings, stage="dspark", style=style, steps=steps, print_fn=print_fn,
+                        train_dspark_head=True)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    images = [s.image for s in ShapesDataset("eval", min(settings.num_eval, DSPARK_IMAGES), settings.seed, style)]
+    measured = dspark_speed(model, processor, images)
+    print_fn(f"DSpark: {measured['dspark_tokens_per_s']:.0f} tokens/s vs {measured['plain_tokens_per_s']:.0f} plain "
+             f"({measured['speedup']:.2f}x), {measured['mean_accepted_length']:.2f} tokens per verification, "
+             f"captions {'identical' if measured['captions_identical'] else 'DIFFER'}")
+    return {"train_steps": steps, "final_train_loss": losses[-1] if losses else None, **measured}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -426,6 +512,14 @@ def _results_for_card(report: dict[str, Any], num_eval: int) -> dict[str, dict[s
             "caption exact match, fine-tuned": score(report["lora"]["before"]),
             "caption exact match, + LoRA": score(report["lora"]["after"]),
         }
+    dspark = report["dspark"]
+    results[f"DSpark speculative decoding (greedy captions of {dspark['images']} held-out images, batch 1, CPU)"] = {
+        "tokens/s, plain decoding": f"{dspark['plain_tokens_per_s']:.1f}",
+        "tokens/s, DSpark (use_mtp=True)": f"{dspark['dspark_tokens_per_s']:.1f}",
+        "speedup": f"{dspark['speedup']:.2f}x",
+        "mean accepted length (tokens per verification)": f"{dspark['mean_accepted_length']:.2f}",
+        "captions identical to plain decoding": "yes" if dspark["captions_identical"] else "NO",
+    }
     return results
 
 
@@ -443,8 +537,9 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
     model = build_demo_model(config, tokenizer, settings.seed)
     processor = build_demo_processor(config, tokenizer)
     eval_short = ShapesDataset("eval", settings.num_eval, settings.seed)
-    print_fn(f"Built DeepSeek-V4.1 (tiny, vision + Engram): {model.num_parameters():,} parameters, "
+    print_fn(f"Built DeepSeek-V4.1 (tiny, vision + Engram + DSpark head): {model.num_parameters():,} parameters, "
              f"{config.text_config.num_hidden_layers} layers, {config.text_config.n_routed_experts} experts")
+    model.mtp.requires_grad_(False)  # the caption loss never reaches the draft head: it trains in its own stage
     before = _measure_once(run, "before", lambda: caption_exact_match(model, processor, eval_short), output)
     print_fn(f"Untrained caption exact match: {before['exact_match']:.3f} "
              f"(a caption guesser scores {1 / len(CAPTIONS):.3f})")
@@ -481,7 +576,11 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
         timings["lora_s"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    report = {"before": before, "after": after, "lora": lora}
+    dspark = train_draft_head(model, processor, settings, "sentence" if settings.lora else "short", print_fn)
+    timings["dspark_s"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    report = {"before": before, "after": after, "lora": lora, "dspark": dspark}
     export_dir = export_for_hub(
         model, output / "model", processor, repo_id="dsv41-demo",
         card_data={"model_name": "dsv41-demo", "tags": ["demo"]}, results=_results_for_card(report, settings.num_eval),
@@ -531,6 +630,7 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
 __all__ = [
     "CaptionCollator",
     "DemoInterrupted",
+    "DEMO_DSPARK",
     "DemoSettings",
     "LORA_FULLY_TRAINED",
     "LORA_TARGET_MODULES",
@@ -539,9 +639,11 @@ __all__ = [
     "build_demo_processor",
     "caption_exact_match",
     "demo_config",
+    "dspark_speed",
     "fine_tune",
     "loss_curves",
     "plot_losses",
     "reload_and_caption",
     "run_demo",
+    "train_draft_head",
 ]

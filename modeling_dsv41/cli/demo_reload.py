@@ -21,16 +21,21 @@ from transformers import AutoModelForCausalLM, AutoProcessor
 MAX_NEW_TOKENS = 12
 
 
-@torch.no_grad()
-def caption_images(model: Any, processor: Any, images: Sequence[Image.Image], prompt: str) -> list[str]:
-    """Greedy captions, one per image, for a one-turn chat ``[image] prompt`` (left-padded batch)."""
+def caption_inputs(processor: Any, images: Sequence[Image.Image], prompt: str) -> dict[str, torch.Tensor]:
+    """The model inputs of a one-turn chat ``[image] prompt`` per image (a left-padded batch)."""
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(
+    return processor(
         images=list(images), text=[text] * len(images), padding=True, padding_side="left",
         add_special_tokens=False,  # the chat template already starts with BOS
         return_tensors="pt",
     )
+
+
+@torch.no_grad()
+def caption_images(model: Any, processor: Any, images: Sequence[Image.Image], prompt: str) -> list[str]:
+    """Greedy captions, one per image, for a one-turn chat ``[image] prompt`` (left-padded batch)."""
+    inputs = caption_inputs(processor, images, prompt)
     output = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
     captions = processor.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     return [caption.strip() for caption in captions]

@@ -14,9 +14,10 @@ Top-k selections and candidate blocks depend on the new queries only, so they ar
 handed to consumer layers through that step's :class:`~.attention.CompressedContext`; nothing of them is kept.
 
 :class:`DeepseekV41StaticCache` holds the same state in buffers sized once (for ``max_cache_len`` columns) and
-updated in place, for ``generate(cache_implementation="static")`` and compiled decode steps. The dynamic cache
-rolls back over its last tokens (``crop``, for assisted generation) once ``activate_past_recording()`` has made it
-keep what a rollback needs.
+updated in place, for ``generate(cache_implementation="static")`` and compiled decode steps. Both roll back over
+their last tokens (``crop``: assisted generation, DSpark speculative decoding) once ``activate_past_recording()``
+has made them keep what a rollback needs: the dynamic cache any number of tokens, the static one up to the
+``max_rewind`` it was given, in its fixed buffers.
 
 Rows count positions from their own first real token (a left-padded prompt is aligned to start at 0), so rows
 of one batch sit at different positions and complete their compression groups at different steps:
@@ -59,6 +60,12 @@ def gather_rows(t: torch.Tensor, index: torch.Tensor, fill: float | int = 0) -> 
     index = index.clamp(0, max(t.shape[1] - 1, 0))
     out = t.gather(1, index.view(*index.shape, *([1] * (t.ndim - 2))).expand(-1, -1, *t.shape[2:]))
     return out.masked_fill(~valid.view(*valid.shape, *([1] * (t.ndim - 2))), fill)
+
+
+def last_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    """The newest ``width`` columns of t [B, T, ...], left-padded with zeros when T is shorter."""
+    kept = t[:, max(t.shape[1] - width, 0) :]
+    return F.pad(kept, (0, 0) * (t.ndim - 2) + (width - kept.shape[1], 0))
 
 
 def append_rows(
@@ -117,7 +124,7 @@ class DeepseekV41LayerCache:
     def store_window(self, kv: torch.Tensor, lengths: torch.Tensor) -> None:
         """After a full pass over kv [B, S, D] holding ``lengths[b]`` real tokens per row: keep each row's last W
         (all of them while recording the past)."""
-        width = max(self.window, kv.shape[1]) if self.record_past else self.window
+        width = max(self.window, self._window_width(kv.shape[1]))
         index = lengths.unsqueeze(1) - width + torch.arange(width, device=kv.device)
         self._write("window_kv", gather_rows(kv, index))
 
@@ -125,7 +132,7 @@ class DeepseekV41LayerCache:
         """Append the call's K=V [B, S, D] (all real tokens); returns the keys they may attend to [B, W + S, D]
         (positions ``past - W`` … ``past + S - 1`` of each row) and keeps the last W."""
         keys = torch.cat([self.window_kv, kv], dim=1)
-        self._write("window_kv", keys if self.record_past else keys[:, -self.window :])
+        self._write("window_kv", last_columns(keys, self._window_width(keys.shape[1])))
         return keys[:, -(self.window + kv.shape[1]) :]
 
     def append_compressed(
@@ -182,36 +189,42 @@ class DeepseekV41LayerCache:
         """Keep what a :meth:`rewind` needs: every window K=V and open-group projection from now on."""
         self.record_past = True
 
+    def _window_width(self, available: int) -> int:
+        """Window columns kept of ``available``: W, or all while recording (the dynamic cache rewinds any number)."""
+        return available if self.record_past else self.window
+
+    def _projection_width(self, available: int) -> int:
+        """Recorded projection columns kept of ``available`` (only while recording): all."""
+        return available
+
     def record_prefill_projections(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor) -> None:
         """While recording: the projections [B, S, D] of a full pass's tokens, ``lengths[b]`` real in row b."""
-        index = lengths.unsqueeze(1) - kv.shape[1] + torch.arange(kv.shape[1], device=kv.device)
-        self.projections_kv, self.projections_score = gather_rows(kv, index), gather_rows(score, index)
+        width = self._projection_width(kv.shape[1])
+        index = lengths.unsqueeze(1) - width + torch.arange(width, device=kv.device)
+        self._write("projections_kv", gather_rows(kv, index))
+        self._write("projections_score", gather_rows(score, index))
 
     def _record_projections(self, kv: torch.Tensor, score: torch.Tensor, past: torch.Tensor) -> None:
         """Append the call's projections [B, S, D] to the recorded ones, the first time after the pending open
         group's (``past % r`` real slots of row b), right-aligned so that each row's newest token is last."""
-        if self.projections_kv is None:
+        recorded_kv, recorded_score = self.projections_kv, self.projections_score
+        if recorded_kv is None:
             r = self.ratio
             slots = (past % r - r).unsqueeze(1) + torch.arange(r, device=kv.device)  # -1… for slots before the group
-            self.projections_kv = gather_rows(self.pending_kv, slots)
-            self.projections_score = gather_rows(self.pending_score, slots)
-        self.projections_kv = torch.cat([self.projections_kv, kv], dim=1)
-        self.projections_score = torch.cat([self.projections_score, score], dim=1)
+            recorded_kv, recorded_score = gather_rows(self.pending_kv, slots), gather_rows(self.pending_score, slots)
+        for name, recorded, new in (("projections_kv", recorded_kv, kv), ("projections_score", recorded_score, score)):
+            sequence = torch.cat([recorded, new], dim=1)
+            self._write(name, last_columns(sequence, self._projection_width(sequence.shape[1])))
 
     def rewind(self, tokens: int, lengths: torch.Tensor) -> None:
         """Forget each row's last ``tokens`` tokens (all rows decode in step, so they are the same columns), leaving
         ``lengths`` [B] real tokens per row: the state as it was after the earlier of them, from what was recorded."""
         if not self.record_past:
             raise ValueError("a DeepSeek-V4.1 cache can be cropped only after activate_past_recording()")
-        kept = self.window_kv.shape[1] - tokens
-        if kept < min(self.window, int(lengths.max())):
-            raise ValueError(f"cannot rewind {tokens} tokens: only {self.window_kv.shape[1] - self.window} were recorded")
+        self._check_rewind(tokens, lengths)
         # a window shorter than W after the rewind only lacks positions before the rows' first tokens: zeros
-        self.window_kv = F.pad(self.window_kv[:, :kept], (0, 0, max(self.window - kept, 0), 0))
-        if self.compressed_kv is not None:
-            rows = int((lengths // self.ratio).max())  # as wide as a cache that never held the removed tokens
-            self.compressed_kv = self.compressed_kv[:, :rows]
-            self.index_keys = None if self.index_keys is None else self.index_keys[:, :rows]
+        self._write("window_kv", self._without_newest(self.window_kv, tokens, self.window))
+        self._forget_compressed(lengths)
         if self.pending_kv is not None:
             r = self.ratio
             recorded = 0 if self.projections_kv is None else self.projections_kv.shape[1]
@@ -221,10 +234,26 @@ class DeepseekV41LayerCache:
                 raise ValueError(f"cannot rewind {tokens} tokens: not enough of them were recorded")
             if self.projections_kv is not None:  # else no row has an open group left: the pending slots go unread
                 column = column.masked_fill(torch.arange(r, device=lengths.device) >= held.unsqueeze(1), -1)
-                self.pending_kv = gather_rows(self.projections_kv, column)
-                self.pending_score = gather_rows(self.projections_score, column)
-                self.projections_kv = self.projections_kv[:, : max(recorded - tokens, 0)]
-                self.projections_score = self.projections_score[:, : max(recorded - tokens, 0)]
+                self._write("pending_kv", gather_rows(self.projections_kv, column))
+                self._write("pending_score", gather_rows(self.projections_score, column))
+                self._write("projections_kv", self._without_newest(self.projections_kv, tokens, 0))
+                self._write("projections_score", self._without_newest(self.projections_score, tokens, 0))
+
+    def _check_rewind(self, tokens: int, lengths: torch.Tensor) -> None:
+        if self.window_kv.shape[1] - tokens < min(self.window, int(lengths.max())):
+            raise ValueError(f"cannot rewind {tokens} tokens: only {self.window_kv.shape[1] - self.window} were recorded")
+
+    def _without_newest(self, value: torch.Tensor, tokens: int, min_width: int) -> torch.Tensor:
+        """``value`` [B, T, ...] without its newest ``tokens`` columns, left-padded with zeros to ``min_width``."""
+        kept = value[:, : max(value.shape[1] - tokens, 0)]
+        return F.pad(kept, (0, 0) * (value.ndim - 2) + (max(min_width - kept.shape[1], 0), 0))
+
+    def _forget_compressed(self, lengths: torch.Tensor) -> None:
+        """Drop the compressed rows past each row's ``lengths // r`` (as wide as a cache that never held them)."""
+        if self.compressed_kv is not None:
+            rows = int((lengths // self.ratio).max())
+            self.compressed_kv = self.compressed_kv[:, :rows]
+            self.index_keys = None if self.index_keys is None else self.index_keys[:, :rows]
 
     def _write(self, name: str, value: torch.Tensor) -> None:
         """Replace one piece of state (out of place: earlier outputs that alias it stay valid)."""
@@ -293,7 +322,9 @@ class DeepseekV41Cache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, max_rewind: int | None = None) -> None:
+        """Make :meth:`crop` possible from now on. This cache keeps every token's state, so it rolls back any
+        number of tokens; ``max_rewind`` (what the static cache needs to size its buffers) bounds nothing here."""
         super().activate_past_recording()
         self.record_past = True
 
@@ -305,18 +336,27 @@ class DeepseekV41Cache(Cache):
         tokens = -tokens_to_remove
         if tokens == 0:
             return
-        if tokens > self.seen_tokens:
-            raise ValueError(f"cannot remove {tokens} tokens from a cache holding {self.seen_tokens}")
+        if tokens > self.get_seq_length():
+            raise ValueError(f"cannot remove {tokens} tokens from a cache holding {self.get_seq_length()}")
         lengths = self.lengths - tokens
+        if bool((lengths < 0).any()):
+            raise ValueError(f"cannot remove {tokens} tokens from rows holding {self.lengths.tolist()} real tokens")
         for layer in self.layers:
             layer.rewind(tokens, lengths)
         if self.engram_history is not None:
-            size = self.engram_history.shape[1] - tokens
-            if size < 1:
-                raise ValueError(f"cannot rewind {tokens} tokens: not enough Engram ids were recorded")
-            self.engram_history = self.engram_history[:, :size]
-        self.lengths = lengths
-        self.seen_tokens -= tokens
+            self._rewind_engram_history(tokens)
+        self._store("lengths", lengths)
+        self._count_columns(-tokens)
+
+    def _rewind_engram_history(self, tokens: int) -> None:
+        size = self.engram_history.shape[1] - tokens
+        if size < 1:
+            raise ValueError(f"cannot rewind {tokens} tokens: not enough Engram ids were recorded")
+        self.engram_history = self.engram_history[:, :size]
+
+    def _count_columns(self, columns: int) -> None:
+        """Add ``columns`` (negative: remove them) to the input columns consumed."""
+        self.seen_tokens += columns
 
     def engram_past(self, size: int) -> torch.Tensor | None:
         """The ``size`` compressed ids before the next call's tokens [B, size] (None before the prefill)."""
@@ -349,7 +389,7 @@ class DeepseekV41Cache(Cache):
 
     def finish_step(self, step: CacheStep, seq_len: int) -> None:
         self._store("lengths", step.lengths)
-        self.seen_tokens += seq_len
+        self._count_columns(seq_len)
 
     def _store(self, name: str, value: torch.Tensor) -> None:
         """Replace one piece of per-row state (``lengths``, ``engram_history``)."""
@@ -361,10 +401,14 @@ class DeepseekV41Cache(Cache):
         if past is None:
             past = compressed.new_full((compressed.shape[0], size), DEAD)
         sequence = torch.cat([past, compressed], dim=1)
-        keep = past.shape[1] + compressed.shape[1] if self.record_past else size
+        keep = self._engram_width(size, sequence.shape[1])
         # row b's newest id sits at past width + new_tokens[b] - 1 (compressed is left-aligned): keep the last `keep`
         start = new_tokens + past.shape[1] - keep
         self._store("engram_history", gather_rows(sequence, start.unsqueeze(1) + torch.arange(keep, device=compressed.device), DEAD))
+
+    def _engram_width(self, size: int, available: int) -> int:
+        """Compressed ids kept of ``available``: every one while recording, else the ``size`` the next call reads."""
+        return available if self.record_past else size
 
     def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in ("lengths", "engram_history"):
@@ -415,19 +459,40 @@ class DeepseekV41StaticLayerCache(DeepseekV41LayerCache):
     compressed_kv / index_keys [B, max_cache_len // r + 1, ...]: rows ``[: lengths[b] // r]`` of row b are valid;
     the last row takes the writes of groups a step leaves incomplete (a fixed-shape write needs somewhere to put
     them) and, like every row past a query's compressed length, is never attended to.
+
+    Past recording (:meth:`activate_past_recording` with ``max_rewind`` M) is bounded, in fixed shapes too: the
+    window keeps W + M columns, the projections the last r + M tokens. A rewind of t ≤ M tokens shifts them right by
+    t (the newest t out, zeros in front) and rebuilds the open group from the projections; compressed rows need no
+    undoing: those past a row's new ``lengths // r`` are never attended (each query sees the rows before its own
+    position's group), and the groups that complete again write them anew. :class:`DeepseekV41StaticCache` checks
+    that no rewind reaches past what was kept.
     """
 
     is_compileable = True
 
-    def activate_past_recording(self) -> None:
-        raise ValueError(
-            "a static DeepSeek-V4.1 cache cannot record its past (its buffers have fixed sizes): assisted generation "
-            "needs the dynamic DeepseekV41Cache"
-        )
-
     def __init__(self, window: int, ratio: int, max_cache_len: int):
         super().__init__(window, ratio)
         self.max_rows = max_cache_len // ratio if ratio else 0
+        self.max_rewind = 0
+
+    def activate_past_recording(self, max_rewind: int) -> None:
+        """Keep what rewinding up to ``max_rewind`` tokens needs (in buffers of fixed size)."""
+        self.record_past, self.max_rewind = True, max_rewind
+
+    def _window_width(self, available: int) -> int:
+        return self.window + self.max_rewind if self.record_past else self.window
+
+    def _projection_width(self, available: int) -> int:
+        return self.ratio + self.max_rewind
+
+    def _check_rewind(self, tokens: int, lengths: torch.Tensor) -> None:
+        pass  # the cache counts what its fixed buffers can still undo (DeepseekV41StaticCache.crop)
+
+    def _without_newest(self, value: torch.Tensor, tokens: int, min_width: int) -> torch.Tensor:
+        return super()._without_newest(value, tokens, value.shape[1])  # fixed width: shifted right
+
+    def _forget_compressed(self, lengths: torch.Tensor) -> None:
+        pass  # rows past each row's length are never attended (see the class docstring)
 
     def _write(self, name: str, value: torch.Tensor) -> None:
         held = getattr(self, name)
@@ -476,11 +541,53 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
             ],
         )
         self.max_cache_len = max_cache_len
-        self.record_past = False  # fixed buffers: no rollback (see DeepseekV41StaticLayerCache.activate_past_recording)
+        self.record_past = False
+        self.max_rewind = 0  # tokens a crop may remove while recording (see activate_past_recording)
+        self.rewindable = 0  # of those, how many the buffers can undo now
         self.seen: torch.Tensor | None = None  # 0-d long: columns consumed
         self.lengths: torch.Tensor | None = None
         self.engram_history: torch.Tensor | None = None
         self._empty = True
+
+    def activate_past_recording(self, max_rewind: int | None = None) -> None:
+        """Make :meth:`crop` able to remove up to ``max_rewind`` of the newest tokens (DSpark: the draft block size)
+        at any point: the buffers then keep ``max_rewind`` more window columns, open-group projections and Engram
+        ids. A rollback of any length (transformers' assisted generation) needs the dynamic cache."""
+        if max_rewind is None or max_rewind < 1:
+            raise ValueError(
+                "a static DeepSeek-V4.1 cache records its past in fixed sizes: activate_past_recording(max_rewind) "
+                "needs the most tokens one crop removes (assisted generation with a draft model needs the dynamic "
+                "DeepseekV41Cache)"
+            )
+        if not self._empty:
+            raise ValueError("activate the static cache's past recording before the prefill (it sizes the buffers)")
+        for layer in self.layers:
+            layer.activate_past_recording(max_rewind)
+        self.record_past, self.max_rewind = True, max_rewind
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As :meth:`DeepseekV41Cache.crop`, for at most the newest tokens the fixed buffers still hold the state
+        before (``max_rewind``, less what earlier crops since then took)."""
+        tokens = -tokens_to_remove
+        if not self.record_past and tokens > 0:
+            raise ValueError("the static cache can be cropped only after activate_past_recording(max_rewind)")
+        if tokens > self.rewindable:
+            raise ValueError(
+                f"cannot remove {tokens} tokens: the static cache can undo only its newest {self.rewindable} now "
+                f"(activate_past_recording(max_rewind={self.max_rewind}))"
+            )
+        super().crop(tokens_to_remove)
+        self.rewindable -= max(tokens, 0)
+
+    def _rewind_engram_history(self, tokens: int) -> None:
+        history = self.engram_history
+        self._store("engram_history", F.pad(history[:, : history.shape[1] - tokens], (tokens, 0), value=DEAD))
+
+    def _engram_width(self, size: int, available: int) -> int:
+        return size + self.max_rewind if self.record_past else size
+
+    def _count_columns(self, columns: int) -> None:
+        self.seen.add_(columns)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self._empty else int(self.seen)
@@ -507,8 +614,10 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         self._store("lengths", step.lengths)
         if self._empty:
             self.seen = _static_buffer(torch.tensor(seq_len, device=step.lengths.device))
+            self.rewindable = self.max_rewind  # the prefill keeps each row's last tokens (zeros before its first)
         else:
             self.seen.add_(seq_len)
+            self.rewindable = min(self.rewindable + seq_len, self.max_rewind)
         self._empty = False
 
     def _store(self, name: str, value: torch.Tensor) -> None:
@@ -526,7 +635,7 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
                 value.zero_()
         if self.engram_history is not None:
             self.engram_history.fill_(DEAD)  # as if there were none: the next prefill starts a sequence
-        self._empty = True
+        self._empty, self.rewindable = True, 0
 
 
 class DeepseekV41DSparkCache:

@@ -10,8 +10,8 @@ the main model accepted — never a rejected one, so nothing of it is rolled bac
 :func:`dspark_decoding` is the loop, transformers' assisted decoding carried past batch 1: the main model verifies
 each draft in one forward, every row keeps the longest prefix all rows agree on plus the main model's own next token
 (greedy: the tokens plain greedy decoding gives), or the standard speculative-sampling acceptance rule decides per
-row (sampling: the main model's distribution is kept), the :class:`~.cache.DeepseekV41Cache` is cropped back over
-the rejected tokens, and the accepted tokens go through the stopping criteria and the streamer one by one, as plain
+row (sampling: the main model's distribution is kept), the main cache (dynamic, or static with a rollback of up to
+a block) is cropped back over the rejected tokens, and the accepted tokens go through the stopping criteria and the streamer one by one, as plain
 decoding hands them over.
 
 ``dspark_confidence_threshold`` (a generation-config attribute, or a ``generate`` argument) cuts a draft before the
@@ -67,17 +67,19 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         budget = min(self.head.block_size, self.max_length - input_ids.shape[1] - 1)
         if budget <= 0:
             return input_ids, None
+        processed: list[torch.Tensor] = []
         ids, logits, confidence = self.head.draft(
             self.rings, input_ids[:, -1], self.rings.lengths - 1, self.model.model.embed, self.model.lm_head,
-            choose=self._chooser(input_ids),
+            choose=self._chooser(input_ids, processed),
         )
+        processed = torch.stack(processed, dim=1)
         length = budget
         if self.threshold is not None:  # keep the draft up to (not including) any row's first unconfident token
             confident = torch.sigmoid(confidence[:, :budget]) >= self.threshold
             length = int(confident.long().cumprod(dim=1).sum(dim=1).min())
             if length == 0:
                 return input_ids, None
-        return torch.cat([input_ids, ids[:, 1 : length + 1]], dim=-1), self._processed[:, :length]
+        return torch.cat([input_ids, ids[:, 1 : length + 1]], dim=-1), processed[:, :length]
 
     def _write_accepted(
         self, taps: torch.Tensor, attention_mask: torch.Tensor | None, total: int, n_last_matches: int
@@ -95,23 +97,21 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         positions = self.rings.lengths.unsqueeze(1) + torch.arange(taps.shape[1], device=taps.device)
         self.head.write_ring(self.rings, taps, positions)
 
-    def _chooser(self, input_ids: torch.LongTensor):
+    def _chooser(self, input_ids: torch.LongTensor, processed: list[torch.Tensor]):
         """The token choice for each draft column: the logits processors on the sequence drafted so far, then argmax
-        or a sample; the processed logits are kept (the acceptance rule compares the main model's against them)."""
+        or a sample; the processed logits are appended to ``processed`` (the acceptance rule compares the main
+        model's against them)."""
         sequence = input_ids
-        processed = []
+        processors = self.logits_processor if self.logits_processor is not None and len(self.logits_processor) else None
 
         def choose(logits: torch.Tensor, column: int) -> torch.Tensor:
             nonlocal sequence
-            if self.logits_processor is not None and len(self.logits_processor) > 0:
-                logits = self.logits_processor(sequence, logits)
+            if processors is not None:
+                logits = processors(sequence, logits)
             processed.append(logits)
-            if self.do_sample:
-                token = torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(1)
-            else:
-                token = logits.argmax(dim=-1)
-            sequence = torch.cat([sequence, token.unsqueeze(1)], dim=-1)
-            self._processed = torch.stack(processed, dim=1)
+            token = _choose(logits, self.do_sample)
+            if processors is not None:  # only processors read the drafted sequence
+                sequence = torch.cat([sequence, token.unsqueeze(1)], dim=-1)
             return token
 
         return choose
@@ -134,25 +134,33 @@ def _processed(logits_processor, sequences: torch.Tensor, logits: torch.Tensor) 
     return torch.stack([logits_processor(sequences[:, : start + i], logits[:, i]) for i in range(logits.shape[1])], 1)
 
 
-def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
     """draft [B, L], the main model's processed logits [B, L+1, V] → the tokens every row keeps [B, n+1]: the longest
-    draft prefix all rows' argmaxes agree with, then the main model's next token (its argmax after that prefix)."""
+    draft prefix all ``active`` rows' argmaxes agree with (rows that have finished emit padding whatever they draft,
+    so they do not shorten it), then the main model's next token (its argmax after that prefix)."""
     chosen = target_logits.argmax(dim=-1)
-    n = int((draft == chosen[:, :-1]).long().cumprod(dim=1).sum(dim=1).min())
+    agree = draft == chosen[:, :-1]
+    if active is not None:
+        agree = agree | ~active.unsqueeze(1)
+    n = int(agree.long().cumprod(dim=1).sum(dim=1).min())
     return chosen[:, : n + 1]
 
 
-def accept_sampled(draft: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+def accept_sampled(
+    draft: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor, active: torch.Tensor | None = None
+) -> torch.Tensor:
     """The speculative-sampling rule (Leviathan et al. 2023, algorithm 1), per row: draft token i is kept with
     probability min(1, p/q); at the first rejection the token is drawn from normalize(max(0, p - q)), and after a
     fully kept draft from p. Every row keeps as many tokens as the row that kept fewest: a row past its own first
     rejection would be conditioned on another row's, so each row's token at that column is decided by its own rule
-    there (kept draft token, or its residual draw), which has p's distribution given its prefix.
-    Returns [B, n+1]."""
+    there (kept draft token, or its residual draw), which has p's distribution given its prefix. Rows not ``active``
+    (finished: they emit padding) keep every token. Returns [B, n+1]."""
     p, q = target_logits.softmax(dim=-1), draft_logits.softmax(dim=-1)
     p_draft = p[:, :-1].gather(-1, draft.unsqueeze(-1)).squeeze(-1)
     q_draft = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
     kept = torch.rand_like(p_draft) * q_draft <= p_draft  # u <= p / q
+    if active is not None:
+        kept = kept | ~active.unsqueeze(1)
     n = int(kept.long().cumprod(dim=1).sum(dim=1).min())
     if n == draft.shape[1]:
         last = torch.multinomial(p[:, n], num_samples=1).squeeze(1)
@@ -179,8 +187,8 @@ def dspark_decoding(
     cache = model_kwargs.get("cache")
     if cache is None:
         raise ValueError("DSpark speculative decoding needs a cache (use_cache=True)")
-    cache.activate_past_recording()  # a static cache refuses: it cannot roll back over rejected tokens
     generator = DeepseekV41DSparkCandidateGenerator(model, generation_config, logits_processor)
+    cache.activate_past_recording(max_rewind=generator.head.block_size)  # a step rejects at most a whole draft
     do_sample, pad = generation_config.do_sample, generation_config._pad_token_tensor
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
 
@@ -215,9 +223,9 @@ def dspark_decoding(
         if length == 0:
             tokens = _choose(target[:, 0], do_sample).unsqueeze(1)
         elif do_sample:
-            tokens = accept_sampled(draft, draft_logits, target)
+            tokens = accept_sampled(draft, draft_logits, target, unfinished.bool())
         else:
-            tokens = accept_greedy(draft, target)
+            tokens = accept_greedy(draft, target, unfinished.bool())
         kept = tokens.shape[1] - 1
         cache.crop(-(length - kept))
         finished = emit(tokens)

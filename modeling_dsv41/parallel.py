@@ -10,8 +10,9 @@ transformers runs the config's plans (``base_model_tp_plan`` / ``base_model_ep_p
 * the released storage scales 32 values at a time (32x32 blocks for FP8 Linears, 32 columns per row for the FP4
   experts), and the TP plan splits ``moe_intermediate_size`` (I) of the routed and shared experts: each rank must
   get a multiple of 32 of it;
-* FSDP cannot shard the natively loaded weights (FP8 values, E8M0 scales and FP4 bytes side by side; FSDP2 wants one
-  dtype per parameter group);
+* transformers' load-time FSDP (``DistributedConfig(fsdp_size=N)``) cannot shard the natively loaded weights (FP8
+  values, E8M0 scales and FP4 bytes side by side, cast to one dtype); :func:`~.training.fsdp.shard_model` shards a
+  loaded native model (LoRA training) instead;
 * expert parallelism needs whole experts per rank.
 """
 
@@ -75,7 +76,9 @@ def check_parallel_load(config: DeepseekV41Config, parallel, native: bool, relea
             f"FSDP (fsdp_size={fsdp}, dp_replicate_size={replicas}) cannot shard the natively loaded released weights "
             f"(FP8 values, E8M0 scales and FP4 bytes in one parameter group): for inference use "
             f"DistributedConfig(tp_size={ranks}) or DistributedConfig(tp_size={ranks}, ep_size={ranks}); to train "
-            "with FSDP, load with quantization_config=FineGrainedFP8Config(dequantize=True)"
+            "LoRA adapters with FSDP2, load without a DistributedConfig and shard the model with "
+            "modeling_dsv41.training.fsdp.shard_model (DeepseekV41Trainer does under accelerate's FSDP2); to train "
+            "every weight, load with quantization_config=FineGrainedFP8Config(dequantize=True)"
         )
     if released and tp > 1 and text.moe_intermediate_size % (_BLOCK * tp):
         sizes = [size for size in working_tp_sizes(config, max(world, tp)) if size > 1]

@@ -55,8 +55,10 @@ def assert_mixed_optimizer_and_balancing(trainer, image_tokens: bool = False) ->
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     biases = {n: b for n, b in trainer.model.named_buffers() if n.endswith((".gate.bias", ".gate.bias_vl"))}
-    # the demo model starts with zero biases: each moved by the rule, every step ±speed per expert or 0
-    assert all(b.any() for n, b in biases.items() if n.endswith(".gate.bias"))
+    # the demo model starts with zero biases: each moved by the rule, every step ±speed per expert or 0 (the backbone's:
+    # the DSpark draft head's routers do not run in the backbone's forward)
+    biases = {n: b for n, b in biases.items() if ".mtp." not in n and not n.startswith("mtp.")}
+    assert biases and all(b.any() for n, b in biases.items() if n.endswith(".gate.bias"))
     assert all(b.any() == image_tokens for n, b in biases.items() if n.endswith(".gate.bias_vl"))
 
 

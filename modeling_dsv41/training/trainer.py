@@ -226,6 +226,8 @@ class DeepseekV41Trainer(Trainer):
             _freeze_default_parameters(model)
         if args.train_dspark_head:
             _freeze_all_but_the_draft_head(model)
+        elif model is not None:
+            _freeze_the_draft_head(model)
         super().__init__(model=model, args=args, **kwargs)
         logger.setLevel(self.args.get_process_log_level())
         self.assignment_table = None
@@ -387,6 +389,17 @@ __all__ = [
     "is_complete_checkpoint",
     "last_complete_checkpoint",
 ]
+
+
+def _freeze_the_draft_head(model: nn.Module) -> None:
+    """``requires_grad=False`` on the DSpark draft head (``mtp.*``) while the backbone trains: the backbone's loss never
+    reaches it (DDP would stop on its unused parameters, the optimizer would keep state for them); train it afterwards
+    with ``train_dspark_head=True``."""
+    head = [param for name, param in model.named_parameters() if name.startswith("mtp.") or ".mtp." in name]
+    if any(param.requires_grad for param in head):
+        logger.info("DSpark draft head (mtp.*) frozen: the backbone's loss does not reach it (train_dspark_head=True trains it)")
+        for param in head:
+            param.requires_grad_(False)
 
 
 def _freeze_all_but_the_draft_head(model: nn.Module | None) -> None:

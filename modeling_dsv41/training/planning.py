@@ -48,10 +48,10 @@ def attended_slots(config, ratio: int, seq_len: int) -> int:
     return window + min(config.index_topk, seq_len // ratio)
 
 
-def layer_saved_bytes_per_token(config, layer_id: int, seq_len: int, experts: bool = True) -> float:
+def layer_saved_bytes_per_token(config, layer_id: int, seq_len: int) -> float:
     """Bytes per token that one decoder layer's forward saves for its backward (bf16 activations, fp32 where the model
-    computes in fp32), term by term as the eager path saves them. ``experts=False`` counts a layer without MoE
-    adapters (the routed experts' inputs are then still saved: the input gradient flows through them)."""
+    computes in fp32), term by term as the eager path saves them (the routed experts' inputs are saved whether or not
+    they carry adapters: the input gradient flows through them)."""
     d, hc, heads, hd = config.hidden_size, config.hc_mult, config.num_attention_heads, config.head_dim
     ratio = config.compress_ratios[layer_id]
     k = attended_slots(config, ratio, seq_len)

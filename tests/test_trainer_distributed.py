@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from documentation import DOCS, code_blocks, command_lines
 from gloo_processes import TIMEOUT_S, WORLD, free_port, spawn
 from tiny_models import tiny_training_model
 
@@ -242,15 +242,9 @@ def test_bf16_mixed_precision_keeps_fp32_modules_fp32(tmp_path):
 # ----------------------------------------------------------------------------- accelerate launch (README)
 
 
-def readme_blocks(language: str) -> list[str]:
-    readme = (REPO_ROOT / "README.md").read_text()
-    return [code for lang, code in re.findall(r"```(\w*)\n(.*?)```", readme, re.DOTALL) if lang == language]
-
-
 def readme_launch_command() -> tuple[str, dict[str, str]]:
-    """The README's ``accelerate launch`` line: its config file and the script's flags."""
-    lines = [line for block in readme_blocks("bash") for line in block.splitlines()]
-    lines = [line for line in lines if line.startswith("accelerate launch")]
+    """The ``accelerate launch`` line of docs/training.md: its config file and the script's flags."""
+    lines = command_lines("accelerate launch")
     assert len(lines) == 1, lines
     argv = shlex.split(lines[0])
     assert argv[:3] == ["accelerate", "launch", "--config_file"] and argv[4] == "examples/finetune.py", argv
@@ -317,7 +311,7 @@ def demo_model(tmp_path_factory) -> Path:
 
 def readme_config_matches_the_file(config: str) -> None:
     """The README's excerpt of the config file is in the file, line for line."""
-    (excerpt,) = readme_blocks("yaml")
+    (excerpt,) = code_blocks(DOCS / "training.md", "yaml")
     lines = {line.rstrip() for line in (REPO_ROOT / config).read_text().splitlines()}
     assert all(line in lines for line in excerpt.splitlines()), excerpt
 

@@ -1,4 +1,4 @@
-"""``Trainer`` for DeepSeek-V4.1: the mixed optimizer of SPEC §6 and per-modality router-bias balancing.
+"""``Trainer`` for DeepSeek-V4.1: the mixed optimizer of docs/design.md §6 and per-modality router-bias balancing.
 
 :class:`DeepseekV41Trainer` changes two things in ``transformers.Trainer``:
 
@@ -122,7 +122,7 @@ class DeepseekV41TrainingArguments(TrainingArguments):
     )
     freeze_default_parameters: bool = field(
         default=True,
-        metadata={"help": "Freeze the indexer (SPEC §6; DDP needs it)."},
+        metadata={"help": "Freeze the indexer (docs/design.md §6; DDP needs it)."},
     )
     train_dspark_head: bool = field(
         default=False,
@@ -243,7 +243,7 @@ class DeepseekV41Trainer(Trainer):
             self.add_callback(self.router_balancing)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """One :class:`MixedOptimizer` for the whole model (SPEC §6 policy, see :mod:`.optim.policy`)."""
+        """One :class:`MixedOptimizer` for the whole model (docs/design.md §6 policy, see :mod:`.optim.policy`)."""
         if self.optimizer is not None:
             return self.optimizer
         if self.optimizer_cls_and_kwargs is not None:

@@ -24,13 +24,12 @@ from transformers import initialization as init
 from transformers.utils import logging
 
 from .recompute import recomputed
+from .released.codec import RELEASED_BLOCK_SIZE, dequantize_fp8_rows
 
 logger = logging.get_logger(__name__)
 
 # Compressed id of a position that takes no part in any n-gram (image spans, padding). Look-back stops there.
 DEAD = -1
-# The released Engram tables store one E8M0 scale per row and per 32 columns.
-ENGRAM_SCALE_BLOCK = 32
 # Lower bound on |dot| before the signed square root of the gate, as in the training kernel.
 _GATE_CLAMP = 1e-6
 
@@ -360,19 +359,11 @@ class DeepseekV41NgramHasher(nn.Module):
 def dequantize_engram_table(
     weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """FP8 e4m3 table rows ``[..., D]`` times their E8M0 scales ``[..., D/32]`` (one per 32 columns).
+    """FP8 e4m3 table rows ``[..., D]`` times their E8M0 scales ``[..., D/32]`` (one per 32 columns), in ``dtype``.
 
     Works on a whole table or on gathered rows. The product is exact in bf16 for the released tables.
     """
-    dim = weight.size(-1)
-    if dim % ENGRAM_SCALE_BLOCK or scale.shape != (*weight.shape[:-1], dim // ENGRAM_SCALE_BLOCK):
-        raise ValueError(
-            f"an Engram table of shape {tuple(weight.shape)} needs scales of shape "
-            f"{(*weight.shape[:-1], dim // ENGRAM_SCALE_BLOCK)} (columns a multiple of {ENGRAM_SCALE_BLOCK}), "
-            f"got {tuple(scale.shape)}"
-        )
-    blocks = weight.float().unflatten(-1, (-1, ENGRAM_SCALE_BLOCK)) * scale.float().unsqueeze(-1)
-    return blocks.flatten(-2).to(dtype)
+    return dequantize_fp8_rows(weight, scale, RELEASED_BLOCK_SIZE).to(dtype)
 
 
 class DeepseekV41Fp8EngramTable(nn.Module):
@@ -388,7 +379,7 @@ class DeepseekV41Fp8EngramTable(nn.Module):
             torch.empty(num_embeddings, embedding_dim, dtype=torch.float8_e4m3fn), requires_grad=False
         )
         self.scale = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim // ENGRAM_SCALE_BLOCK, dtype=torch.float8_e8m0fnu),
+            torch.empty(num_embeddings, embedding_dim // RELEASED_BLOCK_SIZE, dtype=torch.float8_e8m0fnu),
             requires_grad=False,
         )
 

@@ -109,7 +109,7 @@ class DeepseekV41Experts(nn.Module):
     """The routed experts as two fused tensors, in the layout of transformers' MoE experts: ``gate_up_proj``
     [E, 2·I, D] (each expert's ``w1`` rows, then its ``w3`` rows) and ``down_proj`` [E, D, I] (its ``w2``).
     The released per-expert ``w1``/``w2``/``w3`` are merged on load and split again on save (see
-    :mod:`~modeling_dsv41.hub.checkpoint_loading`).
+    :mod:`~modeling_dsv41.released.conversions`).
 
     ``experts_implementation="eager"`` (this ``forward``, the default) is the reference's computation: the routing
     weight scales the clamped SwiGLU activation before ``w2`` and the experts' outputs are summed in fp32 in expert

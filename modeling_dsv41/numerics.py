@@ -54,6 +54,7 @@ MATRIX_PRODUCTS = frozenset(
         torch.matmul, torch.mm, torch.bmm, torch.mv, torch.dot, torch.inner, torch.tensordot, torch.einsum,
         torch.addmm, torch.addbmm, torch.baddbmm, torch.addmv,
         _T.matmul, _T.__matmul__, _T.__rmatmul__, _T.mm, _T.bmm, _T.mv, _T.dot, _T.addmm, _T.baddbmm,
+        torch.cdist, F.conv1d, F.conv2d, F.conv3d,  # MKL's / oneDNN's products inside
     }
     | ({torch._grouped_mm} if hasattr(torch, "_grouped_mm") else set())
 )
@@ -74,20 +75,30 @@ TRANSCENDENTALS = frozenset(
         _T.pow, _T.__pow__, _T.__rpow__, _T.erf,
         _T.exp_, _T.log_, _T.sigmoid_, _T.tanh_, _T.sin_, _T.cos_, _T.rsqrt_, _T.pow_,
         F.silu, F.gelu, F.softplus, F.sigmoid, F.tanh, F.logsigmoid, F.elu, F.mish,
+        torch.tan, torch.atan, torch.atan2, torch.asin, torch.acos, torch.sinh, torch.cosh, torch.asinh, torch.acosh,
+        torch.atanh, torch.log10, torch.erfc, torch.erfinv, torch.lgamma, torch.digamma, torch.hypot, torch.logaddexp,
+        torch.logaddexp2,
+        _T.tan, _T.atan, _T.atan2, _T.asin, _T.acos, _T.sinh, _T.cosh, _T.asinh, _T.acosh, _T.atanh, _T.log10, _T.erfc,
+        _T.erfinv, _T.lgamma, _T.digamma, _T.hypot, _T.logaddexp, _T.logaddexp2,
+        F.selu, F.celu, F.glu,
     }
+)
+# vector code fuses their last multiply and add (one rounding), scalar kernels do not: run as separate fp64 steps
+FUSED_MULTIPLY_ADDS = frozenset(
+    {torch.addcmul, torch.addcdiv, torch.lerp, _T.addcmul, _T.addcdiv, _T.lerp, _T.addcmul_, _T.addcdiv_, _T.lerp_}
 )
 # complex products (RoPE's rotation) are vector code with their own rounding per ISA; real ones are exact
 COMPLEX_PRODUCTS = frozenset({torch.mul, _T.mul, _T.__mul__, _T.__rmul__})
 # ATen takes fp32 and fp64 sqrt from MKL's vector math, whose last bit follows MKL's code path: correctly rounded here
 SQUARE_ROOTS = frozenset({torch.sqrt, _T.sqrt, _T.sqrt_})
-WIDENED = MATRIX_PRODUCTS | REDUCTIONS | TRANSCENDENTALS | COMPLEX_PRODUCTS | SQUARE_ROOTS
+WIDENED = MATRIX_PRODUCTS | REDUCTIONS | TRANSCENDENTALS | FUSED_MULTIPLY_ADDS | COMPLEX_PRODUCTS | SQUARE_ROOTS
 
 
 class ReferenceNumericsMode(TorchFunctionMode):
-    """Runs each matrix product, reduction, transcendental op and complex product of bf16/fp16/fp32 (complex64)
-    operands in fp64 (complex128) and rounds the result once to the dtype the op would have returned; square roots
-    are correctly rounded. A matrix product of mixed dtypes fails as it does without the mode; integer, FP8 and fp64
-    operands, ``out=`` calls and every other op run as they are."""
+    """Runs each matrix product, reduction, transcendental op, fused multiply-add and complex product of
+    bf16/fp16/fp32 (complex64) operands in fp64 (complex128) and rounds the result once to the dtype the op would have
+    returned; square roots are correctly rounded. A matrix product of mixed dtypes fails as it does without the mode;
+    integer, FP8 and fp64 operands, ``out=`` calls and every other op run as they are."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -101,6 +112,8 @@ class ReferenceNumericsMode(TorchFunctionMode):
             return args[0].copy_(self.__torch_function__(out_of_place, types, args, kwargs))
         if func in SQUARE_ROOTS and not dtype.is_complex:
             return correctly_rounded_sqrt(*args, **kwargs)
+        if func in FUSED_MULTIPLY_ADDS:
+            func = functools.partial(unfused_multiply_add, func.__name__)
         if kwargs.get("dtype") is not None:
             kwargs = {**kwargs, "dtype": WIDE[kwargs["dtype"]]}
         result = func(*tree_map(_widen, args), **tree_map(_widen, kwargs))
@@ -158,6 +171,25 @@ def correctly_rounded_sqrt(input: torch.Tensor) -> torch.Tensor:
         moved = (wide > 0) & root.isfinite() & (rounded != root)
         step = torch.where(moved, rounded - root, 0)  # exact: zero or one ulp
     return torch.where(moved, root + step, root)
+
+
+def unfused_multiply_add(
+    name: str, input: torch.Tensor, other: torch.Tensor, third: torch.Tensor | float, *, value: float = 1
+) -> torch.Tensor:
+    """``addcmul`` / ``addcdiv`` / ``lerp`` as the separate ops of ATen's scalar kernels: ``input + value·t1·t2``,
+    ``input + value·(t1 / t2)``, and ``input + w·(end - input)`` (``end - (end - input)·(1 - w)`` where |w| ≥ 0.5).
+
+    Vector code fuses the last multiply and add into one rounding; where the sum cancels, that shows even after
+    rounding an fp64 result to fp32 (lerp: 99 of 300k). Separate ops round the same way in every build.
+    """
+    if name == "addcmul":
+        return input + value * other * third
+    if name == "addcdiv":
+        return input + value * (other / third)
+    weight, difference = third, other - input
+    if not isinstance(weight, torch.Tensor):
+        return input + weight * difference if abs(weight) < 0.5 else other - difference * (1 - weight)
+    return torch.where(weight.abs() < 0.5, input + weight * difference, other - difference * (1 - weight))
 
 
 def _is_plain_attention(

@@ -62,6 +62,22 @@ WIDENED_OPS = {
     "softplus": F.softplus,
     "rsqrt": lambda x: torch.rsqrt(x.abs()),
     "cos": lambda x: x.cos(),
+    # MKL's vector math (its last bit follows MKL_CBWR) or, in the scalar kernels, libm
+    "tan": lambda x: x.tan(),
+    "atan": torch.atan,
+    "asin": lambda x: x.clamp(-0.875, 0.875).asin(),
+    "acos": lambda x: torch.acos(x.clamp(-0.875, 0.875)),
+    "log10": lambda x: x.abs().log10(),
+    "erfc": torch.erfc,
+    "erfinv": lambda x: x.clamp(-0.875, 0.875).erfinv(),
+    "sinh": lambda x: x.sinh(),
+    "atanh": lambda x: x.clamp(-0.875, 0.875).atanh(),
+    "lgamma": torch.lgamma,
+    "atan2": lambda x: torch.atan2(x, x.flip(-1)),
+    "hypot": lambda x: torch.hypot(x, x.flip(-1)),
+    "logaddexp": lambda x: torch.logaddexp(x, x.flip(-1)),
+    "selu": F.selu,
+    "glu": lambda x: F.glu(x, -1),
 }
 
 
@@ -75,6 +91,46 @@ def test_reductions_and_transcendentals_are_computed_in_fp64_and_rounded_once(na
     exact = WIDENED_OPS[name](x.double())
     assert got.dtype == WIDENED_OPS[name](x).dtype
     assert torch.equal(got, exact.to(got.dtype))
+
+
+def _weights(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 0, 0.875, 0.125).to(x.dtype)  # exact in every dtype, on both sides of 0.5
+
+
+FUSED = {
+    "addcmul": (lambda x, y: torch.addcmul(x, x, y, value=0.3), lambda x, y: x + 0.3 * x * y),
+    "addcdiv": (lambda x, y: x.addcdiv(x, y, value=-0.7), lambda x, y: x + -0.7 * (x / y)),
+    "lerp": (lambda x, y: torch.lerp(x, y, 0.3), lambda x, y: x + 0.3 * (y - x)),
+    "lerp-large": (lambda x, y: torch.lerp(x, y, 0.7), lambda x, y: y - (y - x) * (1 - 0.7)),
+    "lerp-tensor": (lambda x, y: torch.lerp(x, y, _weights(x)), lambda x, y: torch.where(
+        _weights(x) < 0.5, x + _weights(x) * (y - x), y - (y - x) * (1 - _weights(x)))),
+    "lerp_": (lambda x, y: x.clone().lerp_(y, 0.3), lambda x, y: x + 0.3 * (y - x)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_multiply_adds_are_separate_fp64_steps_rounded_once(name, dtype):
+    """Vector code fuses the last multiply and add (one rounding), the scalar kernels do not: where the sum cancels
+    that shows even in a rounded fp64 result, so the mode runs them as ATen's scalar formula in fp64."""
+    x = torch.randn(64, 70, generator=torch.Generator().manual_seed(5)).to(dtype)
+    y = (-x * 7 / 3).to(dtype)  # lerp(x, y, 0.3) = 0.7·x + 0.3·y cancels to a few ulps
+    fused, separate = FUSED[name]
+    with reference_numerics():
+        got = fused(x, y)
+    assert got.dtype == dtype
+    assert torch.equal(got, separate(x.double(), y.double()).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_distances_and_convolutions_are_accumulated_in_fp64_and_rounded_once(dtype):
+    """cdist's products go to MKL, convolutions to oneDNN (its kernel follows ONEDNN_MAX_CPU_ISA)."""
+    a, b = _bf16(24, 96).to(dtype), _bf16(40, 96).to(dtype)
+    images, kernels = _bf16(2, 8, 30).to(dtype), _bf16(4, 8, 3).to(dtype)
+    with torch.no_grad(), reference_numerics():
+        distances, convolved = torch.cdist(a, b), F.conv1d(images, kernels, padding=1)
+    assert torch.equal(distances, torch.cdist(a.double(), b.double()).to(dtype))
+    assert torch.equal(convolved, F.conv1d(images.double(), kernels.double(), padding=1).to(dtype))
 
 
 def test_complex_products_are_rounded_once_and_real_ones_left_alone():

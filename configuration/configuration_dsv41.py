@@ -459,7 +459,7 @@ def is_reference_config(config_dict: dict[str, Any]) -> bool:
     return _REFERENCE_MARKER_KEYS <= set(config_dict) and "text_config" not in config_dict
 
 
-# keys a config.json must name: without them the defaults (the released 749B sizes) would silently build a model
+# keys a config.json must name: without them the defaults (the released 763B sizes) would silently build a model
 # that matches no checkpoint but the released one
 _REQUIRED_TEXT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 _REQUIRED_REFERENCE_KEYS = (*sorted(_REFERENCE_MARKER_KEYS), "vocab_size")

@@ -55,7 +55,7 @@ from .released.conversions import released_storage_conversions
 from .released.loading import finish_checkpoint_load, loads_natively, prepare_checkpoint_load
 from .released.reading import hub_arguments, sequential_loading
 from .rotary import DeepseekV41RotaryEmbedding
-from .validation import check_pixel_values, check_text_inputs
+from .validation import check_image_inputs, check_pixel_values, check_text_inputs
 from .vision import (
     IMAGE_START,
     DeepseekV41Aligner,
@@ -577,6 +577,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if not torch.compiler.is_compiling():  # the checks read values on the host
             past_length = 0 if cache is None else cache.get_seq_length()
             check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
+            if self.config.has_vision and past_length == 0:
+                check_image_inputs(
+                    input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, self.config.image_token_id
+                )
         if cache is not None and not cache.is_empty:
             return self._forward_cached(
                 input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .validation import count
+
 # token types of an image span in the LM sequence (text positions are -1)
 IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = 0, 1, 2, 3
 TEXT = -1
@@ -305,9 +307,9 @@ def merge_image_embeddings(
         )
     spans = _image_spans(image_token_types)
     if len(spans) != len(image_features):
-        raise ValueError(f"found {len(spans)} image spans but got {len(image_features)} images")
+        raise ValueError(f"found {count(len(spans), 'image span')} but got {count(len(image_features), 'image')}")
     if token_grids is not None and len(token_grids) != len(image_features):
-        raise ValueError(f"got {len(token_grids)} token grids for {len(image_features)} images")
+        raise ValueError(f"got {count(len(token_grids), 'token grid')} for {count(len(image_features), 'image')}")
     if not spans:
         return inputs_embeds
     dim = inputs_embeds.shape[-1]

@@ -24,7 +24,7 @@ from transformers import FineGrainedFP8Config
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.cli import demo as demo_module
-from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.released.writing import save_released_checkpoint
 from modeling_dsv41.cli import main
 from modeling_dsv41.cli.demo_data import CAPTIONS, ShapesDataset, build_demo_tokenizer
 from modeling_dsv41.cli.inspection import format_inspection, inspect_config
@@ -208,7 +208,8 @@ def test_inspect_counts_match_a_real_model():
 def test_inspect_released_size_on_the_meta_device(capsys):
     assert main(["inspect"]) == 0
     out = capsys.readouterr().out
-    # independent of the model code: SPEC §2's sizes
+    assert "SPEC" not in out  # users have the docs/ pages, not the design note they were written from
+    # independent of the model code: docs/design.md §2's sizes
     experts = 40 * 384 * 3 * 5120 * 2304
     engram_tables = (384006168 + 384016682) * 256
     assert re.search(rf"MoE: routed experts\s+{experts:,}\s", out)
@@ -306,9 +307,9 @@ def test_convert_errors_are_one_line(released_checkpoint, tmp_path, monkeypatch,
     assert main(["convert", str(released_checkpoint), str(occupied)]) == 2
     assert "not an empty folder" in _one_line_error(capsys.readouterr().err, "convert")
 
-    from modeling_dsv41.hub import conversion
+    from modeling_dsv41.released import convert
 
-    monkeypatch.setattr(conversion.shutil, "disk_usage", lambda path: DiskUsage(2**40, 2**40, 1000))
+    monkeypatch.setattr(convert.shutil, "disk_usage", lambda path: DiskUsage(2**40, 2**40, 1000))
     assert main(["convert", str(released_checkpoint), str(tmp_path / "full")]) == 2
     assert "not enough disk space" in _one_line_error(capsys.readouterr().err, "convert")
 

@@ -93,13 +93,15 @@ def test_per_rank_weights_under_tensor_and_expert_parallelism(plan):
     output = inspect("--devices", "8x141GiB", plan, "8")
     per_rank, share = read(output, r"^weights per rank\s+([\d.]+ GiB) of 141.0 GiB \((\d+)%\)")
 
-    def row(component: str) -> str:
-        return read(output, rf"^{re.escape(component)}\s+([\d.]+ [GMK]iB)\s")[0]
+    def row(component: str, held: str) -> str:
+        return read(output, rf"^{re.escape(component)}\s+([\d.]+ [GMK]iB)\s+{held}$")[0]
 
     (tables,) = read(output, r"^Engram tables: ([\d.]+ GiB)")
     assert_says(RELEASED, f"plans: {per_rank} of weights per rank ({share}% of an H200's 141 GiB), of which "
-                          f"{row('MoE: routed experts')} are its part of the routed experts, {row('DSpark draft head')} "
-                          f"the DSpark draft head and {row('attention')} the attention, both held whole by every rank; "
+                          f"{row('MoE: routed experts', 'its part')} are its part of the routed experts, "
+                          f"{row('DSpark draft head', 'its part')} its part of the DSpark draft head (its experts and "
+                          f"shared experts follow the backbone's plans) and {row('DSpark draft head', 'whole')} the rest "
+                          f"of the head, and {row('attention', 'whole')} the attention, both held whole by every rank; "
                           f"plus the {tables} of Engram tables in host memory")
 
 

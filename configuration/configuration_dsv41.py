@@ -36,7 +36,7 @@ def _require_positive_int(owner: str, **values: Any) -> None:
 class DeepseekV41TextConfig(PreTrainedConfig):
     r"""The DeepSeek-V4.1 language backbone.
 
-    Defaults are the released DeepSeek-V4.1-Flash sizes (SPEC §2). Attention layer ``i`` attends over a
+    Defaults are the released DeepSeek-V4.1-Flash sizes (docs/design.md §2). Attention layer ``i`` attends over a
     sliding window of ``sliding_window`` raw tokens, and when ``compress_ratios[i] > 0`` also over KV
     compressed ``compress_ratios[i]``-to-1, produced by the latest preceding layer of
     ``kv_source_layer_ids`` and filtered by the latest indexer of ``index_source_layer_ids``.
@@ -435,7 +435,7 @@ def is_reference_config(config_dict: dict[str, Any]) -> bool:
     return _REFERENCE_MARKER_KEYS <= set(config_dict) and "text_config" not in config_dict
 
 
-# keys a config.json must name: without them the defaults (the released 749B sizes) would silently build a model
+# keys a config.json must name: without them the defaults (the released 763B sizes) would silently build a model
 # that matches no checkpoint but the released one
 _REQUIRED_TEXT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 _REQUIRED_REFERENCE_KEYS = (*sorted(_REFERENCE_MARKER_KEYS), "vocab_size")

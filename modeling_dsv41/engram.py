@@ -1,4 +1,4 @@
-"""Engram: hashed n-gram memory written into the residual stream (DeepSeek-V4.1, SPEC §4).
+"""Engram: hashed n-gram memory written into the residual stream (DeepSeek-V4.1, docs/design.md §4).
 
 Two pieces:
 
@@ -23,6 +23,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.utils import logging
 
+from .recompute import recomputed
 from .released.codec import RELEASED_BLOCK_SIZE, dequantize_fp8_rows
 
 logger = logging.get_logger(__name__)
@@ -486,12 +487,19 @@ class DeepseekV41Engram(nn.Module):
             if hash_ids is None:
                 raise ValueError("the Engram block needs hash_ids or the table rows they address")
             rows = self.lookup(hash_ids, hidden_states.device)  # [B, S, n_cols * head_dim]
-        key, value = self.wkv(rows.to(self.wkv.weight.dtype)).split(
-            [self.hc_mult * self.hidden_size, self.hidden_size], dim=-1
-        )
+        kv = self.wkv(rows.to(self.wkv.weight.dtype))  # [B, S, (hc + 1) * D]: one key per copy, the value
+        return recomputed(self._gated_add, hidden_states, kv, self.q_weight, self.k_weight, token_mask)
+
+    def _gated_add(
+        self, hidden_states: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+        token_mask: torch.BoolTensor | None,
+    ) -> torch.Tensor:
+        """The gate and the write, in fp32; recomputed in the backward (:func:`~.recompute.recomputed`), which keeps
+        the stream and ``wkv``'s output rather than their fp32 copies and products."""
+        key, value = kv.split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.hidden_size))  # [B, S, hc, D]
         h = hidden_states.float()
-        weight = self.q_weight.float() * self.k_weight.float()
+        weight = q_weight.float() * k_weight.float()
         # normalized per (position, copy) over D, not jointly over the copies
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * weight * key).sum(-1) * rstd * self.hidden_size**-0.5  # [B, S, hc]

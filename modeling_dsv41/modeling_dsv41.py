@@ -64,7 +64,7 @@ from .released.loading import finish_checkpoint_load, loads_natively, prepare_ch
 from .released.reading import hub_arguments, sequential_loading
 from .residual_stream import ResidualStream
 from .rotary import DeepseekV41RotaryEmbedding
-from .validation import check_pixel_values, check_text_inputs
+from .validation import check_image_inputs, check_pixel_values, check_text_inputs
 from .vision import DeepseekV41Aligner, DeepseekV41VisionTransformer, merge_image_embeddings
 
 logger = logging.get_logger(__name__)
@@ -556,6 +556,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if not torch.compiler.is_compiling():  # the checks read values on the host
             past_length = 0 if cache is None else cache.get_seq_length()
             check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
+            if self.config.has_vision and past_length == 0:
+                check_image_inputs(
+                    input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, self.config.image_token_id
+                )
         prefill = cache is None or cache.is_empty  # else the new tokens of every cached row, at its next positions
 
         # A prefill aligns left-padded rows so that positions count from each row's first real token.

@@ -1,6 +1,6 @@
 """DeepSeek-ViT, the 3×3 aligner into the LM width, and the merge of image features into the LM input.
 
-The ViT differs from a standard ViT in four ways (SPEC §1, §5): 2D RoPE instead of learned positions (so
+The ViT differs from a standard ViT in four ways (docs/design.md §1, §5): 2D RoPE instead of learned positions (so
 any grid size works), a linear patch embedding instead of a convolution, RMSNorm pre-norm and a SwiGLU FFN.
 Attention is bidirectional inside one image and never crosses images.
 
@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from processing.image_tokens import ImageTokenType
+
+from .validation import count
 
 # the token types of an image span (plain ints: see ImageTokenType)
 TEXT, START, IMAGE, NEWLINE, END = (kind.value for kind in ImageTokenType)
@@ -298,9 +300,9 @@ def merge_image_embeddings(
         )
     spans = _image_spans(image_token_types)
     if len(spans) != len(image_features):
-        raise ValueError(f"found {len(spans)} image spans but got {len(image_features)} images")
+        raise ValueError(f"found {count(len(spans), 'image span')} but got {count(len(image_features), 'image')}")
     if token_grids is not None and len(token_grids) != len(image_features):
-        raise ValueError(f"got {len(token_grids)} token grids for {len(image_features)} images")
+        raise ValueError(f"got {count(len(token_grids), 'token grid')} for {count(len(image_features), 'image')}")
     if not spans:
         return inputs_embeds
     dim = inputs_embeds.shape[-1]

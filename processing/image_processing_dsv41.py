@@ -196,12 +196,15 @@ def _encoded_bytes(source: EncodedImage) -> bytes:
     if os.path.isfile(path):
         with open(path, "rb") as file:
             return file.read()
+    if os.path.exists(path):
+        raise ValueError(f"{path!r} is not a file")
     if isinstance(source, str):  # transformers' load_image also takes bare base64
         try:
             return base64.b64decode(source, validate=True)
         except binascii.Error:
             pass
-    raise ValueError(f"not an image file, a data: URI or base64: {path[:80]!r}")
+        raise ValueError(f"image file {path[:200]!r} does not exist (nor is the text a data: URI or base64)")
+    raise ValueError(f"image file {path!r} does not exist")
 
 
 def decode_image(source: EncodedImage) -> Image.Image:

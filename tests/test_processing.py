@@ -120,11 +120,11 @@ def test_lists_without_return_tensors(processor):
 
 
 def test_placeholder_image_mismatch_is_an_error(processor):
-    with pytest.raises(ValueError, match="2 .* placeholders but 1 images"):
+    with pytest.raises(ValueError, match="2 .* placeholders but 1 image was given"):
         processor(text=f"{IMAGE_TOKEN} and {IMAGE_TOKEN}", images=[image(20, 20)])
-    with pytest.raises(ValueError, match="0 .* placeholders but 1 images"):
+    with pytest.raises(ValueError, match="0 .* placeholders but 1 image was given"):
         processor(text="no placeholder", images=[image(20, 20)])
-    with pytest.raises(ValueError, match="but no images"):
+    with pytest.raises(ValueError, match=f"the text has 1 {IMAGE_TOKEN} placeholder but no images"):
         processor(text=f"{IMAGE_TOKEN}")
     with pytest.raises(ValueError, match=r"per prompt \[1, 0\] != images per prompt \[0, 1\]"):
         processor(text=[f"a {IMAGE_TOKEN}", "b"], images=[[], [image(20, 20)]])

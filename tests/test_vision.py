@@ -209,8 +209,8 @@ def _types_with(row0: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("types", "n_features", "match"),
     [
-        (_types_with(_span(1, 2)), 2, "found 1 image spans but got 2 images"),
-        (_types_with(_span(1, 2) + _span(1, 2)), 1, "found 2 image spans but got 1 images"),
+        (_types_with(_span(1, 2)), 2, "found 1 image span but got 2 images"),
+        (_types_with(_span(1, 2) + _span(1, 2)), 1, "found 2 image spans but got 1 image$"),
         (_types_with([START, IMAGE, IMAGE, NEWLINE]), 1, "malformed image span"),  # no end
         (_types_with([IMAGE, NEWLINE, END]), 1, "malformed image span"),  # no start
         (_types_with(_span(1, 2) + [IMAGE]), 1, "malformed image span"),  # image token outside a span

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..placement import ENGRAM_TABLE
+from .offload import offload_checkpointed_inputs
 
 try:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -81,6 +82,7 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     offload_policy: OffloadPolicy | None = None,
+    offload_activations: bool = False,
 ) -> nn.Module:
     """``fully_shard`` the decoder layers and ViT blocks, then the whole model, in place; returns ``model``.
 
@@ -92,9 +94,13 @@ def shard_model(
             nothing (see the module docstring). Frozen Engram tables are never sharded.
         reshard_after_forward, offload_policy: as in ``fully_shard`` (``CPUOffloadPolicy()`` keeps the shards,
             their gradients and the optimizer step on the CPU).
+        offload_activations: keep the inputs of the checkpointed decoder layers in host memory until their backward
+            (:func:`~.offload.offload_checkpointed_inputs`; gradient checkpointing must be enabled).
     """
     if fully_shard is None or not dist.is_initialized():
         raise ValueError("shard_model needs torch.distributed initialized (init_process_group) before sharding")
+    if offload_activations:
+        offload_checkpointed_inputs(model)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     kwargs = {
         "mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy(),

@@ -848,8 +848,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         self, input_ids: torch.LongTensor, image_token_types: torch.LongTensor | None = None, **kwargs
     ) -> dict:
         """The standard preparation, plus: generated tokens are text, so ``image_token_types`` is extended with
-        text types and sliced like ``input_ids`` (decode steps need none); and Engram still gets the ids when
-        generation starts from ``inputs_embeds``."""
+        text types and sliced like ``input_ids`` (decode steps need none); Engram still gets the ids when
+        generation starts from ``inputs_embeds``; and a prefill (an empty cache) always gets the images, also an
+        assistant model's, which transformers treats as a later iteration."""
+        cache = kwargs.get("cache")
+        if cache is None or cache.get_seq_length() == 0:
+            kwargs["is_first_iteration"] = True
         model_inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
         new = model_inputs["input_ids"] if model_inputs.get("input_ids") is not None else model_inputs["inputs_embeds"]
         length = new.shape[1]

@@ -127,14 +127,6 @@ def candidate_mask(blocks: torch.Tensor, width: int, block_size: int) -> torch.T
     return keep[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :width]
 
 
-def select_candidate_blocks(
-    scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int, block_size: int
-) -> torch.Tensor:
-    """:func:`candidate_blocks` as a bool mask [..., T] of the positions they hold."""
-    blocks = candidate_blocks(scores, compress_lens, topk_blocks, block_size)
-    return candidate_mask(blocks, scores.shape[-1], block_size)
-
-
 class DeepseekV41Indexer(nn.Module):
     """Scores compressed positions for each query with a small multi-head side attention (FP4 q and k in the
     reference), ReLU'd and mixed by ``weights_proj``, and keeps the top ``index_topk``. Key owners (KV sources)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from processing.image_tokens import ImageTokenType
+
 IGNORE_INDEX = -100  # labels' ignore index, a common mistake in input_ids
 
 
@@ -99,7 +101,7 @@ def check_image_inputs(
         if inputs_embeds is not None:
             return
         if image_token_types is not None:
-            spans = int((image_token_types == 0).sum())  # IMAGE_START: one per image span
+            spans = int((image_token_types == ImageTokenType.START.value).sum())  # one per image span
             if spans:
                 raise ValueError(f"image_token_types marks {count(spans, 'image span')} but no pixel_values were given: {fix}")
         elif input_ids is not None:

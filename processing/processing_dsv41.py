@@ -14,13 +14,8 @@ import torch
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import MultiModalData, ProcessorMixin
 
-from .image_processing_dsv41 import (
-    ImageTokenType,
-    flatten_images,
-    image_span_token_types,
-    token_grid,
-    span_length,
-)
+from .image_processing_dsv41 import flatten_images
+from .image_tokens import ImageTokenType, image_span_token_types, span_length, token_grid
 from .tokenizer_dsv41 import CHAT_TEMPLATE, IMAGE_TOKEN
 
 

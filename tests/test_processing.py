@@ -18,6 +18,7 @@ from processing import (
     image_span_token_types,
     plan_image_grid,
 )
+from tiny_models import tiny_model
 
 TINY = {"min_pixels": 20000, "max_image_tokens": 64}
 
@@ -225,18 +226,13 @@ def test_tokenizer_pads_on_the_left_so_batched_generation_continues_every_row(to
     """With right padding the shorter row's continuation would start after its padding."""
     from transformers import AutoTokenizer
 
-    from configuration import DeepseekV41Config
-    from modeling_dsv41 import DeepseekV41ForCausalLM
     from modeling_dsv41.engram import build_compressed_token_map
 
     tokenizer.save_pretrained(tmp_path)
     assert tokenizer.padding_side == "left" and AutoTokenizer.from_pretrained(tmp_path).padding_side == "left"
 
-    preset = DeepseekV41Config.from_preset("tiny")
     _, compressed = build_compressed_token_map(tokenizer)
-    text = {**preset.text_config.to_dict(), "num_hidden_layers": 2, "engram_compressed_vocab_size": compressed}
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)).eval()
+    model = tiny_model(engram_map=None, num_hidden_layers=2, engram_compressed_vocab_size=compressed)
     model.model.engram_hasher.load_tokenizer(tokenizer)
     prompts = ["A cat", "The quick brown fox jumps over the lazy dog and"]
     batch = tokenizer(prompts, padding=True, return_tensors="pt")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.generation.cache import DeepseekV41Cache
+from tiny_models import tiny_model
 
 SEQ = 24
 VIT_GRID = (6, 6)  # a 2×2 token grid: span = start + 2 × (2 + newline) + end = 8 positions
@@ -15,13 +15,7 @@ VIT_GRID = (6, 6)  # a 2×2 token grid: span = start + 2 × (2 + newline) + end 
 
 @pytest.fixture(scope="module")
 def model() -> DeepseekV41ForCausalLM:
-    preset = DeepseekV41Config.from_preset("tiny")
-    text = {**preset.text_config.to_dict(), "num_hidden_layers": 2, "emulate_quantization": False}
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)).eval()
-    text = model.config.text_config
-    model.model.engram_hasher.token_map.copy_(torch.arange(text.vocab_size) % text.engram_compressed_vocab_size)
-    return model
+    return tiny_model(engram_map="default", num_hidden_layers=2, emulate_quantization=False)
 
 
 def ids(batch: int = 2, seq: int = SEQ) -> torch.Tensor:

@@ -34,7 +34,6 @@ Usage: ``python benchmarks/speculative.py [--size tiny|medium|demo] [--demo-dir 
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import tempfile
@@ -48,10 +47,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling forward.py
 from forward import SIZES, build_ours  # noqa: E402
 
+from modeling_dsv41.generation import speculative  # noqa: E402
 from modeling_dsv41.generation.cache import DeepseekV41Cache  # noqa: E402
 from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments  # noqa: E402
 
-METHODS = {"per row": {}, "shortest prefix": {"_dspark_shortest_prefix": True}}  # use_mtp=True, and its rule
 
 
 def build(size: str, block_size: int, stages: int):
@@ -104,8 +103,11 @@ def load_demo(folder: Path, train_steps: int):
 
 def train_head(model, steps: int, device: str, vocab: int, sequences: int = 32) -> None:
     prompts = torch.randint(3, min(vocab, 500), (sequences, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    # the random backbone may continue with the image placeholder, which a full (training) forward refuses without an
+    # image: the continuations leave it out
+    no_image = dict(suppress_tokens=[model.config.image_token_id]) if model.config.has_vision else {}
     with torch.no_grad():
-        sequences = torch.cat([model.generate(chunk, max_new_tokens=56, do_sample=False).cpu()
+        sequences = torch.cat([model.generate(chunk, max_new_tokens=56, do_sample=False, **no_image).cpu()
                                for chunk in prompts.split(64)])
     with tempfile.TemporaryDirectory() as out:
         args = DeepseekV41TrainingArguments(
@@ -152,6 +154,32 @@ def patched(owner, name: str, wrap):
             setattr(owner, name, original)
         else:
             delattr(owner, name)  # the instance attribute over the class's method
+
+
+@contextmanager
+def shortest_prefix():
+    """Greedy DSpark with the rule per-row acceptance replaced: every row still decoding keeps the draft prefix all of
+    them accepted (the shortest; a row that is done, or has no room left, has a limit of 0 and does not count)."""
+
+    def wrap(accept):
+        def in_step(draft, target_logits, limit):
+            tokens, accepted = accept(draft, target_logits, limit)
+            live = limit > 0
+            if bool(live.any()):
+                tokens, accepted = accept(draft, target_logits, torch.minimum(limit, accepted[live].min()))
+            return tokens, accepted
+
+        return in_step
+
+    with patched(speculative, "accept_greedy", wrap):
+        yield
+
+
+def per_row():
+    return patched(speculative, "accept_greedy", lambda accept: accept)  # use_mtp=True as it is
+
+
+METHODS = {"per row": per_row, "shortest prefix": shortest_prefix}
 
 
 @contextmanager
@@ -224,15 +252,13 @@ def time_split(model, clock):
 def bench_batch(model, inputs, args, clock) -> None:
     device, batch = args.device, inputs["input_ids"].shape[0]
     greedy = dict(max_new_tokens=args.new_tokens, do_sample=False)
-    configs = {}
-    for name, extra in METHODS.items():
-        configs[name] = copy.deepcopy(model.generation_config)  # its EOS and padding
-        configs[name].update(**greedy, use_mtp=True)
-        for key, value in extra.items():
-            setattr(configs[name], key, value)
+
+    def dspark(rule):
+        with rule():
+            return model.generate(**inputs, use_mtp=True, **greedy)
+
     runs = {"plain": lambda: model.generate(**inputs, **greedy)}
-    runs.update({name: (lambda config=config: model.generate(**inputs, generation_config=config))
-                 for name, config in configs.items()})
+    runs.update({name: (lambda rule=rule: dspark(rule)) for name, rule in METHODS.items()})
     prefill_times, seconds, outputs = [], defaultdict(list), {}
     for _ in range(args.reps):
         prefill_times.append(timed(device, lambda: model.generate(**inputs, max_new_tokens=1, do_sample=False), clock)[0])

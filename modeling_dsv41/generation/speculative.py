@@ -326,9 +326,6 @@ def dspark_decoding(
             tokens, accepted = _choose(target[:, 0], do_sample).unsqueeze(1), torch.zeros_like(limit)
         else:
             tokens, accepted = accept(draft, draft_logits, target, limit) if do_sample else accept(draft, target, limit)
-            if getattr(generation_config, "_dspark_shortest_prefix", False):  # benchmarks' baseline: rows in step
-                limit = torch.minimum(limit, accepted.masked_fill(done, length).min())
-                tokens, accepted = accept(draft, draft_logits, target, limit) if do_sample else accept(draft, target, limit)
         kept = (accepted + 1).masked_fill(done, 0)
         cache.crop_rows(length + 1 - kept)
         rows.append(tokens, kept)

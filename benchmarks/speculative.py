@@ -20,8 +20,8 @@ For each of ``--batch`` (comma-separated sizes) three decodings of the same prom
 - DSpark with the rule it replaced: every row keeps the prefix all rows accepted (the shortest), rows in step.
 
 Reported: tokens/s end to end (prefill included) and decode only (the median prefill time, ``max_new_tokens=1``,
-subtracted) and the ratios to plain; the accepted tokens per verification (the tokens a row keeps from one
-verification forward, drafted and the main model's own, averaged over the rows still decoding); whether the tokens
+subtracted) and the ratios to plain; the verification forwards and the accepted tokens per verification (the tokens
+a row decodes, up to its EOS, per verification forward it takes part in still decoding); whether the tokens
 are plain greedy's (they must be); and, for the per-row decoding, where its time goes (prefill, verification
 forwards, draft passes, the draft head's ring writes, the cache's per-row rollbacks, the rest: acceptance, logits
 processors, stopping criteria, bookkeeping), from one more run.
@@ -206,9 +206,11 @@ def kept_tokens(model):
         hook.remove()
 
 
-def accepted_per_verification(kept: list[torch.Tensor]) -> float:
-    kept = torch.cat(kept)
-    return float(kept[kept > 0].double().mean())
+def accepted_per_verification(kept: list[torch.Tensor], decoded: int, batch: int) -> float:
+    """The tokens a row decodes per verification it takes part in still decoding: the decoded tokens (up to each row's
+    EOS) after the prefill's, over those verifications (a verification that ends a row may keep tokens past its EOS,
+    which do not count)."""
+    return (decoded - batch) / int((torch.cat(kept) > 0).sum())
 
 
 @contextmanager
@@ -278,7 +280,8 @@ def bench_batch(model, inputs, args, clock) -> None:
         if name != "plain":
             with kept_tokens(model) as kept:
                 runs[name]()
-            line += (f"   {accepted_per_verification(kept):.2f} accepted tokens per verification   identical tokens: "
+            line += (f"   {len(kept)} verifications, {accepted_per_verification(kept, tokens, batch):.2f} accepted "
+                     f"tokens per verification   identical tokens: "
                      f"{bool(torch.equal(outputs[name], outputs['plain']))}")
         print(line)
     with time_split(model, clock) as split:

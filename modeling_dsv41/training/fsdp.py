@@ -81,6 +81,7 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     offload_policy: OffloadPolicy | None = None,
+    expert_parallel_size: int = 1,
 ) -> nn.Module:
     """``fully_shard`` the decoder layers and ViT blocks, then the whole model, in place; returns ``model``.
 
@@ -92,13 +93,20 @@ def shard_model(
             nothing (see the module docstring). Frozen Engram tables are never sharded.
         reshard_after_forward, offload_policy: as in ``fully_shard`` (``CPUOffloadPolicy()`` keeps the shards,
             their gradients and the optimizer step on the CPU).
+        expert_parallel_size: above 1, the routed experts of every decoder layer are split by expert over that many
+            neighbouring ranks, tokens dispatched to them by all-to-all, and FSDP2-sharded over the rest of the world;
+            everything else is sharded over every rank (see :mod:`~.expert_parallel`). Full fine-tuning only: not
+            with ``mesh``, adapters or the natively loaded weights.
     """
     if fully_shard is None or not dist.is_initialized():
         raise ValueError("shard_model needs torch.distributed initialized (init_process_group) before sharding")
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    kwargs = {
-        "mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy(),
-    }
+    kwargs = {"reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy()}
+    training, expert_units = None, []
+    if expert_parallel_size > 1:
+        training, expert_units = _shard_experts(model, mesh, mp_policy, expert_parallel_size, kwargs)
+        mesh = training.data
+    kwargs["mesh"] = mesh
     tables = frozen_engram_tables(model)
     own_units, replicated = [], set()
     if mp_policy.param_dtype not in (None, torch.float32):
@@ -116,7 +124,41 @@ def shard_model(
     group = None if mesh is None else mesh.get_group()
     for param in (p for p in replicated if p.requires_grad):  # frozen ones have no gradient to average
         param.register_post_accumulate_grad_hook(lambda p: _average_over_ranks(p.grad, group))
+    if training is not None:
+        from .expert_parallel import EPGroupFirstReduceScatter
+
+        experts = {id(unit) for unit in expert_units}
+        for unit in model.modules():  # every unit sharded over all ranks sums its gradients EP group first
+            if isinstance(unit, FSDPModule) and id(unit) not in experts:
+                unit.set_custom_reduce_scatter(EPGroupFirstReduceScatter(training))
+                unit.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_size: int, kwargs: dict):
+    """Split the backbone's routed experts over the EP ranks and FSDP2-shard them over ``ep_shard``, each layer's
+    experts their own unit; returns the :class:`~.expert_parallel.TrainingMesh` and those units."""
+    from .expert_parallel import EP_SHARD, distribute_experts, training_mesh
+    from .router_balancing import is_adapter_model
+
+    if mesh is not None:
+        raise ValueError("shard_model builds the expert-parallel mesh itself: give expert_parallel_size or mesh, not both")
+    if is_adapter_model(model) or quantized_modules(model):
+        raise ValueError(
+            "expert_parallel_size trains every weight of a dequantized model (full fine-tuning); for LoRA adapters or "
+            "the natively loaded FP8/FP4 weights, shard with shard_model(model) (FSDP2 alone, expert_parallel_size=1)"
+        )
+    backend = dist.get_backend()
+    device_type = "cpu" if backend == "gloo" else torch.accelerator.current_accelerator().type
+    training = training_mesh(ep_size, device_type)
+    # the experts' inputs arrive in the layer's compute dtype; their fp32 routing weights must stay fp32
+    policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
+    units = distribute_experts(model, training)
+    for experts in units:
+        fully_shard(experts, mesh=training.experts[EP_SHARD], mp_policy=policy, **kwargs)
+        experts.set_gradient_divide_factor(float(dist.get_world_size()))  # the mean over every rank's micro-batch
+        experts.set_force_sum_reduction_for_comms(True)
+    return training, units
 
 
 def quantized_modules(model: nn.Module) -> list[nn.Module]:

@@ -1,16 +1,16 @@
 """Benchmark MixedOptimizer against torch.optim.AdamW and torch.optim.Muon + AdamW.
 
 For two stand-ins with the released parameter names (a tiny one with the golden fixture's shapes and a
-1024-wide one scaled from the released config, SPEC §2) it reports, from one run (round-robin timing,
+1024-wide one scaled from the released config, docs/design.md §2) it reports, from one run (round-robin timing,
 best of the repetitions, as ``timeit`` does: on a shared machine the least-disturbed step is the measure):
 
-- optimizer step time of MixedOptimizer (SPEC §6 policy) vs AdamW on every trainable parameter and vs
+- optimizer step time of MixedOptimizer (docs/design.md §6 policy) vs AdamW on every trainable parameter and vs
   torch.optim.Muon on the Muon matrices + AdamW on the rest (torch has no Sinkhorn, so the tables get AdamW);
 - the Muon part alone: MixedOptimizer's batched Muon vs torch.optim.Muon on the same matrices with the same
   iteration (5 quintic steps, update RMS 0.2 = ``match_rms_adamw``), plus the V4 8+2 schedule for scale;
 - optimizer-state bytes measured on the live optimizers;
 - the state the released DeepSeek-V4.1-Flash would need under each optimizer, from parameter shapes on the
-  meta device. The shapes are computed from the SPEC §2 numbers (``released_shapes``), not from the model
+  meta device. The shapes are computed from the docs/design.md §2 numbers (``released_shapes``), not from the model
   class; the tiny instance of the same function is checked against the fixture's checkpoint.
 
 With ``--procs 2`` (CPU, gloo) it instead measures MixedOptimizer on FSDP2-sharded parameters (``fully_shard``,
@@ -285,7 +285,7 @@ def _contenders(d: Dims, device: str) -> tuple[dict[str, Callable[[], object]], 
         return torch.optim.Muon(matrices(muon_names), lr=1e-3, adjust_lr_fn="match_rms_adamw")
 
     whole = {
-        "MixedOptimizer (SPEC §6)": mixed,
+        "MixedOptimizer": mixed,
         "torch AdamW (all)": lambda: torch.optim.AdamW(copies(trainable), lr=1e-3, weight_decay=0.1),
         "torch Muon + AdamW": lambda: _Pair(torch_muon(), torch.optim.AdamW(copies(other_names), lr=1e-3)),
     }
@@ -327,7 +327,7 @@ def benchmark(d: Dims, label: str, reps: int, device: str) -> None:
     print(f"{'whole model':<30}{'step ms':>10}{'× AdamW':>9}{'state MiB':>11}{'× AdamW':>9}")
     for name, (t, b) in results.items():
         print(f"{name:<30}{t * 1e3:>10.1f}{t / base_t:>9.2f}{b / 2**20:>11.1f}{b / base_b:>9.2f}")
-    ratio = results["MixedOptimizer (SPEC §6)"][0] / results["torch Muon + AdamW"][0]
+    ratio = results["MixedOptimizer"][0] / results["torch Muon + AdamW"][0]
     print(f"MixedOptimizer / (torch Muon + AdamW): {ratio:.2f}")
     results = _time(muon_only, reps, device)
     base_t = results["torch.optim.Muon (match_rms)"][0]
@@ -341,7 +341,7 @@ def released_state_table() -> None:
     start = time.perf_counter()
     model = build_standin(RELEASED, device="meta")
     table = assignment_table(model)
-    print(f"\n## Released DeepSeek-V4.1-Flash (meta device, shapes from SPEC §2; {time.perf_counter() - start:.0f} s)")
+    print(f"\n## Released DeepSeek-V4.1-Flash (meta device, released shapes; {time.perf_counter() - start:.0f} s)")
     print(table)
     kinds = table.names
     params = dict(model.named_parameters())
@@ -356,7 +356,7 @@ def released_state_table() -> None:
     tib = 2**40
     print(f"trainable parameters: {sum(p.numel() for p in trainable.values()) / 1e9:.1f} B (fp32 state)")
     print(f"{'optimizer':<30}{'state TiB':>11}{'× AdamW':>9}")
-    rows = {"torch AdamW (all)": adamw, "torch Muon + AdamW": muon_adamw, "MixedOptimizer (SPEC §6)": ours}
+    rows = {"torch AdamW (all)": adamw, "torch Muon + AdamW": muon_adamw, "MixedOptimizer": ours}
     for name, b in rows.items():
         print(f"{name:<30}{b / tib:>11.2f}{b / adamw:>9.2f}")
 

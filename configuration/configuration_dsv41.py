@@ -36,7 +36,7 @@ def _require_positive_int(owner: str, **values: Any) -> None:
 class DeepseekV41TextConfig(PreTrainedConfig):
     r"""The DeepSeek-V4.1 language backbone.
 
-    Defaults are the released DeepSeek-V4.1-Flash sizes (SPEC §2). Attention layer ``i`` attends over a
+    Defaults are the released DeepSeek-V4.1-Flash sizes (docs/design.md §2). Attention layer ``i`` attends over a
     sliding window of ``sliding_window`` raw tokens, and when ``compress_ratios[i] > 0`` also over KV
     compressed ``compress_ratios[i]``-to-1, produced by the latest preceding layer of
     ``kv_source_layer_ids`` and filtered by the latest indexer of ``index_source_layer_ids``.

@@ -32,10 +32,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .generation.cache import CacheStep, DeepseekV41LayerCache, gather_rows
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear, einsum_rounded_once
 from .norms import DeepseekV41RMSNorm
+from .numerics import backward_in_forward_numerics, reference_numerics_active
 from .quantization import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
 from .rotary import apply_rotary
 
@@ -237,12 +239,25 @@ def sink_attention(
     q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Softmax attention of every head over the K=V rows its query's ``slots`` pick, with a per-head sink logit in
-    the denominator.
+    the denominator: :func:`sink_attention_forward`'s output, differentiated by recomputation.
 
-    q [B,S,H,D], kv [B,N,D], slots [B,S,K] (rows of kv, -1 = empty), sink [H]. As in the reference kernel, an
-    online softmax runs over blocks of :data:`SPARSE_ATTENTION_BLOCK` slots: probabilities are taken against the
-    running maximum and rounded to the activation dtype before the PV product, while the denominator and the
-    accumulator stay fp32. A query with no slot to attend to gets zeros.
+    q [B,S,H,D], kv [B,N,D], slots [B,S,K] (rows of kv, -1 = empty), sink [H] → [B,S,H,D]. For the backward it keeps
+    q, kv, the slots, the sink, the output and each row's log-sum-exp, not the gathered keys or the probabilities:
+    :func:`sink_attention_backward` recomputes them block by block, as sparse attention kernels do.
+    """
+    return _SinkAttention.apply(q, kv, slots, sink, scale)
+
+
+def sink_attention_forward(
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of :func:`sink_attention` [B,S,H,D] and each row's log-sum-exp [B,S,H] (fp32, over its slots'
+    logits and its sink).
+
+    As in the reference kernel, an online softmax runs over blocks of :data:`SPARSE_ATTENTION_BLOCK` slots:
+    probabilities are taken against the running maximum and rounded to the activation dtype before the PV product,
+    while the denominator and the accumulator stay fp32. A query with no slot to attend to gets zeros. Written in
+    differentiable ops, so autograd of it is the plain backward that keeps every block's keys and probabilities.
     """
     bsz, seq_len, n_heads, dim = q.shape
     qf, kvf = q.float(), kv.float()
@@ -250,11 +265,7 @@ def sink_attention(
     denom = qf.new_zeros(bsz, seq_len, n_heads)
     acc = qf.new_zeros(bsz, seq_len, n_heads, dim)
     for start in range(0, slots.shape[-1], SPARSE_ATTENTION_BLOCK):
-        block = slots[..., start : start + SPARSE_ATTENTION_BLOCK]
-        filled = block >= 0
-        keys = gather_slots(kvf, block) * filled.unsqueeze(-1)  # [B, S, k, D]
-        scores = torch.einsum("bshd,bskd->bshk", qf, keys)
-        scores = torch.where(filled.unsqueeze(2), scores, -torch.inf) * scale
+        keys, scores = _block_scores(qf, kvf, slots[..., start : start + SPARSE_ATTENTION_BLOCK], scale)
         new_peak = torch.maximum(peak, scores.amax(dim=-1))
         rescale = torch.exp(peak - new_peak)
         probs = torch.exp(scores - new_peak.unsqueeze(-1))
@@ -262,7 +273,63 @@ def sink_attention(
         acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", probs.to(q.dtype).float(), keys)
         peak = new_peak
     denom = denom + torch.exp(sink.float() - peak)
-    return (acc / denom.unsqueeze(-1)).to(q.dtype)
+    return (acc / denom.unsqueeze(-1)).to(q.dtype), peak + torch.log(denom)
+
+
+def _block_scores(
+    qf: torch.Tensor, kvf: torch.Tensor, block: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's keys [B,S,k,D] (fp32, zero on empty slots) and scaled logits [B,S,H,k] (-inf on empty slots)."""
+    filled = block >= 0
+    keys = gather_slots(kvf, block) * filled.unsqueeze(-1)
+    scores = torch.einsum("bshd,bskd->bshk", qf, keys)
+    return keys, torch.where(filled.unsqueeze(2), scores, -torch.inf) * scale
+
+
+def sink_attention_backward(
+    grad: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float,
+    out: torch.Tensor, lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (q [B,S,H,D], kv [B,N,D], sink [H]) of :func:`sink_attention` given the output's ``grad``, from what
+    its forward kept: each block's keys and logits are recomputed as the forward computed them, its probabilities
+    from the row's log-sum-exp, p = exp(logit - lse). With δ = Σ_d grad·out per row (the sink's value is zero),
+    d logit = p·(grad·key - δ), the sink gets -Σ p_sink·δ, and each slot's key and value gradients (one row of kv
+    for both) are added back onto the row it picked."""
+    bsz, n_rows, dim = kv.shape
+    qf, kvf, gf = q.float(), kv.float(), grad.float()
+    delta = (gf * out.float()).sum(dim=-1)  # [B, S, H]
+    grad_q = torch.zeros_like(qf)
+    grad_kv = kvf.new_zeros(bsz * n_rows, dim)
+    offsets = torch.arange(bsz, device=slots.device).view(-1, 1, 1) * n_rows
+    for start in range(0, slots.shape[-1], SPARSE_ATTENTION_BLOCK):
+        block = slots[..., start : start + SPARSE_ATTENTION_BLOCK]
+        keys, scores = _block_scores(qf, kvf, block, scale)
+        probs = torch.exp(scores - lse.unsqueeze(-1))  # [B, S, H, k], 0 on empty slots
+        grad_scores = probs * (torch.einsum("bshd,bskd->bshk", gf, keys) - delta.unsqueeze(-1)) * scale
+        grad_q = grad_q + torch.einsum("bshk,bskd->bshd", grad_scores, keys)
+        grad_keys = torch.einsum("bshk,bshd->bskd", grad_scores, qf) + torch.einsum("bshk,bshd->bskd", probs, gf)
+        grad_kv.index_add_(0, (block.clamp_min(0) + offsets).flatten(), grad_keys.flatten(0, 2))
+    grad_sink = -(torch.exp(sink.float() - lse) * delta).sum(dim=(0, 1))
+    return grad_q.to(q.dtype), grad_kv.view(bsz, n_rows, dim).to(kv.dtype), grad_sink.to(sink.dtype)
+
+
+class _SinkAttention(torch.autograd.Function):
+    """:func:`sink_attention_forward` whose backward recomputes the blocks (:func:`sink_attention_backward`)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, slots, sink, scale):
+        out, lse = sink_attention_forward(q, kv, slots, sink, scale)
+        ctx.save_for_backward(q, kv, slots, sink, out, lse)
+        ctx.scale, ctx.reference_numerics = scale, reference_numerics_active()
+        return out
+
+    @staticmethod
+    @once_differentiable
+    @backward_in_forward_numerics
+    def backward(ctx, grad):
+        q, kv, slots, sink, out, lse = ctx.saved_tensors
+        grad_q, grad_kv, grad_sink = sink_attention_backward(grad, q, kv, slots, sink, ctx.scale, out, lse)
+        return grad_q, grad_kv, None, grad_sink, None
 
 
 def sink_attention_probs(

@@ -1,4 +1,4 @@
-"""Engram: hashed n-gram memory written into the residual stream (DeepSeek-V4.1, SPEC §4).
+"""Engram: hashed n-gram memory written into the residual stream (DeepSeek-V4.1, docs/design.md §4).
 
 Two pieces:
 

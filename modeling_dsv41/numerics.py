@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten, tree_map
 
 WIDE = {torch.bfloat16: torch.float64, torch.float16: torch.float64, torch.float32: torch.float64,
@@ -202,6 +202,30 @@ def reference_numerics(enabled: bool = True) -> contextlib.AbstractContextManage
     """Context manager: reference numerics inside (a no-op when ``enabled`` is False). Nesting is harmless: the
     outer mode sees only the fp64 ops the inner one makes, and leaves them alone."""
     return ReferenceNumericsMode() if enabled else contextlib.nullcontext()
+
+
+def reference_numerics_active() -> bool:
+    """Whether ops run in reference numerics here (a :class:`ReferenceNumericsMode` is on the mode stack)."""
+    return any(isinstance(mode, ReferenceNumericsMode) for mode in _get_current_function_mode_stack())
+
+
+Backward = TypeVar("Backward", bound=Callable[..., Any])
+
+
+def backward_in_forward_numerics(backward: Backward) -> Backward:
+    """Decorates a custom autograd function's ``backward``: runs it in the numerics its forward ran in.
+
+    The autograd engine runs a backward without the torch-function modes that were active in the forward, so the
+    backward of a custom function would leave reference numerics, while autograd's own backward of the same ops runs
+    on the fp64 tensors the mode made. The forward records ``ctx.reference_numerics = reference_numerics_active()``.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        with reference_numerics(ctx.reference_numerics):
+            return backward(ctx, *grads)
+
+    return wrapper  # type: ignore[return-value]
 
 
 Forward = TypeVar("Forward", bound=Callable[..., Any])

@@ -1,6 +1,6 @@
 """DeepSeek-ViT, the 3×3 aligner into the LM width, and the merge of image features into the LM input.
 
-The ViT differs from a standard ViT in four ways (SPEC §1, §5): 2D RoPE instead of learned positions (so
+The ViT differs from a standard ViT in four ways (docs/design.md §1, §5): 2D RoPE instead of learned positions (so
 any grid size works), a linear patch embedding instead of a convolution, RMSNorm pre-norm and a SwiGLU FFN.
 Attention is bidirectional inside one image and never crosses images.
 

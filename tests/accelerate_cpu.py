@@ -1,14 +1,11 @@
-"""Runs ``examples/finetune.py`` under ``accelerate launch`` on CPU processes (gloo), for the tests.
-
-accelerate enables its FSDP plugin only on accelerator devices (``AcceleratorState`` turns ``ACCELERATE_USE_FSDP``
-into ``DistributedType.FSDP`` for multi-GPU-like backends, never for ``MULTI_CPU``), while FSDP2 itself runs on
-CPU with gloo. This launcher script makes that one decision for CPU as accelerate makes it for GPUs, then runs the
-example unchanged, with ``--use_cpu`` added:
+"""Runs ``examples/finetune.py`` under ``accelerate launch`` as it is, then reports what the processes hold, for the
+tests:
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml tests/accelerate_cpu.py REPORT <finetune.py arguments>
 
-After training, every process writes ``REPORT/rank<N>.pt``: its router biases, and the dtypes in which a few
-modules' weights reach their forward (FSDP2's mixed precision casts them just before).
+After training, every process writes ``REPORT/rank<N>.pt``: its router biases, the dtypes in which a few modules'
+weights reach their forward (FSDP2's mixed precision casts them just before), its mean training loss and the strategy
+accelerate ran.
 """
 
 from __future__ import annotations
@@ -18,20 +15,8 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune.py"
-_init = AcceleratorState.__init__
-
-
-def _init_with_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
-    _init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-    if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-        self.distributed_type = DistributedType.FSDP  # what accelerate does for MULTI_GPU (accelerate/state.py)
-        if self._mixed_precision != "no":
-            fsdp_plugin.set_mixed_precision(self._mixed_precision)
-        self.fsdp_plugin = fsdp_plugin
 
 
 def forward_dtypes(model: torch.nn.Module, batch: dict) -> dict[str, torch.dtype]:
@@ -57,17 +42,17 @@ def forward_dtypes(model: torch.nn.Module, batch: dict) -> dict[str, torch.dtype
 
 
 if __name__ == "__main__":
-    AcceleratorState.__init__ = _init_with_fsdp_on_cpu
     torch.set_num_threads(1)
     report = Path(sys.argv[1])
-    trainer = runpy.run_path(str(EXAMPLE), run_name="finetune")["main"]([*sys.argv[2:], "--use_cpu"])
+    trainer = runpy.run_path(str(EXAMPLE), run_name="finetune")["main"](sys.argv[2:])
     batch = next(iter(trainer.get_train_dataloader()))
     rank = trainer.accelerator.process_index
     torch.save(
         {
             "biases": {n: b.clone() for n, b in trainer.model.named_buffers() if ".gate.bias" in n},
             "dtypes": forward_dtypes(trainer.model_wrapped, batch),
-            "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+            "train_loss": trainer.state.log_history[-1]["train_loss"],
+            "strategy": trainer.accelerator.distributed_type.value,
         },
         report / f"rank{rank}.pt",
     )

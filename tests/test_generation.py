@@ -2,7 +2,7 @@
 
 The tiny preset selects sparsely (index_topk 8, candidate blocks at layer 3), has a 16-token window, ratio-2 KV
 sources (layer 1) whose groups complete every other step, a ratio-1 key owner (layer 3) and an index source
-that owns no keys (layer 5): the layer the released decode path feeds stale keys (SPEC §9).
+that owns no keys (layer 5): the layer the released decode path feeds stale keys (docs/design.md §9).
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""MixedOptimizer (Muon, head-wise Muon, Sinkhorn-balanced, AdamW) and the SPEC §6 parameter policy."""
+"""MixedOptimizer (Muon, head-wise Muon, Sinkhorn-balanced, AdamW) and the docs/design.md §6 parameter policy."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def tiny_model(fixtures_dir) -> nn.Module:
 
 
 def _spec_kind(name: str) -> str:
-    """SPEC §6 written out independently of the policy's regexes, for our names."""
+    """docs/design.md §6 written out independently of the policy's regexes, for our names."""
     last = name.rsplit(".", 1)[-1]
     if ".attn.indexer." in name:
         return "frozen"
@@ -121,7 +121,7 @@ def _spec_kind(name: str) -> str:
         )
     ):
         return "muon"
-    raise AssertionError(f"the test's SPEC table does not cover {name}")
+    raise AssertionError(f"the test's table of docs/design.md §6 does not cover {name}")
 
 
 def _fake_grads(model: nn.Module, step: int) -> None:
@@ -276,7 +276,7 @@ def test_fused_gate_up_expert_stack_equals_separate_w1_w3():
 
 
 def _reference_sinkhorn(update: torch.Tensor, iters: int, tau: float) -> torch.Tensor:
-    """Dense float64 transcription of SPEC §6: masked rows are zero in the result."""
+    """Dense float64 transcription of docs/design.md §6: masked rows are zero in the result."""
     x = update.double()
     live = x.norm(dim=1) > tau * x.norm(dim=1).mean()
     x = x * live[:, None]
@@ -300,7 +300,7 @@ def test_sinkhorn_step_masks_rows_and_hits_target_rms():
     assert torch.equal(delta[:24], torch.zeros(24, cols))  # exactly unchanged, not merely small
     row_rms = delta[24:].pow(2).mean(dim=1).sqrt()
     torch.testing.assert_close(row_rms, torch.full_like(row_rms, LR * 0.18), rtol=1e-5, atol=0)
-    # the direction is SPEC's algorithm (Nesterov on the first step is a scalar multiple of the gradient)
+    # the direction is design.md §6.3's algorithm (Nesterov on the first step is a scalar multiple of the gradient)
     expected = -LR * 0.18 * _reference_sinkhorn(grad, 11, 1e-3)
     torch.testing.assert_close(delta, expected.float(), rtol=1e-4, atol=1e-7)
     assert list(opt.state[table]) == ["momentum_buffer"]
@@ -510,7 +510,7 @@ def test_policy_on_peft_model(tiny_model):
     assert {g["kind"] for g in groups} == {"adamw"}
     kinds = assign_kinds(model)
     assert kinds["base_model.model.model.layers.0.attn.wq_a.base_layer.weight"] == "frozen"
-    # unfrozen base weights keep their SPEC kind through PEFT's decorations
+    # unfrozen base weights keep their policy kind through PEFT's decorations
     model.base_model.model.model.embed.weight.requires_grad_(True)
     model.get_parameter("base_model.model.model.layers.0.attn.wq_a.base_layer.weight").requires_grad_(True)
     kinds = assign_kinds(model)

@@ -305,7 +305,7 @@ def test_inspect_plans_the_released_model_on_8x141GiB(capsys):
 @pytest.mark.parametrize("flag", ["--tp", "--ep"])
 def test_inspect_prints_the_per_rank_weights_of_the_released_model(flag, capsys):
     """``--tp 8`` (``tp_plan="auto"``) and ``--ep 8`` (``DistributedConfig(tp_size=8, ep_size=8)``) both split the
-    routed experts 8 ways: their FP4 bytes and E8M0 scales per rank, from SPEC §2's sizes, independent of the model
+    routed experts 8 ways: their FP4 bytes and E8M0 scales per rank, from the released sizes, independent of the model
     code (40 layers × 384 experts × 3 matrices of 5120 × 2304, half a byte a value plus a byte per 32)."""
     assert main(["inspect", "deepseek-v4.1-flash", "--devices", "8x141GiB", flag, "8"]) == 0
     out = capsys.readouterr().out

@@ -1,6 +1,7 @@
-"""Every snippet of README.md runs, on tiny models: the Python blocks in order in one namespace (as a reader would
-paste them), the ``dsv41`` command lines through the CLI, and the benchmark scripts up to their argument parsing.
-The two set-up commands are what CI itself runs; here we only check they are still there, unchanged."""
+"""Every snippet of README.md and the docs pages runs, on tiny models: each page's Python blocks in order in one
+namespace (as a reader would paste them), the ``dsv41`` command lines through the CLI, and the benchmark scripts up to
+their argument parsing. The two set-up commands are what CI itself runs; here we only check they are still there,
+unchanged. The longer commands (examples, launches) are run by the tests of what they run."""
 
 from __future__ import annotations
 
@@ -14,23 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from documentation import README, REPO_ROOT, code_blocks, command_lines, pages
+
 from modeling_dsv41 import export_for_hub
 from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
 from modeling_dsv41.cli import main
 from modeling_dsv41.cli.demo import build_demo_model, build_demo_processor, demo_config
 from modeling_dsv41.cli.demo_data import ShapesDataset, build_demo_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-README = REPO_ROOT / "README.md"
 SETUP_COMMANDS = [
     'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e . && .venv/bin/dsv41 demo',
     'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test]" && .venv/bin/python -m pytest -q',
 ]
 RELEASED_REPO = "deepseek-ai/DeepSeek-V4.1-Flash"
-
-
-def readme_blocks(language: str) -> list[str]:
-    return [code for lang, code in re.findall(r"```(\w*)\n(.*?)```", README.read_text(), re.DOTALL) if lang == language]
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +49,31 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def test_setup_commands_are_unchanged():
-    assert readme_blocks("bash")[:2] == [command + "\n" for command in SETUP_COMMANDS]
+    assert code_blocks(README, "bash")[:2] == [command + "\n" for command in SETUP_COMMANDS]
 
 
-def test_python_snippets_run_in_order(workspace, monkeypatch, capsys):
-    monkeypatch.chdir(workspace)
-    snippets = readme_blocks("python")
-    assert len(snippets) >= 5
+def run_page_snippets(page: Path, workspace: Path) -> None:
+    """The page's Python blocks in order in one namespace, the released repository id pointing at the stand-in."""
     namespace: dict = {"__name__": "__readme__"}
-    for index, code in enumerate(snippets):
+    for index, code in enumerate(code_blocks(page, "python")):
         code = code.replace(f'"{RELEASED_REPO}"', repr(str(workspace / "released-tiny")))
         try:
-            exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+            exec(compile(code, f"{page.name} python block {index}", "exec"), namespace)
         except Exception as error:  # name the failing block
-            raise AssertionError(f"README python block {index} failed: {error!r}\n{code}") from error
+            raise AssertionError(f"{page.name} python block {index} failed: {error!r}\n{code}") from error
+
+
+def test_readme_is_short_and_links_existing_pages():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)", text))
+    assert linked == {str(page.relative_to(REPO_ROOT)) for page in pages()[1:]}  # every page, none missing
+
+
+def test_readme_python_snippets_run_in_order(workspace, monkeypatch, capsys):
+    monkeypatch.chdir(workspace)
+    assert len(code_blocks(README, "python")) >= 4
+    run_page_snippets(README, workspace)
     out = capsys.readouterr().out
     assert "muon_headwise" in out  # the Trainer's assignment table was printed
     assert "trainable params" in out  # PEFT's summary
@@ -73,14 +81,15 @@ def test_python_snippets_run_in_order(workspace, monkeypatch, capsys):
     assert (workspace / "dsv41-lora" / "adapter" / "adapter_config.json").is_file()
 
 
+@pytest.mark.parametrize("name", [page.name for page in pages()[1:] if code_blocks(page, "python")])
+def test_docs_python_snippets_run_in_order(name, workspace, monkeypatch):
+    monkeypatch.chdir(workspace)
+    run_page_snippets(REPO_ROOT / "docs" / name, workspace)
+
+
 def test_command_lines_run(workspace, monkeypatch, capsys):
     monkeypatch.chdir(workspace)
-    commands = [
-        line.split("#")[0].strip()
-        for block in readme_blocks("bash")[2:]
-        for line in block.splitlines()
-        if line.startswith("dsv41 ")
-    ]
+    commands = command_lines("dsv41 ")
     assert {shlex.split(c)[1] for c in commands} == {"inspect", "convert"}  # the demo is run by test_cli
     for command in commands:
         argv = shlex.split(command)[1:]
@@ -92,8 +101,7 @@ def test_command_lines_run(workspace, monkeypatch, capsys):
 def test_benchmark_commands_exist_and_parse_their_arguments(monkeypatch, capsys):
     """The benchmark scripts are run up to their argument parsing (``--help``), in this process: a full run takes
     minutes and prints timings, which no test can check."""
-    commands = [line.split("#")[0].split() for block in readme_blocks("bash") for line in block.splitlines()
-                if line.startswith("python benchmarks/")]
+    commands = [line.split() for line in command_lines("python benchmarks/")]
     assert len(commands) >= 3
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.syspath_prepend(str(REPO_ROOT))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_processes import TIMEOUT_S, WORLD, free_port, spawn
+from documentation import DOCS, code_blocks, command_lines
+from gloo_processes import WORLD, spawn
 from tiny_models import tiny_training_model
 
 from modeling_dsv41 import DeepseekV41ForCausalLM
@@ -230,6 +230,41 @@ def _bf16_policy_keeps_fp32_modules_fp32(rank: int, tmp: Path) -> None:
             assert torch.equal(gathered[0], gathered[1]), f"replicated {name} differs across ranks"
 
 
+def _fsdp_on_cpu_processes_runs_version_2_and_refuses_version_1(rank: int, tmp: Path) -> None:
+    """What ``accelerate launch`` hands every process of an FSDP config, here on CPU processes (gloo)."""
+    from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                      ACCELERATE_USE_FSDP="true", ACCELERATE_MIXED_PRECISION="bf16")
+
+    def trainer(version: int) -> DeepseekV41Trainer:
+        os.environ["FSDP_VERSION"] = str(version)
+        args = DeepseekV41TrainingArguments(output_dir=str(tmp), report_to="none")
+        return DeepseekV41Trainer(model=tiny_model(), args=args)
+
+    with pytest.raises(ValueError, match="FSDP1 runs on accelerators only"):
+        trainer(1)
+    fsdp2 = trainer(2)
+    assert fsdp2.args.use_cpu and fsdp2.args.world_size == WORLD
+    assert fsdp2.is_fsdp_enabled and fsdp2.accelerator.is_fsdp2
+    assert fsdp2.accelerator.state.fsdp_plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+
+
+def test_fsdp_config_on_cpu_processes_runs_fsdp2_and_refuses_fsdp1(tmp_path):
+    """accelerate itself enables FSDP on accelerator backends only (the run would be DDP without a word)."""
+    spawn(_fsdp_on_cpu_processes_runs_version_2_and_refuses_version_1, tmp_path)
+
+
+def test_fsdp_config_on_one_process_is_an_error(tmp_path, monkeypatch):
+    from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    args = DeepseekV41TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(ValueError, match="FSDP needs several processes"):
+        DeepseekV41Trainer(model=tiny_model(), args=args)
+
+
 def test_fsdp2_three_steps_match_one_process_per_kind_biases_agree_and_resume_is_exact(tmp_path):
     spawn(_fsdp2_matches_one_process_and_resumes, tmp_path)
     print((tmp_path / "errors.txt").read_text())
@@ -239,38 +274,40 @@ def test_bf16_mixed_precision_keeps_fp32_modules_fp32(tmp_path):
     spawn(_bf16_policy_keeps_fp32_modules_fp32, tmp_path)
 
 
-# ----------------------------------------------------------------------------- accelerate launch (README)
+# ----------------------------------------------------------------------------- accelerate launch (docs/training.md)
+
+LAUNCH_TIMEOUT_S = 600  # a printed launch takes ~30 s on 2 idle cores; a loaded machine is several times slower
 
 
-def readme_blocks(language: str) -> list[str]:
-    readme = (REPO_ROOT / "README.md").read_text()
-    return [code for lang, code in re.findall(r"```(\w*)\n(.*?)```", readme, re.DOTALL) if lang == language]
+def printed_launch_commands() -> dict[str, list[str]]:
+    """The docs' ``accelerate launch`` lines as printed (argv), by config file."""
+    commands = {}
+    for line in command_lines("accelerate launch"):
+        argv = shlex.split(line)
+        assert argv[:3] == ["accelerate", "launch", "--config_file"] and argv[4] == "examples/finetune.py", argv
+        commands[argv[3]] = argv
+    return commands
 
 
-def readme_launch_command() -> tuple[str, dict[str, str]]:
-    """The README's ``accelerate launch`` line: its config file and the script's flags."""
-    lines = [line for block in readme_blocks("bash") for line in block.splitlines()]
-    lines = [line for line in lines if line.startswith("accelerate launch")]
-    assert len(lines) == 1, lines
-    argv = shlex.split(lines[0])
-    assert argv[:3] == ["accelerate", "launch", "--config_file"] and argv[4] == "examples/finetune.py", argv
-    flags = argv[5:]
-    return argv[3], dict(zip(flags[::2], flags[1::2]))
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
-def accelerate_launch(config: str, flags: dict[str, str], report: Path) -> None:
-    """``accelerate launch --config_file config examples/finetune.py flags`` on 2 CPU processes, through
-    tests/accelerate_cpu.py (accelerate's FSDP plugin is GPU-only without it; see there)."""
-    report.mkdir(parents=True)
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO_ROOT / config),
-        "--main_process_port", str(free_port()), str(REPO_ROOT / "tests" / "accelerate_cpu.py"), str(report),
-        *(item for pair in flags.items() for item in pair),
-    ]
-    path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO_ROOT)
+def launch(argv: list[str], cwd: Path) -> None:
+    """Run ``argv`` (an ``accelerate launch`` command) in ``cwd`` with this environment's executables first on PATH."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=cwd)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    assert "parallel_mode != ParallelMode.DISTRIBUTED" not in result.stderr  # processes that each ran alone
+
+
+def workspace(tmp: Path, demo: Path) -> Path:
+    """A folder laid out as the docs' commands expect: the repository's ``examples/`` and ``dsv41-demo/model``."""
+    (tmp / "examples").symlink_to(REPO_ROOT / "examples")
+    (tmp / "dsv41-demo").mkdir()
+    (tmp / "dsv41-demo" / "model").symlink_to(demo)
+    return tmp
 
 
 def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -303,7 +340,7 @@ def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory) -> Path:
-    """An untrained demo model and its processor in a folder, as `dsv41 demo` leaves it (README's --model)."""
+    """An untrained demo model and its processor in a folder, as `dsv41 demo` leaves it (the docs' --model)."""
     from modeling_dsv41 import export_for_hub
     from modeling_dsv41.cli.demo import build_demo_model, build_demo_processor, demo_config
     from modeling_dsv41.cli.demo_data import build_demo_tokenizer
@@ -315,27 +352,38 @@ def demo_model(tmp_path_factory) -> Path:
     return folder
 
 
-def readme_config_matches_the_file(config: str) -> None:
-    """The README's excerpt of the config file is in the file, line for line."""
-    (excerpt,) = readme_blocks("yaml")
+def docs_config_matches_the_file(config: str) -> None:
+    """docs/training.md's excerpt of the config file is in the file, line for line."""
+    (excerpt,) = code_blocks(DOCS / "training.md", "yaml")
     lines = {line.rstrip() for line in (REPO_ROOT / config).read_text().splitlines()}
     assert all(line in lines for line in excerpt.splitlines()), excerpt
 
 
-def run_readme_command_then_resume(config: str, tmp: Path, demo: Path) -> tuple[list[dict], Path, Path]:
-    """The README's command, shortened to 3 steps (a checkpoint after 2), then a second run resumed from step 2
-    without gradient checkpointing; returns the first run's per-rank reports and both runs' last checkpoints."""
-    _, flags = readme_launch_command()
-    flags.update({"--model": str(demo), "--max_steps": "3", "--save_steps": "2", "--per_device_train_batch_size": "2",
-                  "--train_samples": "12", "--logging_steps": "1", "--dataloader_num_workers": "0"})
-    assert flags.get("--gradient_checkpointing") == "true"  # the README's run checkpoints activations
-    first, second = tmp / "first", tmp / "second"
-    accelerate_launch(config, {**flags, "--output_dir": str(first)}, tmp / "first-report")
-    resumed = {**flags, "--output_dir": str(second), "--gradient_checkpointing": "false",
-               "--resume_from_checkpoint": str(first / "checkpoint-2")}
-    accelerate_launch(config, resumed, tmp / "second-report")
-    reports = [torch.load(tmp / "first-report" / f"rank{rank}.pt") for rank in range(WORLD)]
-    return reports, first / "checkpoint-3", second / "checkpoint-3"
+def run_printed_command_then_resume(config: str, tmp: Path, demo: Path) -> tuple[list[dict], Path, Path, Path]:
+    """The docs' command for ``config`` as printed, in a workspace folder; then a second run resumed from its first
+    checkpoint without gradient checkpointing, through tests/accelerate_cpu.py (which reports what each process
+    holds). Returns the second run's per-rank reports, the first run's two checkpoints and the second run's last."""
+    argv = printed_launch_commands()[config]
+    assert flag(argv, "--gradient_checkpointing") == "true"  # the printed run checkpoints activations
+    cwd = workspace(tmp, demo)
+    launch(argv, cwd)
+    output, save_steps, max_steps = cwd / flag(argv, "--output_dir"), int(flag(argv, "--save_steps")), int(flag(argv, "--max_steps"))
+    assert max_steps == 2 * save_steps, argv  # one checkpoint to resume from, one to compare with
+    first, last = output / f"checkpoint-{save_steps}", output / f"checkpoint-{max_steps}"
+    assert sorted(path.name for path in output.iterdir()) == sorted([first.name, last.name])  # nothing half-written
+    for checkpoint in (first, last):  # every process wrote its RNG state: two processes, one run
+        assert {f"rng_state_{rank}.pth" for rank in range(WORLD)} <= {path.name for path in checkpoint.iterdir()}
+
+    flags = argv[5:]
+    flags[flags.index("--output_dir") + 1] = "resumed"
+    flags[flags.index("--gradient_checkpointing") + 1] = "false"
+    report = cwd / "report"
+    report.mkdir()
+    resume = [*argv[:4], str(REPO_ROOT / "tests" / "accelerate_cpu.py"), str(report), *flags,
+              "--resume_from_checkpoint", str(first)]
+    launch(resume, cwd)
+    reports = [torch.load(report / f"rank{rank}.pt") for rank in range(WORLD)]
+    return reports, first, last, cwd / "resumed" / last.name
 
 
 def assert_same_checkpoint(actual: Path, expected: Path) -> None:
@@ -345,34 +393,41 @@ def assert_same_checkpoint(actual: Path, expected: Path) -> None:
         assert torch.equal(tensors[key], value), f"{key} differs after resuming"
 
 
-def test_readme_fsdp2_launch_trains_saves_sharded_checkpoints_and_resumes_exactly(tmp_path, demo_model):
-    """accelerate's FSDP2 plugin with bf16 mixed precision: the Trainer's sharding keeps the fp32 modules fp32,
-    checkpoints are sharded, a resumed run (without gradient checkpointing) ends bit-identical to the run that
-    went on (with it): both compute the same gradients, and every parameter, the ViT's included, resumes its state."""
-    config, _ = readme_launch_command()
-    assert config == "examples/accelerate/fsdp2.yaml"
-    readme_config_matches_the_file(config)
-    reports, last, resumed = run_readme_command_then_resume(config, tmp_path, demo_model)
-
-    assert {path.name for path in last.iterdir()} >= {"pytorch_model_fsdp_0", "optimizer_0"}
-    assert len(list((last / "pytorch_model_fsdp_0").glob("*.distcp"))) == WORLD  # one shard file per process
-    assert_same_checkpoint(resumed, last)
-    for report in reports:
-        assert report["dtypes"] == {
-            "lm_head": torch.float32, "hc_attn_fn": torch.float32, "attn_sink": torch.float32, "wq_a": torch.bfloat16,
-        }, report["dtypes"]
-        assert len(report["losses"]) == 3 and all(math.isfinite(loss) for loss in report["losses"])
+def assert_biases_moved_and_agree(reports: list[dict]) -> None:
     assert any(bias.any() for bias in reports[0]["biases"].values())
     for name, bias in reports[0]["biases"].items():
         assert torch.equal(bias, reports[1]["biases"][name]), name
 
 
-@pytest.mark.slow
-def test_ddp_config_launch_trains_and_resumes_exactly(tmp_path, demo_model):
-    """The README's command with examples/accelerate/ddp.yaml: DDP (bf16 autocast keeps every weight fp32)."""
-    reports, last, resumed = run_readme_command_then_resume("examples/accelerate/ddp.yaml", tmp_path, demo_model)
-    assert (last / "model.safetensors").is_file()
+def test_printed_fsdp2_launch_trains_on_two_processes_saves_sharded_checkpoints_and_resumes_exactly(tmp_path, demo_model):
+    """docs/training.md's FSDP2 command as printed, on CPU processes (gloo): accelerate's FSDP2 plugin with bf16 mixed
+    precision, the Trainer's sharding keeping the fp32 modules fp32; checkpoints are sharded, and a run resumed from
+    the first one (without gradient checkpointing) ends bit-identical to the run that went on (with it): both
+    compute the same gradients, and every parameter, the ViT's included, resumes its state."""
+    config = "examples/accelerate/fsdp2.yaml"
+    docs_config_matches_the_file(config)
+    reports, first, last, resumed = run_printed_command_then_resume(config, tmp_path, demo_model)
+
+    for checkpoint in (first, last):  # sharded, never a plain model.safetensors (DDP's)
+        assert {path.name for path in checkpoint.iterdir()} >= {"pytorch_model_fsdp_0", "optimizer_0"}
+        assert not list(checkpoint.glob("*.safetensors"))
+        assert len(list((checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))) == WORLD  # one shard file per process
     assert_same_checkpoint(resumed, last)
-    for name, bias in reports[0]["biases"].items():
-        assert torch.equal(bias, reports[1]["biases"][name]), name
-    assert all(math.isfinite(loss) for report in reports for loss in report["losses"])
+    for report in reports:
+        assert report["strategy"] == "FSDP"
+        assert report["dtypes"] == {
+            "lm_head": torch.float32, "hc_attn_fn": torch.float32, "attn_sink": torch.float32, "wq_a": torch.bfloat16,
+        }, report["dtypes"]
+        assert math.isfinite(report["train_loss"])
+    assert_biases_moved_and_agree(reports)
+
+
+@pytest.mark.slow
+def test_printed_ddp_launch_trains_on_two_processes_and_resumes_exactly(tmp_path, demo_model):
+    """docs/training.md's DDP command as printed (bf16 autocast keeps every weight fp32), on CPU processes."""
+    reports, first, last, resumed = run_printed_command_then_resume("examples/accelerate/ddp.yaml", tmp_path, demo_model)
+    for checkpoint in (first, last):
+        assert (checkpoint / "model.safetensors").is_file()
+    assert_same_checkpoint(resumed, last)
+    assert all(report["strategy"] == "MULTI_CPU" for report in reports)
+    assert_biases_moved_and_agree(reports)

@@ -125,7 +125,7 @@ def format_inspection(result: ModelInspection) -> str:
     lines.append(f"{'component':<34}{'parameters':>20}{'share':>9}")
     for component, count in result.components.items():
         lines.append(f"{component:<34}{count:>20,}{count / total:>9.1%}")
-    lines += ["", "Optimizer assignment (SPEC §6) and optimizer state:", str(result.assignment), ""]
+    lines += ["", "Optimizer assignment and optimizer state:", str(result.assignment), ""]
     mixed, adamw = result.mixed_state_bytes, result.adamw_state_bytes
     lines.append(f"optimizer state: MixedOptimizer {_bytes(mixed)} vs AdamW on the same parameters {_bytes(adamw)} "
                  f"({mixed / adamw:.0%} of AdamW)" if adamw else "optimizer state: nothing to train")

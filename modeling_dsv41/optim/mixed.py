@@ -64,7 +64,7 @@ class MixedOptimizer(torch.optim.Optimizer):
     (adamw), all tensors, so ``torch.load(weights_only=True)`` reads a saved ``state_dict``; from the first step
     on every parameter has it, zeros (the same as none) for those that got no gradient yet. Momentum follows
     torch.optim.Muon's convention ``B ← μ·B + (1 − μ)·g``, Nesterov ``g + μ·(B − g)``. Keys a group leaves
-    out come from :data:`KIND_DEFAULTS` (torch.optim.Muon's and torch.optim.AdamW's defaults plus SPEC §6's), then
+    out come from :data:`KIND_DEFAULTS` (torch.optim.Muon's and torch.optim.AdamW's defaults plus the recipe's), then
     from ``lr``; unknown keys raise.
 
     ``params`` are the groups of :func:`~.policy.build_param_groups`, or the model itself: then the groups are built
@@ -74,7 +74,7 @@ class MixedOptimizer(torch.optim.Optimizer):
 
     Example::
 
-        groups = build_param_groups(model, lr=3e-4)  # the SPEC §6 policy, see .policy
+        groups = build_param_groups(model, lr=3e-4)  # the docs/design.md §6 policy, see .policy
         optimizer = MixedOptimizer(groups)
         optimizer = MixedOptimizer(model, lr=3e-4, weight_decay=0.1)  # the same groups, built here
     """

@@ -1,4 +1,4 @@
-"""Which parameter gets which optimizer (SPEC §6), decided by the parameter *names*.
+"""Which parameter gets which optimizer (docs/design.md §6), decided by the parameter *names*.
 
 - Muon: backbone matrices (attention ``wq_a``, ``wkv``, ``wo_a``, ``wo_b``, compressor, MoE gate, routed experts'
   ``down_proj`` (each expert's ``w2`` on its own) and shared experts, mHC ``hc_*_fn``), the Engram projection
@@ -94,7 +94,7 @@ def build_param_groups(
     sinkhorn: Mapping[str, Any] | None = None,
     adamw: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Param groups for :class:`~.mixed.MixedOptimizer` implementing SPEC §6 on ``model``.
+    """Param groups for :class:`~.mixed.MixedOptimizer` implementing docs/design.md §6 on ``model``.
 
     ``lr`` is shared by every group; ``weight_decay`` applies to the Muon kinds (whose update RMS matches
     AdamW's, so both mean the same). The AdamW group defaults to no weight decay (it holds gains, biases and
@@ -127,7 +127,7 @@ def build_param_groups(
 
 
 def freeze_default_parameters(model: nn.Module) -> list[str]:
-    """Set ``requires_grad=False`` on what SPEC §6 freezes (the indexer); returns their names."""
+    """Set ``requires_grad=False`` on what docs/design.md §6 freezes (the indexer); returns their names."""
     frozen = []
     for name, p in model.named_parameters():
         if any(pattern.search(canonical_name(name)) for pattern in _DEFAULT_FROZEN):

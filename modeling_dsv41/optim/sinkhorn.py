@@ -1,4 +1,4 @@
-"""Sinkhorn-balanced update direction (DeepSeek-V4.1, SPEC §6).
+"""Sinkhorn-balanced update direction (DeepSeek-V4.1, docs/design.md §6).
 
 It replaces Adam's second moment for huge tables (Engram, token embedding, LM head): instead of a
 per-element variance estimate, the momentum matrix is balanced by alternating row and column ℓ2

@@ -1,4 +1,4 @@
-"""``Trainer`` for DeepSeek-V4.1: the mixed optimizer of SPEC §6 and per-modality router-bias balancing.
+"""``Trainer`` for DeepSeek-V4.1: the mixed optimizer of docs/design.md §6 and per-modality router-bias balancing.
 
 :class:`DeepseekV41Trainer` changes two things in ``transformers.Trainer``:
 
@@ -17,7 +17,8 @@ NaN / inf losses are logged as they are (``logging_nan_inf_filter`` defaults to 
 
 Under accelerate's FSDP2 plugin (``fsdp_version: 2``) it shards the model itself with :func:`~.fsdp.shard_model`
 before accelerate prepares it, so that the units are the ones that keep the forward exact and the fp32 modules stay
-fp32 under bf16 mixed precision.
+fp32 under bf16 mixed precision. ``accelerate launch`` runs the configured strategy on CPU processes (gloo) too, and
+refuses one accelerate would drop (:mod:`.launch`).
 
 Everything else (gradient accumulation, bf16 autocast, gradient checkpointing, DDP, checkpoints and resuming) is
 ``Trainer``'s own: the biases are persistent model buffers, so checkpoints carry them, and the counts are empty whenever
@@ -43,6 +44,7 @@ from transformers.training_args import OptimizerNames
 
 from ..hub.native_precision import check_trainable
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
+from .launch import honour_launch_strategy, use_cpu_without_accelerator
 from .router_balancing import RouterBiasBalancer, is_adapter_model
 
 logger = logging.getLogger(__name__)
@@ -99,7 +101,8 @@ class DeepseekV41TrainingArguments(TrainingArguments):
     AdamW everywhere set ``optimizer_overrides={".": "adamw"}``). ``learning_rate`` is shared by every kind (Muon
     and Sinkhorn updates are RMS-matched to AdamW's); ``weight_decay`` applies to the Muon kinds (matrices);
     ``adam_beta1``/``adam_beta2``/``adam_epsilon`` configure the AdamW group (norms, biases, sinks, LoRA factors),
-    which takes no weight decay.
+    which takes no weight decay. On a machine without an accelerator ``use_cpu`` is set (so that ``accelerate launch``
+    runs the processes on CPU with gloo, and bf16 mixed precision on CPU).
     """
 
     bias_update_speed: float = field(
@@ -122,7 +125,7 @@ class DeepseekV41TrainingArguments(TrainingArguments):
     )
     freeze_default_parameters: bool = field(
         default=True,
-        metadata={"help": "Freeze the indexer (SPEC §6; DDP needs it)."},
+        metadata={"help": "Freeze the indexer (docs/design.md §6; DDP needs it)."},
     )
     train_dspark_head: bool = field(
         default=False,
@@ -142,6 +145,7 @@ class DeepseekV41TrainingArguments(TrainingArguments):
     _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "optimizer_kind_kwargs", "optimizer_overrides"]
 
     def __post_init__(self) -> None:
+        self.use_cpu = use_cpu_without_accelerator(self.use_cpu)
         super().__post_init__()
         if self.optim not in (OptimizerNames.ADAMW_TORCH, OptimizerNames.ADAMW_TORCH_FUSED) or self.optim_args:
             raise ValueError(
@@ -242,8 +246,12 @@ class DeepseekV41Trainer(Trainer):
             self.router_balancing = RouterBiasBalancingCallback(args.bias_update_speed)
             self.add_callback(self.router_balancing)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        honour_launch_strategy(self)  # FSDP2 on CPU processes too; a strategy accelerate dropped is an error
+
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """One :class:`MixedOptimizer` for the whole model (SPEC §6 policy, see :mod:`.optim.policy`)."""
+        """One :class:`MixedOptimizer` for the whole model (docs/design.md §6 policy, see :mod:`.optim.policy`)."""
         if self.optimizer is not None:
             return self.optimizer
         if self.optimizer_cls_and_kwargs is not None:

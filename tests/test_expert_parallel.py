@@ -19,6 +19,7 @@ import torch.distributed as dist
 from gloo_processes import spawn
 from tiny_models import tiny_training_model
 
+from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
 from modeling_dsv41.numerics import reference_numerics
 from modeling_dsv41.optim import MixedOptimizer, assign_kinds, build_param_groups, freeze_default_parameters
 from modeling_dsv41.training.router_balancing import RouterBiasBalancer
@@ -179,3 +180,259 @@ def test_2x2_mesh_three_steps_equal_one_process_bit_for_bit(tmp_path):
     one_process_reference(tmp_path / "single.pt")
     spawn(_mesh_matches_one_process, tmp_path, world_size=WORLD, timeout_s=300)
     print((tmp_path / "errors.txt").read_text())
+
+
+# ----------------------------------------------------------------------------- DeepseekV41Trainer: checkpoints that reshard
+
+TRAIN_STEPS, SAVE_STEPS, ROWS = 4, 2, 32  # 2 rows per process and micro-batch: 8 rows per step on 4 or 2 processes
+TRAINER_SPEED = 2**-6  # small enough that the biases do not swing back to 0 every other step on the tiny model
+
+
+class ImageRows(torch.utils.data.Dataset):
+    """Rows of text around an image (every micro-batch runs the ViT on every process: FSDP2 reduces its gradients
+    on all of them)."""
+
+    def __init__(self, rows: int = ROWS):
+        self.rows = [image_row(seed) for seed in range(rows)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.rows[index]
+
+
+def image_row(seed: int) -> dict[str, torch.Tensor]:
+    batch = micro_batch(10_000 + seed)
+    return {key: value[1] for key, value in batch.items() if key not in ("pixel_values", "image_grid_hw")} | {
+        "pixel_values": batch["pixel_values"], "image_grid_hw": batch["image_grid_hw"][0]}
+
+
+def collate_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0] if key != "pixel_values"}
+    return batch | {"pixel_values": torch.cat([row["pixel_values"] for row in rows])}
+
+
+def launch_environment(rank: int, world: int) -> None:
+    """What ``accelerate launch --config_file examples/accelerate/fsdp2_multinode.yaml`` hands every process (fp32
+    here: no mixed precision, so that runs on 4 and on 2 processes can be compared bit for bit)."""
+    import os
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_STATE_DICT_TYPE="SHARDED_STATE_DICT",
+        FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP", FSDP_RESHARD_AFTER_FORWARD="true",
+        FSDP_OFFLOAD_PARAMS="false", FSDP_CPU_RAM_EFFICIENT_LOADING="false", ACCELERATE_MIXED_PRECISION="no",
+    )
+
+
+def trainer_run(rank: int, world: int, output: Path, resume: Path | bool | None = None):
+    """DeepseekV41Trainer on the (world / 2) × 2 mesh: 4 steps of 8 rows, checkpoints every 2 steps; on 2 processes
+    two micro-batches per step (accumulated), so that every step sees the same 8 rows in the same micro-batches. The
+    gradients are clipped (max_grad_norm 1; their norm is about 2)."""
+    launch_environment(rank, world)
+    args = DeepseekV41TrainingArguments(
+        output_dir=str(output), max_steps=TRAIN_STEPS, save_steps=SAVE_STEPS, per_device_train_batch_size=2,
+        gradient_accumulation_steps=WORLD // world, learning_rate=LR, expert_parallel_size=EP_SIZE,
+        gradient_checkpointing=True, bias_update_speed=TRAINER_SPEED, logging_steps=1, report_to="none",
+        remove_unused_columns=False, dataloader_num_workers=0, seed=0,
+    )
+    model = tiny_training_model(num_hidden_layers=2, seed=0)
+    trainer = ReferenceStepTrainer(model=model, args=args, train_dataset=ImageRows(), data_collator=collate_rows)
+    trainer.train(resume_from_checkpoint=str(resume) if isinstance(resume, Path) else resume)
+    return trainer
+
+
+class ReferenceStepTrainer(DeepseekV41Trainer):
+    """Steps the optimizer in reference numerics: Newton–Schulz then gives the same bits whichever process
+    orthogonalizes a matrix and however many it batches, so that runs on 4 and on 2 processes can be compared."""
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if not getattr(optimizer, "reference_step", False):
+            step = optimizer.step
+
+            def reference_step(closure=None):
+                with reference_numerics():
+                    return step(closure)
+
+            optimizer.step, optimizer.reference_step = reference_step, True
+        return optimizer
+
+
+def _train_on_4(rank: int, tmp: Path) -> None:
+    trainer = trainer_run(rank, WORLD, tmp / "four")
+    experts = trainer.model.model.layers[0].ffn.experts
+    assert tuple(experts.gate_up_proj.to_local().shape) == (1, 64, 64)  # expert parallel: one whole expert each
+
+
+def _train_on_2_and_resume_4_on_2(rank: int, tmp: Path) -> None:
+    trainer_run(rank, 2, tmp / "two")
+    trainer_run(rank, 2, tmp / "four-on-two", resume=tmp / "four" / f"checkpoint-{SAVE_STEPS}")
+
+
+def _resume_2_on_4_and_rerun_the_killed_save(rank: int, tmp: Path) -> None:
+    trainer_run(rank, WORLD, tmp / "two-on-four", resume=tmp / "two" / f"checkpoint-{SAVE_STEPS}")
+    trainer_run(rank, WORLD, tmp / "killed", resume=True)  # picks the newest complete checkpoint
+
+
+def _killed_while_saving(rank: int, tmp: Path) -> None:
+    """Resumes from checkpoint-2 and trains to step 4; process 1 dies while it writes the optimizer's shards of
+    checkpoint-4 (the others wait for it until the launcher ends them)."""
+    import os
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def dying_write_data(self, plan, planner):
+        if rank == 1 and f"checkpoint-{TRAIN_STEPS}" in str(self.path) and "optimizer" in str(self.path):
+            os._exit(1)
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = dying_write_data
+    trainer_run(rank, WORLD, tmp / "killed", resume=tmp / "killed" / f"checkpoint-{SAVE_STEPS}")
+
+
+def spawn_until_killed(fn, tmp: Path, world_size: int, timeout_s: float) -> None:
+    """Run ``fn`` as :func:`spawn` does, expecting a process to die: the others are then ended, as ``torchrun`` and
+    ``accelerate launch`` end them."""
+    import time
+
+    import torch.multiprocessing as mp
+    from gloo_processes import _worker, free_port
+
+    context = mp.start_processes(
+        _worker, args=(fn, free_port(), str(tmp), (), world_size), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        with pytest.raises(mp.ProcessExitedException, match="exit code 1"):
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{fn.__name__} did not die within {timeout_s} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def checkpoint_state(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Trainer checkpoint that does not depend on the number of processes: the model's and the
+    optimizer's (torch.distributed.checkpoint folders, read whole) and the scheduler's."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    tensors = {}
+    for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+        whole = scratch / f"{checkpoint.parent.name}-{checkpoint.name}-{name}.pt"
+        dcp_to_torch_save(checkpoint / name, whole)
+        flatten(name, torch.load(whole, weights_only=False), tensors)
+    flatten("scheduler", torch.load(checkpoint / "scheduler.pt", weights_only=False), tensors)
+    return tensors
+
+
+def flatten(prefix: str, value, into: dict) -> None:
+    if isinstance(value, torch.Tensor):
+        into[prefix] = value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            flatten(f"{prefix}/{key}", item, into)
+    elif isinstance(value, (list, tuple)):
+        for key, item in enumerate(value):
+            flatten(f"{prefix}/{key}", item, into)
+    else:
+        into[prefix] = torch.tensor(float(value)) if isinstance(value, (int, float)) else value
+
+
+def assert_same_state(actual: Path, expected: Path, scratch: Path) -> None:
+    tensors, reference = checkpoint_state(actual, scratch), checkpoint_state(expected, scratch)
+    assert tensors.keys() == reference.keys() and len(tensors) > 200
+    differing = [key for key, value in reference.items() if not equal(tensors[key], value)]
+    assert not differing, f"{actual} differs from {expected}: {differing[:5]}"
+
+
+def equal(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """A run on 4 processes, checkpoints at steps 2 and 4."""
+    tmp = tmp_path_factory.mktemp("ep-trainer")
+    spawn(_train_on_4, tmp, world_size=WORLD, timeout_s=400)
+    return tmp
+
+
+def test_trainer_checkpoint_of_4_processes_resumes_on_2_exactly(uninterrupted, tmp_path):
+    """The Trainer's sharded checkpoint (weights, Muon and Sinkhorn momentum, AdamW moments, balancing biases,
+    scheduler) saved on 4 processes resumes on 2 and ends at step 4 bit-identical to the uninterrupted run; a run on
+    2 processes (two micro-batches per step) equals the run on 4 step for step. (4 → 4 and 2 → 4: the next test.)"""
+    tmp = uninterrupted
+    spawn(_train_on_2_and_resume_4_on_2, tmp, world_size=2, timeout_s=400)
+    four, two = tmp / "four", tmp / "two"
+    for checkpoint in (four / "checkpoint-2", four / "checkpoint-4"):
+        assert len(list((checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))) == WORLD
+    assert len(list((two / "checkpoint-2" / "pytorch_model_fsdp_0").glob("*.distcp"))) == 2
+    for step in (2, 4):
+        assert_same_state(two / f"checkpoint-{step}", four / f"checkpoint-{step}", tmp_path)
+    assert_same_state(tmp / "four-on-two" / "checkpoint-4", four / "checkpoint-4", tmp_path)
+    state = checkpoint_state(four / "checkpoint-4", tmp_path)
+    biases = [key for key in state if key.endswith((".gate.bias", ".gate.bias_vl"))]
+    assert biases and any(state[key].any() for key in biases)  # the balancing biases travel with the weights
+    assert any(key.endswith("experts.gate_up_proj/momentum_buffer") for key in state)
+    assert tuple(state["pytorch_model_fsdp_0/model/model.layers.0.ffn.experts.gate_up_proj"].shape) == (4, 64, 64)
+
+
+def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_the_rerun_resumes_and_2_resume_on_4(
+    uninterrupted, tmp_path
+):
+    """A process killed while the Trainer writes checkpoint-4 on 4 processes leaves checkpoint-2 whole; the rerun
+    (``resume_from_checkpoint=True``, 4 → 4) resumes from it, and the 2-process checkpoint-2 resumes on 4: both end
+    bit-identical to the uninterrupted run."""
+    import shutil
+
+    from modeling_dsv41.training.trainer import is_complete_checkpoint
+
+    tmp = uninterrupted
+    killed = tmp / "killed"
+    killed.mkdir()
+    shutil.copytree(tmp / "four" / "checkpoint-2", killed / "checkpoint-2")
+    spawn_until_killed(_killed_while_saving, tmp, world_size=WORLD, timeout_s=400)
+    assert is_complete_checkpoint(killed / "checkpoint-2")
+    assert not (killed / "checkpoint-4").exists()
+    assert [path.name for path in killed.glob("tmp-*")] == ["tmp-checkpoint-4"]  # the interrupted save, set aside
+    assert_same_state(killed / "checkpoint-2", tmp / "four" / "checkpoint-2", tmp_path)  # whole, untouched
+
+    spawn(_resume_2_on_4_and_rerun_the_killed_save, tmp, world_size=WORLD, timeout_s=400)
+    assert_same_state(tmp / "two-on-four" / "checkpoint-4", tmp / "four" / "checkpoint-4", tmp_path)
+    assert_same_state(killed / "checkpoint-4", tmp / "four" / "checkpoint-4", tmp_path)
+    assert not list(killed.glob("tmp-*"))
+
+
+def test_accelerate_merge_weights_turns_the_sharded_checkpoint_into_one_file_that_loads(uninterrupted, tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+
+    checkpoint = uninterrupted / "four" / "checkpoint-4"
+    accelerate = Path(sys.executable).parent / "accelerate"
+    result = subprocess.run(
+        [str(accelerate), "merge-weights", str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [path.name for path in (tmp_path / "merged").iterdir()] == ["model.safetensors"]
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    state = checkpoint_state(checkpoint, tmp_path)
+    model_keys = {key.split("/", 2)[2]: value for key, value in state.items() if key.startswith("pytorch_model")}
+    assert merged.keys() == model_keys.keys()
+    assert all(torch.equal(merged[key], value) for key, value in model_keys.items())
+    assert tuple(merged["model.layers.1.ffn.experts.down_proj"].shape) == (4, 64, 32)  # whole, every expert
+
+    tiny_training_model(num_hidden_layers=2).config.save_pretrained(tmp_path / "merged")
+    model = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.equal(model.model.layers[1].ffn.experts.down_proj, merged["model.layers.1.ffn.experts.down_proj"])
+    assert torch.equal(model.model.layers[0].ffn.gate.bias, merged["model.layers.0.ffn.gate.bias"])

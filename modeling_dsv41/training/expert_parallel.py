@@ -42,10 +42,11 @@ from ..moe import DeepseekV41Experts, routed_experts_forward
 
 try:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 except ImportError:  # torch built without distributed
-    DeviceMesh = init_device_mesh = DTensor = Shard = distribute_tensor = None
+    CPUOffloadPolicy = DeviceMesh = init_device_mesh = DTensor = Shard = distribute_tensor = None
     ReduceScatter = object
 
 EP, EP_SHARD = "ep", "ep_shard"
@@ -220,6 +221,69 @@ class EPGroupFirstReduceScatter(ReduceScatter):
         return dist.reduce_scatter_tensor(output_tensor, partial, group=self.ep_shard_group, async_op=async_op)
 
 
+def check_expert_parallel_arguments(args) -> None:
+    """``DeepseekV41TrainingArguments.expert_parallel_size``: at least 1; above 1, gradient accumulation
+    reduce-scatters every micro-batch (accelerate's ``sync_each_batch``): FSDP2's ``no_sync`` would hold every
+    layer's unsharded gradients until the last micro-batch, which full fine-tuning of the release has no room for,
+    and would sum the experts' and the other gradients in different orders."""
+    size = args.expert_parallel_size
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"expert_parallel_size must be an integer >= 1, got {size!r}")
+    if size == 1:
+        return
+    if args.train_dspark_head:
+        raise ValueError(
+            "train_dspark_head trains the DSpark draft head alone (its experts stay data parallel): train it with "
+            "FSDP2 or DDP and expert_parallel_size=1; expert_parallel_size is for training the backbone"
+        )
+    kwargs = dict(args.accelerator_config.gradient_accumulation_kwargs or {})
+    if kwargs.get("sync_each_batch") is False:
+        raise ValueError(
+            "expert_parallel_size reduce-scatters the gradients after every micro-batch: leave "
+            "accelerator_config.gradient_accumulation_kwargs.sync_each_batch unset (or true)"
+        )
+    args.accelerator_config.gradient_accumulation_kwargs = {**kwargs, "sync_each_batch": True}
+
+
+def check_expert_parallel_trainer(trainer) -> None:
+    """Refuse, once accelerate decided the strategy, what ``expert_parallel_size > 1`` cannot run with, naming what
+    it runs with: accelerate's FSDP2 plugin over a data-parallel world, full fine-tuning."""
+    from .router_balancing import is_adapter_model
+
+    size = trainer.args.expert_parallel_size
+    if size == 1:
+        return
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if not trainer.is_fsdp_enabled or getattr(plugin, "fsdp_version", 1) != 2:
+        raise ValueError(
+            f"expert_parallel_size={size} runs under FSDP2 (the experts sharded by expert, everything else by FSDP2); "
+            f"accelerate runs this as {trainer.accelerator.state.distributed_type.value}: launch with an FSDP2 config "
+            "(fsdp_version: 2, e.g. examples/accelerate/fsdp2.yaml or fsdp2_multinode.yaml)"
+        )
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    others = {k: getattr(config, k, 1) or 1 for k in ("tp_size", "cp_size", "sp_size", "dp_replicate_size")}
+    if any(value > 1 for value in others.values()):
+        raise ValueError(
+            f"expert_parallel_size runs on a data-parallel world (every process its own micro-batch, dp_shard only); "
+            f"the parallelism config asks for {', '.join(f'{k}={v}' for k, v in others.items() if v > 1)}: leave "
+            "those at 1"
+        )
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        raise ValueError("expert_parallel_size keeps the experts on the devices: set fsdp_offload_params: false")
+    if is_adapter_model(trainer.model):
+        raise ValueError(
+            "expert_parallel_size trains every weight (full fine-tuning); LoRA adapters train under FSDP2 or DDP with "
+            "expert_parallel_size=1"
+        )
+    world, experts = trainer.args.world_size, trainer.model.config.get_text_config().n_routed_experts
+    if world % size or experts % size:
+        sizes = [n for n in range(2, world + 1) if world % n == 0 and experts % n == 0]
+        raise ValueError(
+            f"expert_parallel_size={size} must divide the {world} processes and the {experts} routed experts "
+            f"(whole experts per process): use one of {sizes or [1]}"
+        )
+
+
 __all__ = [
     "EP",
     "EP_SHARD",
@@ -227,6 +291,8 @@ __all__ = [
     "ExpertParallel",
     "TrainingMesh",
     "all_to_all",
+    "check_expert_parallel_arguments",
+    "check_expert_parallel_trainer",
     "distribute_experts",
     "expert_modules",
     "training_mesh",

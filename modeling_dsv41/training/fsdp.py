@@ -157,8 +157,41 @@ def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_s
     for experts in units:
         fully_shard(experts, mesh=training.experts[EP_SHARD], mp_policy=policy, **kwargs)
         experts.set_gradient_divide_factor(float(dist.get_world_size()))  # the mean over every rank's micro-batch
-        experts.set_force_sum_reduction_for_comms(True)
+        # gloo has no pre-multiplied sum: sum, then divide; not on a 1-rank ep_shard, where FSDP2 (torch 2.13) would
+        # divide its copy of the gradient and then divide again
+        experts.set_force_sum_reduction_for_comms(training.ep_shard_size > 1)
     return training, units
+
+
+@torch.no_grad()
+def clip_sharded_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) for sharded gradients, with a norm that does not depend on how they
+    are sharded: each rank's sum of squares of its shards in fp64 (each square exact), summed over the ranks that
+    split them (a replicated gradient counted once), square-rooted and rounded once to fp32. A run on another mesh
+    (4 processes resumed on 2) then clips by the same factor, to the last bit. Returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_groups: dict[tuple, torch.Tensor] = {}
+    for grad in grads:
+        groups = ()
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            groups = tuple(mesh.get_group(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        square = local.detach().double().square().sum()
+        by_groups[groups] = by_groups.get(groups, 0) + square
+    total = torch.zeros((), dtype=torch.float64)
+    for groups, squares in by_groups.items():
+        squares = torch.as_tensor(squares, dtype=torch.float64)
+        for group in groups:
+            dist.all_reduce(squares, group=group)
+        total = total + squares.cpu()
+    norm = total.sqrt().float()
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as clip_grads_with_norm_ computes it
+    for grad in grads:
+        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coefficient.to(grad.device))
+    return norm
 
 
 def quantized_modules(model: nn.Module) -> list[nn.Module]:
@@ -199,4 +232,4 @@ def _average_over_ranks(grad: torch.Tensor, group) -> None:
     grad.div_(dist.get_world_size(group))
 
 
-__all__ = ["QUANTIZED_DTYPES", "fp32_parameters", "frozen_engram_tables", "fsdp_units", "quantized_modules", "shard_model"]
+__all__ = ["QUANTIZED_DTYPES", "clip_sharded_grad_norm_", "fp32_parameters", "frozen_engram_tables", "fsdp_units", "quantized_modules", "shard_model"]

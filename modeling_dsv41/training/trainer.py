@@ -44,6 +44,7 @@ from transformers.training_args import OptimizerNames
 
 from ..hub.native_precision import check_trainable
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
+from .expert_parallel import check_expert_parallel_arguments, check_expert_parallel_trainer
 from .launch import honour_launch_strategy, use_cpu_without_accelerator
 from .router_balancing import RouterBiasBalancer, is_adapter_model
 
@@ -134,6 +135,13 @@ class DeepseekV41TrainingArguments(TrainingArguments):
             "(DeepseekV41ForCausalLM.dspark_loss); router balancing is off (the backbone is frozen)."
         },
     )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Under FSDP2: split the routed experts by expert over this many neighbouring processes (tokens "
+            "dispatched to them by all-to-all), everything else sharded over all (training.fsdp.shard_model)."
+        },
+    )
     logging_nan_inf_filter: bool = field(
         default=False,
         metadata={
@@ -158,6 +166,7 @@ class DeepseekV41TrainingArguments(TrainingArguments):
         unknown = set(self.optimizer_kind_kwargs or {}) - set(KINDS)
         if unknown:
             raise ValueError(f"optimizer_kind_kwargs has unknown kinds {sorted(unknown)}; known: {list(KINDS)}")
+        check_expert_parallel_arguments(self)
 
 
 def _freeze_default_parameters(model: nn.Module) -> None:
@@ -249,6 +258,7 @@ class DeepseekV41Trainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         honour_launch_strategy(self)  # FSDP2 on CPU processes too; a strategy accelerate dropped is an error
+        check_expert_parallel_trainer(self)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """One :class:`MixedOptimizer` for the whole model (docs/design.md §6 policy, see :mod:`.optim.policy`)."""
@@ -322,8 +332,20 @@ class DeepseekV41Trainer(Trainer):
             mesh = mesh[tuple(self.accelerator.parallelism_config.fsdp_dim_names)]
         shard_model(
             self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=plugin.reshard_after_forward,
-            offload_policy=plugin.cpu_offload,
+            offload_policy=plugin.cpu_offload, expert_parallel_size=self.args.expert_parallel_size,
         )
+
+    def _clip_grad_norm(self, model: nn.Module):
+        """``Trainer._clip_grad_norm``; FSDP2's sharded gradients are clipped by a norm summed in fp64
+        (:func:`~.fsdp.clip_sharded_grad_norm_`), the same on any mesh, so a run resumed on another number of
+        processes clips as the original would have."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            from .fsdp import clip_sharded_grad_norm_
+
+            return clip_sharded_grad_norm_(model.parameters(), self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
 
     def compute_loss(
         self,

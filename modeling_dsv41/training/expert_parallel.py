@@ -44,9 +44,9 @@ try:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # torch built without distributed
-    CPUOffloadPolicy = DeviceMesh = init_device_mesh = DTensor = Shard = distribute_tensor = None
+    CPUOffloadPolicy = DeviceMesh = init_device_mesh = DTensor = Shard = None
     ReduceScatter = object
 
 EP, EP_SHARD = "ep", "ep_shard"
@@ -180,8 +180,11 @@ def distribute_experts(model: nn.Module, mesh: TrainingMesh) -> list[DeepseekV41
                 f"uses experts_implementation={implementation!r}: load the model with experts_implementation='eager'"
             )
         parallel = ExpertParallel(group, experts.num_experts)
+        rank = mesh.experts[EP].get_local_rank()
         for param_name, param in list(experts.named_parameters(recurse=False)):
-            shard = distribute_tensor(param.data, mesh.experts[EP], [Shard(0)])
+            # every rank holds the whole tensor (or a meta one, to load later): keep this rank's experts, no exchange
+            mine = param.data.chunk(parallel.size)[rank]
+            shard = DTensor.from_local(mine, mesh.experts[EP], [Shard(0)], shape=param.shape, stride=param.stride())
             experts.register_parameter(param_name, nn.Parameter(shard, requires_grad=param.requires_grad))
         experts.forward = _ParallelForward(parallel, experts)
         modules.append(experts)

@@ -31,6 +31,7 @@ would be all-gathered whole at every forward of its layer. A trainable table is 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -148,9 +149,7 @@ def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_s
             "expert_parallel_size trains every weight of a dequantized model (full fine-tuning); for LoRA adapters or "
             "the natively loaded FP8/FP4 weights, shard with shard_model(model) (FSDP2 alone, expert_parallel_size=1)"
         )
-    backend = dist.get_backend()
-    device_type = "cpu" if backend == "gloo" else torch.accelerator.current_accelerator().type
-    training = training_mesh(ep_size, device_type)
+    training = training_mesh(ep_size, _default_device().type)
     # the experts' inputs arrive in the layer's compute dtype; their fp32 routing weights must stay fp32
     policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     units = distribute_experts(model, training)
@@ -161,6 +160,38 @@ def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_s
         # divide its copy of the gradient and then divide again
         experts.set_force_sum_reduction_for_comms(training.ep_shard_size > 1)
     return training, units
+
+
+def load_sharded_weights(model: nn.Module, folder: str | Path, device: torch.device | str | None = None) -> None:
+    """Fill a model sharded by :func:`shard_model` while its parameters were on the meta device with a safetensors
+    checkpoint in our layout (``save_pretrained``, ``dsv41 convert``): each rank reads only its shards
+    (``torch.distributed.checkpoint`` with its Hugging Face reader), so no process ever holds the whole model.
+
+    Build the model with its parameters on the meta device and its buffers real (``init_empty_weights()`` of
+    accelerate keeps buffers; the Engram hasher's are computed, not stored), shard it, then call this. The persistent
+    buffers (router biases, the Engram token map) are read from the checkpoint too.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if not any(p.is_meta for p in model.parameters()):
+        raise ValueError("load_sharded_weights fills a model sharded on the meta device; this one holds its weights")
+    device = torch.device(device) if device is not None else _default_device()
+    buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}  # computed in __init__ (hasher)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+    state = get_model_state_dict(model)
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+    set_model_state_dict(model, state)
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
 
 
 @torch.no_grad()
@@ -232,4 +263,4 @@ def _average_over_ranks(grad: torch.Tensor, group) -> None:
     grad.div_(dist.get_world_size(group))
 
 
-__all__ = ["QUANTIZED_DTYPES", "clip_sharded_grad_norm_", "fp32_parameters", "frozen_engram_tables", "fsdp_units", "quantized_modules", "shard_model"]
+__all__ = ["QUANTIZED_DTYPES", "clip_sharded_grad_norm_", "fp32_parameters", "load_sharded_weights", "frozen_engram_tables", "fsdp_units", "quantized_modules", "shard_model"]

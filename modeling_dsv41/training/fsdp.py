@@ -166,26 +166,40 @@ def load_sharded_weights(model: nn.Module, folder: str | Path, device: torch.dev
     """Fill a model sharded by :func:`shard_model` while its parameters were on the meta device with a safetensors
     checkpoint in our layout (``save_pretrained``, ``dsv41 convert``): each rank reads only its shards
     (``torch.distributed.checkpoint`` with its Hugging Face reader), so no process ever holds the whole model.
+    Frozen Engram tables (left out of sharding) are memory-mapped from the folder instead, as
+    ``from_pretrained(..., engram_tables="mmap")`` maps them: a node's processes share one page cache.
 
-    Build the model with its parameters on the meta device and its buffers real (``init_empty_weights()`` of
-    accelerate keeps buffers; the Engram hasher's are computed, not stored), shard it, then call this. The persistent
-    buffers (router biases, the Engram token map) are read from the checkpoint too.
+    Build the model with its parameters on the meta device and its buffers real (accelerate's
+    ``init_empty_weights()`` keeps buffers: the Engram hasher's are computed, not stored), shard it, then call this.
+    The persistent buffers (router biases, the Engram token map) are read from the checkpoint too.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from ..placement import is_engram_table_tensor, memory_map_engram_tables
 
     if not any(p.is_meta for p in model.parameters()):
         raise ValueError("load_sharded_weights fills a model sharded on the meta device; this one holds its weights")
     device = torch.device(device) if device is not None else _default_device()
     buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}  # computed in __init__ (hasher)
-    model.to_empty(device=device)
+    tables = frozen_engram_tables(model)
+    kept = {id(t) for t in tables}
+    # Module.to_empty, but a frozen table becomes a host placeholder of its shape holding one element (an empty table
+    # on the device would not fit) until it is mapped
+    model._apply(lambda t: _placeholder(t) if id(t) in kept else torch.empty_like(t, device=device))
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in buffers:
                 buffer.copy_(buffers[name])
-    state = get_model_state_dict(model)
+    if tables:
+        memory_map_engram_tables(model, folder)
+    state = {k: v for k, v in get_model_state_dict(model).items() if not (tables and is_engram_table_tensor(k))}
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
-    set_model_state_dict(model, state)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=not tables))
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
 
 
 def _default_device() -> torch.device:

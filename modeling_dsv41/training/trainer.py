@@ -302,9 +302,10 @@ class DeepseekV41Trainer(Trainer):
 
         from .fsdp import shard_model
 
-        if isinstance(self.model, FSDPModule):
-            return
         plugin = self.accelerator.state.fsdp_plugin
+        if isinstance(self.model, FSDPModule):  # sharded already (shard_model, e.g. on the meta device and loaded)
+            plugin.auto_wrap_policy = None  # nothing for accelerate to wrap (it would look for the unsharded classes)
+            return
         if plugin.cpu_ram_efficient_loading:
             raise ValueError(
                 "DeepseekV41Trainer shards the model itself under FSDP2 and needs its weights on every process: "

@@ -58,7 +58,7 @@ from transformers.utils import logging as hf_logging
 from modeling_dsv41 import DeepseekV41ForCausalLM
 
 try:  # absent from a --baseline-src checkout older than the static cache
-    from modeling_dsv41.cache import DeepseekV41StaticCache
+    from modeling_dsv41.generation.cache import DeepseekV41StaticCache
 except ImportError:
     DeepseekV41StaticCache = None
 

@@ -191,7 +191,7 @@ def write_checkpoints(workdir: Path, shard_bytes: int) -> dict[str, Path]:
     import modeling_dsv41  # noqa: F401
     from configuration import DeepseekV41Config
     from modeling_dsv41 import DeepseekV41ForCausalLM
-    from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+    from modeling_dsv41.released.writing import save_released_checkpoint
 
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config={**STAND_IN, "engram_table_dtype": "float"}))

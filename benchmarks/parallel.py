@@ -48,7 +48,7 @@ def _build_stand_in(folder: Path) -> None:
     from benchmarks.loading import STAND_IN
     from configuration import DeepseekV41Config
     from modeling_dsv41 import DeepseekV41ForCausalLM
-    from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+    from modeling_dsv41.released.writing import save_released_checkpoint
     from tests.reference_fixture import stub_tokenizer
 
     torch.manual_seed(0)

@@ -38,7 +38,7 @@ from .generation.cache import CacheStep, DeepseekV41LayerCache, gather_rows
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear, einsum_rounded_once
 from .norms import DeepseekV41RMSNorm
 from .numerics import backward_in_forward_numerics, reference_numerics_active
-from .quantization import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
+from .released.codec import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
 from .rotary import apply_rotary
 
 _fp8_qdq = straight_through(fp8_qdq)
@@ -281,7 +281,7 @@ def _block_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's keys [B,S,k,D] (fp32, zero on empty slots) and scaled logits [B,S,H,k] (-inf on empty slots)."""
     filled = block >= 0
-    keys = gather_slots(kvf, block) * filled.unsqueeze(-1)
+    keys = gather_slots(kvf, block).mul_(filled.unsqueeze(-1))
     scores = torch.einsum("bshd,bskd->bshk", qf, keys)
     return keys, torch.where(filled.unsqueeze(2), scores, -torch.inf) * scale
 
@@ -298,6 +298,7 @@ def sink_attention_backward(
     bsz, n_rows, dim = kv.shape
     qf, kvf, gf = q.float(), kv.float(), grad.float()
     delta = (gf * out.float()).sum(dim=-1)  # [B, S, H]
+    qg = torch.cat([qf, gf], dim=2)  # [B, S, 2H, D]: a slot's key and value gradients as one product
     grad_q = torch.zeros_like(qf)
     grad_kv = kvf.new_zeros(bsz * n_rows, dim)
     offsets = torch.arange(bsz, device=slots.device).view(-1, 1, 1) * n_rows
@@ -306,8 +307,8 @@ def sink_attention_backward(
         keys, scores = _block_scores(qf, kvf, block, scale)
         probs = torch.exp(scores - lse.unsqueeze(-1))  # [B, S, H, k], 0 on empty slots
         grad_scores = probs * (torch.einsum("bshd,bskd->bshk", gf, keys) - delta.unsqueeze(-1)) * scale
-        grad_q = grad_q + torch.einsum("bshk,bskd->bshd", grad_scores, keys)
-        grad_keys = torch.einsum("bshk,bshd->bskd", grad_scores, qf) + torch.einsum("bshk,bshd->bskd", probs, gf)
+        grad_q.add_(torch.einsum("bshk,bskd->bshd", grad_scores, keys))
+        grad_keys = torch.einsum("bshk,bshd->bskd", torch.cat([grad_scores, probs], dim=2), qg)
         grad_kv.index_add_(0, (block.clamp_min(0) + offsets).flatten(), grad_keys.flatten(0, 2))
     grad_sink = -(torch.exp(sink.float() - lse) * delta).sum(dim=(0, 1))
     return grad_q.to(q.dtype), grad_kv.view(bsz, n_rows, dim).to(kv.dtype), grad_sink.to(sink.dtype)

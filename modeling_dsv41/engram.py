@@ -23,12 +23,13 @@ from torch import nn
 from transformers import initialization as init
 from transformers.utils import logging
 
+from .recompute import recomputed
+from .released.codec import RELEASED_BLOCK_SIZE, dequantize_fp8_rows
+
 logger = logging.get_logger(__name__)
 
 # Compressed id of a position that takes no part in any n-gram (image spans, padding). Look-back stops there.
 DEAD = -1
-# The released Engram tables store one E8M0 scale per row and per 32 columns.
-ENGRAM_SCALE_BLOCK = 32
 # Lower bound on |dot| before the signed square root of the gate, as in the training kernel.
 _GATE_CLAMP = 1e-6
 
@@ -358,19 +359,11 @@ class DeepseekV41NgramHasher(nn.Module):
 def dequantize_engram_table(
     weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """FP8 e4m3 table rows ``[..., D]`` times their E8M0 scales ``[..., D/32]`` (one per 32 columns).
+    """FP8 e4m3 table rows ``[..., D]`` times their E8M0 scales ``[..., D/32]`` (one per 32 columns), in ``dtype``.
 
     Works on a whole table or on gathered rows. The product is exact in bf16 for the released tables.
     """
-    dim = weight.size(-1)
-    if dim % ENGRAM_SCALE_BLOCK or scale.shape != (*weight.shape[:-1], dim // ENGRAM_SCALE_BLOCK):
-        raise ValueError(
-            f"an Engram table of shape {tuple(weight.shape)} needs scales of shape "
-            f"{(*weight.shape[:-1], dim // ENGRAM_SCALE_BLOCK)} (columns a multiple of {ENGRAM_SCALE_BLOCK}), "
-            f"got {tuple(scale.shape)}"
-        )
-    blocks = weight.float().unflatten(-1, (-1, ENGRAM_SCALE_BLOCK)) * scale.float().unsqueeze(-1)
-    return blocks.flatten(-2).to(dtype)
+    return dequantize_fp8_rows(weight, scale, RELEASED_BLOCK_SIZE).to(dtype)
 
 
 class DeepseekV41Fp8EngramTable(nn.Module):
@@ -386,7 +379,7 @@ class DeepseekV41Fp8EngramTable(nn.Module):
             torch.empty(num_embeddings, embedding_dim, dtype=torch.float8_e4m3fn), requires_grad=False
         )
         self.scale = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim // ENGRAM_SCALE_BLOCK, dtype=torch.float8_e8m0fnu),
+            torch.empty(num_embeddings, embedding_dim // RELEASED_BLOCK_SIZE, dtype=torch.float8_e8m0fnu),
             requires_grad=False,
         )
 
@@ -477,12 +470,19 @@ class DeepseekV41Engram(nn.Module):
             if hash_ids is None:
                 raise ValueError("the Engram block needs hash_ids or the table rows they address")
             rows = self.lookup(hash_ids, hidden_states.device)  # [B, S, n_cols * head_dim]
-        key, value = self.wkv(rows.to(self.wkv.weight.dtype)).split(
-            [self.hc_mult * self.hidden_size, self.hidden_size], dim=-1
-        )
+        kv = self.wkv(rows.to(self.wkv.weight.dtype))  # [B, S, (hc + 1) * D]: one key per copy, the value
+        return recomputed(self._gated_add, hidden_states, kv, self.q_weight, self.k_weight, token_mask)
+
+    def _gated_add(
+        self, hidden_states: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+        token_mask: torch.BoolTensor | None,
+    ) -> torch.Tensor:
+        """The gate and the write, in fp32; recomputed in the backward (:func:`~.recompute.recomputed`), which keeps
+        the stream and ``wkv``'s output rather than their fp32 copies and products."""
+        key, value = kv.split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.hidden_size))  # [B, S, hc, D]
         h = hidden_states.float()
-        weight = self.q_weight.float() * self.k_weight.float()
+        weight = q_weight.float() * k_weight.float()
         # normalized per (position, copy) over D, not jointly over the copies
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * weight * key).sum(-1) * rstd * self.hidden_size**-0.5  # [B, S, hc]

@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .numerics import backward_in_forward_numerics, reference_numerics_active
+from .recompute import recomputed
+
 
 def sinkhorn_split(
     mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int, iters: int, eps: float
@@ -50,7 +53,14 @@ class DeepseekV41HyperConnection(nn.Module):
     def mixes(
         self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B,S,hc,D] → (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), all fp32."""
+        """x [B,S,hc,D] → (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), all fp32. Recomputed in the backward
+        (:func:`~.recompute.recomputed`): the backward keeps x, which collapse and expand keep anyway, rather than
+        its fp32 copy and Sinkhorn's iterations."""
+        return recomputed(self._mixes, x, fn, scale, base)
+
+    def _mixes(
+        self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         flat = x.flatten(2).float()  # one RMS statistic per token over all copies
         rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         mixes = F.linear(flat, fn.float()) * rstd
@@ -68,19 +78,21 @@ class DeepseekV41HyperConnection(nn.Module):
 
 
 # The forwards below are the reference's arithmetic (fp32 broadcast products summed over the copies, so the bits
-# match it); their backwards are small matmuls over the copies. Autograd of the broadcast products would form
-# [B,S,hc,hc,D] products and reduce them again: on CPU most of mHC's backward, for the same values up to fp32
-# rounding of the sums' order.
+# match it); their backwards are small matmuls over the copies, in the numerics the forward ran in. Autograd of the
+# broadcast products would form [B,S,hc,hc,D] products and reduce them again: on CPU most of mHC's backward, for the
+# same values up to fp32 rounding of the sums' order.
 
 
 class _Collapse(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, pre)
+        ctx.reference_numerics = reference_numerics_active()
         return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
 
     @staticmethod
     @once_differentiable
+    @backward_in_forward_numerics
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, pre = ctx.saved_tensors
         grad = grad.float().unsqueeze(-2)  # [B,S,1,D]
@@ -95,11 +107,13 @@ class _Expand(torch.autograd.Function):
         ctx, out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
         ctx.save_for_backward(out, residual, post, comb)
+        ctx.reference_numerics = reference_numerics_active()
         mixed = (comb.unsqueeze(-1) * residual.unsqueeze(-2)).sum(dim=2)
         return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).to(out.dtype)
 
     @staticmethod
     @once_differentiable
+    @backward_in_forward_numerics
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out, residual, post, comb = ctx.saved_tensors
         grad = grad.float()  # [B,S,hc,D]

@@ -6,17 +6,19 @@ every transformers causal LM does. Inside the backbone, module names are the rel
 ``layers.{i}.attn.wq_a``, ``layers.{i}.hc_attn_fn``, ``layers.{i}.engram.wkv``, ``vision.*``, ``aligner.*``); the
 routed experts are fused (``layers.{i}.ffn.experts.gate_up_proj`` / ``down_proj``). The released names (no
 ``model.`` prefix, ``head``, per-expert ``w1``/``w2``/``w3``) are mapped on load and, on request, on save by the
-conversions registered in :mod:`.checkpoint_loading`.
+conversions registered in :mod:`.released.conversions`.
 """
 
+import re
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -24,7 +26,7 @@ from transformers.modeling_outputs import (
     MultimodalBaseModelOutputWithPast,
     MultimodalCausalLMOutputWithPast,
 )
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils import ModelOutput, can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -34,7 +36,6 @@ from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Index
 from .dspark import DeepseekV41DSpark, DeepseekV41DSparkBlock
 from .generation.cache import CacheStep, DeepseekV41Cache, DeepseekV41StaticCache
 from .generation.speculative import dspark_decoding
-from .hub.checkpoint_loading import DeepseekV41CheckpointLoadingMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnection, add_block_hc_parameters, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
@@ -43,7 +44,16 @@ from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
 from .pipeline import DeepseekV41PipelineStage, check_pipeline_call, check_same_inputs, maybe_distribute_model
-from .placement import DeepseekV41PlacementMixin
+from .placement import (
+    engram_device_map,
+    gather_engram_rows,
+    hook_split_layers,
+    place_loaded_engram_tables,
+    requested_table_placement,
+)
+from .released.conversions import released_storage_conversions
+from .released.loading import finish_checkpoint_load, loads_natively, prepare_checkpoint_load
+from .released.reading import hub_arguments, sequential_loading
 from .rotary import DeepseekV41RotaryEmbedding
 from .validation import check_pixel_values, check_text_inputs
 from .vision import (
@@ -53,6 +63,11 @@ from .vision import (
     image_token_grid,
     merge_image_embeddings,
 )
+
+logger = logging.get_logger(__name__)
+
+# the released checkpoint's names and layout, mapped onto ours on load (and back for save_original_format=True)
+register_checkpoint_conversion_mapping(DeepseekV41Config.model_type, released_storage_conversions(), overwrite=True)
 
 IMAGE_TOKEN_TYPE_TEXT = -1
 
@@ -177,7 +192,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         return x, ffn_pre, ctx.compress_kv, ctx.index_k, ctx.selection, ctx.candidates, probs, slots, tap
 
 
-class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41CheckpointLoadingMixin, PreTrainedModel):
+class DeepseekV41PreTrainedModel(PreTrainedModel):
     config_class = DeepseekV41Config
     config: DeepseekV41Config
     base_model_prefix = "model"
@@ -229,6 +244,77 @@ class DeepseekV41PreTrainedModel(DeepseekV41PlacementMixin, DeepseekV41Checkpoin
         present = {type(module).__name__ for module in self.modules()}
         self._no_split_modules = [name for name in type(self)._no_split_modules if name in present]
         super().post_init()
+
+    # ---- loading and saving -------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path, *model_args, engram_tables=None, engram_tokenizer=None, **kwargs
+    ):
+        """:meth:`PreTrainedModel.from_pretrained`, which also reads DeepSeek's released storage format (FP8/FP4
+        weights with E8M0 scales, kept as stored through the fine-grained FP8 quantization the folder implies, or
+        dequantized to ``dtype`` on load with ``quantization_config=FineGrainedFP8Config(dequantize=True)``; FP8 Engram
+        tables stay FP8 when the config says ``engram_table_dtype="fp8"``: see :mod:`.released.loading`), plus:
+
+        Args:
+            engram_tables: where the Engram tables live, whatever ``device_map`` does with the rest of the model:
+                ``"auto"`` (the default with a planned ``device_map``), a device, ``"cpu"``, ``"pinned"`` or ``"mmap"``
+                (see :func:`~.placement.requested_table_placement`). A planned ``device_map`` (``"auto"``,
+                ``"balanced"``, ...) is computed by :func:`~.placement.plan_device_map` (with the loaded dtypes),
+                unless a ``quantization_config`` is given and ``engram_tables`` is not (transformers then plans with
+                the quantizer's sizes).
+            engram_tokenizer: the tokenizer (or path to its ``tokenizer.json``) to build the Engram compressed token
+                map from. Needed only when the checkpoint has no ``engram_hasher.token_map`` (the released one) and
+                no ``tokenizer.json`` sits next to the weights.
+
+        With a :class:`~transformers.BitsAndBytesConfig`, the modules that must stay in high precision are added to
+        its ``llm_int8_skip_modules``.
+        """
+        source, hub = pretrained_model_name_or_path, hub_arguments(kwargs)
+        tables = requested_table_placement(engram_tables, kwargs, source)
+        device_map_given = kwargs.get("device_map") is not None
+        if tables is not None and device_map_given:
+            native = lambda: loads_natively(source, kwargs, hub)  # noqa: E731  (only a planned map asks)
+            kwargs["device_map"] = engram_device_map(cls, source, tables, kwargs, hub, native)
+        released = prepare_checkpoint_load(cls, source, kwargs, hub)
+        with sequential_loading() if released else nullcontext():
+            loaded = super().from_pretrained(source, *model_args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        finish_checkpoint_load(model, source, engram_tokenizer, hub)
+        if tables is not None:
+            place_loaded_engram_tables(model, tables, device_map_given, source)
+        hook_split_layers(model)
+        return loaded
+
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs) -> None:
+        """:meth:`PreTrainedModel.save_pretrained`, in our layout by default. ``save_original_format=True`` writes
+        the released layout instead (root names, ``head``, per-expert ``w1``/``w2``/``w3``; plain weights), which
+        ``from_pretrained`` reads back unchanged; :func:`~.released.writing.save_released_checkpoint` also quantizes
+        as the release. A pipeline stage (``DistributedConfig(pp_size > 1)``) is refused: it holds only its own
+        layers."""
+        if getattr(self, "_pp_stage", None) is not None:
+            raise ValueError(
+                "this model is one pipeline stage (DistributedConfig(pp_size > 1)) and holds only its own layers: "
+                "save the model loaded without pipeline parallelism"
+            )
+        super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+
+    def _get_dtype_plan(self, dtype: torch.dtype) -> dict:
+        plan = super()._get_dtype_plan(dtype)
+        if self.config.get_text_config().engram_table_dtype == "fp8":
+            # tables kept as stored: no cast, or the E8M0 scales would be rounded to the table's e4m3 dtype
+            plan[r"engram\.embed\.weight"] = None
+        return plan
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        ignored = re.compile("|".join(f"(?:{p})" for p in self._keys_to_ignore_on_load_unexpected or ()) or "(?!)")
+        skipped = sorted(key for key in loading_info.unexpected_keys if ignored.search(key))
+        if skipped:
+            logger.warning(
+                f"Ignoring {len(skipped)} checkpoint weights this model does not load (`image_pad`; the DSpark draft "
+                f"head `mtp.*` when the config has none; draft blocks' copies of the shared embed / head), e.g. "
+                f"{skipped[0]}"
+            )
+        super()._adjust_missing_and_unexpected_keys(loading_info)
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
@@ -439,26 +525,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return hash_ids
 
     def gather_engram_rows(self, hash_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
-        """The rows every Engram layer reads, gathered before the first layer runs: layer id → ``[B, S, n_cols·d]``.
-
-        The hash ids follow from the input ids alone, so all the lookups are issued up front, each from wherever
-        its table lives (an accelerator, host memory, pinned host memory or a memory-mapped checkpoint: see
-        :mod:`.placement`) to the device its layer runs on. Only the addressed rows move; from a pinned table the copy
-        is asynchronous for the host, which goes on to launch the layers (it is queued on the current stream, ahead of
-        them: no side stream). Cost: the rows of every Engram layer are held at once, ``n_engram_layers × n_cols ×
-        engram_head_dim`` values per token (24 KiB per token in bf16 for DeepSeek-V4.1-Flash). A table whose weights
-        exist whole only while its layer runs is looked up by its layer instead: offloaded by accelerate (on the
-        meta device until then) or sharded by FSDP2 (a DTensor shard until the layer's pre-forward all-gather).
-        """
-        if hash_ids is None:
-            return {}
-        rows = {}
-        for layer in self._stage_layers():
-            engram = layer.engram
-            if engram is None or engram.table_device.type == "meta" or isinstance(engram.embed.weight, DTensor):
-                continue
-            rows[layer.layer_id] = engram.lookup(hash_ids[:, :, engram.hash_index], _execution_device(layer, hash_ids))
-        return rows
+        """The rows every Engram layer this model runs reads, gathered before the first layer runs: layer id →
+        ``[B, S, n_cols·d]`` (see :func:`~.placement.gather_engram_rows`)."""
+        return gather_engram_rows(self._stage_layers(), hash_ids)
 
     # ---- forward --------------------------------------------------------------------------------------
     @capture_outputs
@@ -877,16 +946,6 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
 def _flag(value: bool | None, config, name: str) -> bool:
     """An ``output_*`` argument, or the config's setting when it is None."""
     return bool(getattr(config, name, False)) if value is None else value
-
-
-def _execution_device(layer: nn.Module, fallback: torch.Tensor) -> torch.device:
-    """Where ``layer`` computes: accelerate's execution device when it dispatched the model, else the device of the
-    layer's weights outside its Engram table (the table may live elsewhere)."""
-    hook = getattr(layer, "_hf_hook", None)
-    if getattr(hook, "execution_device", None) is not None:
-        return torch.device(hook.execution_device)  # an int names an accelerator index
-    device = layer.hc_attn_fn.device
-    return fallback.device if device.type == "meta" else device
 
 
 def _real_tokens_per_row(attention_mask: torch.Tensor | None, embeds: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import use_experts_implementation
 
+from .recompute import recomputed
+
 
 class DeepseekV41Gate(nn.Module):
     """Router. ``bias`` (text) or ``bias_vl`` (image-span tokens) steers which experts are *chosen*; the routing
@@ -74,6 +76,20 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return F.silu(gate) * up
 
 
+def swiglu_hidden(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The experts' hidden activation in ``dtype``: :func:`clamped_swiglu` (fp32), times the routing ``weight``
+    [N, 1] where given, rounded once. Recomputed in the backward (:func:`~.recompute.recomputed`): it keeps the
+    projections gate and up [N, I], not the fp32 copies, clamps and products of every routed slot."""
+
+    def region(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        hidden = clamped_swiglu(gate, up, limit)
+        return (hidden if weight is None else weight * hidden).to(dtype)
+
+    return recomputed(region, gate, up, weight)
+
+
 class DeepseekV41Expert(nn.Module):
     """The shared expert: a SwiGLU FFN (``w1`` gate, ``w3`` up, ``w2`` down) with the routed experts' clamps."""
 
@@ -85,7 +101,7 @@ class DeepseekV41Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.swiglu_limit).to(x.dtype))
+        return self.w2(swiglu_hidden(self.w1(x), self.w3(x), self.swiglu_limit, x.dtype))
 
 
 @use_experts_implementation
@@ -93,7 +109,7 @@ class DeepseekV41Experts(nn.Module):
     """The routed experts as two fused tensors, in the layout of transformers' MoE experts: ``gate_up_proj``
     [E, 2·I, D] (each expert's ``w1`` rows, then its ``w3`` rows) and ``down_proj`` [E, D, I] (its ``w2``).
     The released per-expert ``w1``/``w2``/``w3`` are merged on load and split again on save (see
-    :mod:`~modeling_dsv41.hub.checkpoint_loading`).
+    :mod:`~modeling_dsv41.released.conversions`).
 
     ``experts_implementation="eager"`` (this ``forward``, the default) is the reference's computation: the routing
     weight scales the clamped SwiGLU activation before ``w2`` and the experts' outputs are summed in fp32 in expert
@@ -113,7 +129,7 @@ class DeepseekV41Experts(nn.Module):
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         """[S, 2·I] gate and up projections → clamped SwiGLU [S, I] (batched_mm / grouped_mm)."""
         gate, up = gate_up_out.chunk(2, dim=-1)
-        return clamped_swiglu(gate, up, self.swiglu_limit).to(gate_up_out.dtype)
+        return swiglu_hidden(gate, up, self.swiglu_limit, gate_up_out.dtype)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -148,7 +164,7 @@ class DeepseekV41Experts(nn.Module):
         x = hidden_states.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [N·k, D, 1]
         gate_up = torch.bmm(gate_up_proj.index_select(0, experts), x).squeeze(-1)  # [N·k, 2·I] (I/tp under TP)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = (weights * clamped_swiglu(gate, up, self.swiglu_limit)).to(x.dtype).unsqueeze(-1)
+        hidden = swiglu_hidden(gate, up, self.swiglu_limit, x.dtype, weights).unsqueeze(-1)
         out = torch.bmm(down_proj.index_select(0, experts), hidden).float().view(num_tokens, top_k, -1)
         total = out[:, 0]
         for slot in range(1, top_k):  # fixed order: the fp32 sum is the loop's, 0 + e_first + e_second + …
@@ -210,11 +226,30 @@ def routed_experts_forward(
             continue
         gate_up, down = expert_weights(expert)
         inter = gate_up.shape[0] // 2  # this rank's I/tp under tensor parallelism (`packed_colwise`)
-        hidden = weight.unsqueeze(-1) * clamped_swiglu(
-            _project(x, gate_up, slice(0, inter)), _project(x, gate_up, slice(inter, None)), swiglu_limit
-        )
-        out.index_add_(0, token, _project(hidden.to(x.dtype), down, slice(None)).float())
+        gate, up = _project(x, gate_up, slice(0, inter)), _project(x, gate_up, slice(inter, None))
+        hidden = swiglu_hidden(gate, up, swiglu_limit, x.dtype, weight.unsqueeze(-1))
+        add_rows(out, token, _project(hidden, down, slice(None)).float())
     return out
+
+
+def add_rows(out: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``out.index_add_(0, index, source)`` (in place) whose backward keeps only ``index``: autograd's own keeps
+    ``source`` too, for its shape, and in the experts' loop that is every routed slot's fp32 output [n, D]."""
+    return _AddRows.apply(out, index, source)
+
+
+class _AddRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, index, source):
+        ctx.save_for_backward(index)
+        ctx.mark_dirty(out)
+        return out.index_add_(0, index, source)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad, None, grad.index_select(0, index)
+
 
 class DeepseekV41MoE(nn.Module):
     """Routed ``experts`` (:class:`DeepseekV41Experts`) plus ``shared_experts``. ``num_experts`` / ``top_k`` default

@@ -3,9 +3,12 @@
 import torch
 from torch import nn
 
+from .recompute import recomputed
+
 
 class DeepseekV41RMSNorm(nn.Module):
-    """``weight · x / rms(x)`` over the last dim; the product is taken in fp32 before the cast (reference order)."""
+    """``weight · x / rms(x)`` over the last dim; the product is taken in fp32 before the cast (reference order).
+    Recomputed in the backward (:func:`~.recompute.recomputed`): it keeps x, not its fp32 copy and normalized form."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -13,10 +16,13 @@ class DeepseekV41RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self._normalize, x, self.weight)
+
+    def _normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x).to(dtype)
+        return (weight.float() * x).to(dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -22,7 +22,7 @@ import os
 
 from configuration.configuration_dsv41 import DeepseekV41Config
 
-_BLOCK = 32  # the released storage's scale block (quantization.RELEASED_BLOCK_SIZE)
+from .released.codec import RELEASED_BLOCK_SIZE
 
 
 def distributed_config(**sizes):
@@ -58,7 +58,7 @@ def requested_parallelism(kwargs: dict):
 def working_tp_sizes(config: DeepseekV41Config, limit: int = 64) -> list[int]:
     """Tensor-parallel sizes up to ``limit`` that leave every rank whole 32-wide scale blocks of I."""
     inter = config.get_text_config().moe_intermediate_size
-    return [size for size in range(1, limit + 1) if inter % (_BLOCK * size) == 0]
+    return [size for size in range(1, limit + 1) if inter % (RELEASED_BLOCK_SIZE * size) == 0]
 
 
 def check_parallel_load(config: DeepseekV41Config, parallel, native: bool, released: bool) -> None:
@@ -80,12 +80,12 @@ def check_parallel_load(config: DeepseekV41Config, parallel, native: bool, relea
             "modeling_dsv41.training.fsdp.shard_model (DeepseekV41Trainer does under accelerate's FSDP2); to train "
             "every weight, load with quantization_config=FineGrainedFP8Config(dequantize=True)"
         )
-    if released and tp > 1 and text.moe_intermediate_size % (_BLOCK * tp):
+    if released and tp > 1 and text.moe_intermediate_size % (RELEASED_BLOCK_SIZE * tp):
         sizes = [size for size in working_tp_sizes(config, max(world, tp)) if size > 1]
         instead = f"use tp_size in {sizes}" if sizes else "no tp_size > 1 does for this config: load it with device_map"
         raise ValueError(
             f"tp_size={tp} splits moe_intermediate_size={text.moe_intermediate_size} of the released storage into "
-            f"{text.moe_intermediate_size / tp:g} per rank, which cuts its {_BLOCK}-wide E8M0 scale blocks: {instead}"
+            f"{text.moe_intermediate_size / tp:g} per rank, which cuts its {RELEASED_BLOCK_SIZE}-wide E8M0 scale blocks: {instead}"
         )
     if ep > 1 and text.n_routed_experts % ep:
         sizes = [size for size in range(2, world + 1) if text.n_routed_experts % size == 0 and world % size == 0]

@@ -12,9 +12,12 @@ the tables with their layers (they go to accelerators when everything fits there
 * :func:`plan_device_map` plans for a model (on the meta device to plan a config: :func:`meta_instance`): per-device
   weights, host bytes of the tables, decode cache bytes per token. With ``native=True`` weights count at the released
   storage (FP8 Linears, FP4 experts and FP8 tables with their E8M0 scales), as native loading holds them.
-* :class:`DeepseekV41PlacementMixin` gives ``from_pretrained`` an ``engram_tables=`` argument (``"auto"``, an
-  accelerator, ``"cpu"``, ``"pinned"`` or ``"mmap"``) and routes a string ``device_map`` through the planner.
+* ``from_pretrained``'s ``engram_tables=`` argument (``"auto"``, an accelerator, ``"cpu"``, ``"pinned"`` or
+  ``"mmap"``): :func:`requested_table_placement`, :func:`engram_device_map` (a string ``device_map`` goes through the
+  planner) and :func:`place_loaded_engram_tables`.
 * :func:`place_engram_tables` and :func:`memory_map_engram_tables` move the tables of a loaded model.
+* :func:`gather_engram_rows`: the forward's Engram lookups, each from wherever its table lives to where its layer runs
+  (:func:`execution_device`).
 """
 
 from __future__ import annotations
@@ -24,15 +27,19 @@ import logging
 import math
 import mmap
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
 from configuration.configuration_dsv41 import DeepseekV41Config
+
+from .released.codec import RELEASED_BLOCK_SIZE
 
 # the tables, as module names (the checkpoint keeps them inside their layers: layers.{i}.engram.embed.*)
 ENGRAM_TABLE = re.compile(r"(^|\.)layers\.\d+\.engram\.embed$")
@@ -44,7 +51,6 @@ PLANNED_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 # Released storage (fixtures README §7): what each of our parameters occupies per element, scales included.
 # Dense Linears: FP8 e4m3 + one E8M0 byte per 32x32 block. Routed experts: packed FP4 (half a byte) + one E8M0 byte
 # per row and 32 columns. Engram tables: FP8 + one E8M0 byte per row and 32 columns.
-_BLOCK = 32
 _FP8_BLOCK_LINEARS = re.compile(
     r"(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$"
 )
@@ -56,19 +62,19 @@ def released_storage_bytes(name: str, param: torch.Tensor) -> float:
     """Bytes of ``name`` as the release stores it (and native loading holds it); other tensors as they are."""
     if _FP8_BLOCK_LINEARS.search(name):
         rows, columns = param.numel() // param.shape[-1], param.shape[-1]
-        return param.numel() + math.ceil(rows / _BLOCK) * math.ceil(columns / _BLOCK)
+        return param.numel() + math.ceil(rows / RELEASED_BLOCK_SIZE) * math.ceil(columns / RELEASED_BLOCK_SIZE)
     if _FP4_EXPERTS.search(name):
-        return param.numel() * (0.5 + 1 / _BLOCK)
+        return param.numel() * (0.5 + 1 / RELEASED_BLOCK_SIZE)
     if _FP8_TABLE_PARTS.search(name):
         if name.endswith(".scale"):  # an FP8 table module already holds its scales: counted as they are
             return param.numel() * param.element_size()
         if param.dtype == torch.float8_e4m3fn:
             return param.numel()
-        return param.numel() * (1 + 1 / _BLOCK)
+        return param.numel() * (1 + 1 / RELEASED_BLOCK_SIZE)
     return param.numel() * param.element_size()
 
 
-# stored FP8 but dequantized by native loading: the block-diagonal `wo_a` and Engram `wkv` (hub/native_precision.py)
+# stored FP8 but dequantized by native loading: the block-diagonal `wo_a` and Engram `wkv` (released/native_precision.py)
 _DEQUANTIZED_ON_LOAD = re.compile(r"(^|\.)layers\.\d+\.(attn\.wo_a|engram\.wkv)\.weight$")
 
 
@@ -424,7 +430,7 @@ def memory_map_engram_tables(model: nn.Module, checkpoint: str | Path) -> None:
             param.data = _mapped_tensor(path, data_start, entry)
 
 
-def _hook_split_layers(model: nn.Module) -> None:
+def hook_split_layers(model: nn.Module) -> None:
     """A decoder layer whose table is off a multi-device map has no entry of its own, hence no accelerate hook to
     bring its inputs to its device: give it one (its parts all sit on one device)."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
@@ -435,6 +441,11 @@ def _hook_split_layers(model: nn.Module) -> None:
         if layer.engram is not None and not hasattr(layer, "_hf_hook"):
             hook = AlignDevicesHook(execution_device=layer.hc_attn_fn.device, skip_keys=model._skip_keys_device_placement)
             add_hook_to_module(layer, hook)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# from_pretrained(..., engram_tables=...)
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def _check_placement(engram_tables) -> str | torch.device:
@@ -448,84 +459,117 @@ def _check_placement(engram_tables) -> str | torch.device:
         ) from None
 
 
-class DeepseekV41PlacementMixin:
-    """``from_pretrained(..., engram_tables=...)``: where the Engram tables live, whatever ``device_map`` does with
-    the rest of the model."""
+def requested_table_placement(engram_tables, kwargs: dict, source) -> str | torch.device | None:
+    """Where ``from_pretrained(source, engram_tables=engram_tables, **kwargs)`` puts the Engram tables: ``None`` when
+    they load with their layers like any weight (no ``engram_tables``, and no device map to plan, or one transformers
+    plans with a ``quantization_config``), else the placement, checked (``"auto"`` with a planned device map).
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, engram_tables=None, **kwargs):
-        """Also takes:
+    ``engram_tables``: ``"auto"`` (default with a planned ``device_map``): on accelerators with their layers when every
+    weight fits there, else in host memory; a device (``"cuda:0"``); ``"cpu"``; ``"pinned"`` (page-locked host memory:
+    asynchronous row copies); ``"mmap"``: memory-mapped from the local checkpoint folder, read from disk only where
+    addressed (the table must be stored as the model holds it; the load itself still reads it once into memory before
+    the map replaces it)."""
+    device_map = kwargs.get("device_map")
+    planned = isinstance(device_map, str) and device_map in PLANNED_DEVICE_MAPS
+    if engram_tables is None and (not planned or kwargs.get("quantization_config") is not None):
+        return None
+    placement = _check_placement("auto" if engram_tables is None else engram_tables)
+    if placement == "mmap" and not Path(str(source)).is_dir():
+        raise ValueError("engram_tables='mmap' maps the tables from a local checkpoint folder; download it first")
+    return placement
 
-        Args:
-            engram_tables: ``"auto"`` (default with a planned ``device_map``): on accelerators with their layers when
-                every weight fits there, else in host memory; a device (``"cuda:0"``); ``"cpu"``; ``"pinned"``
-                (page-locked host memory: asynchronous row copies); ``"mmap"``: memory-mapped from the local
-                checkpoint folder, read from disk only where addressed (the table must be stored as the model holds
-                it; the load itself still reads it once into memory before the map replaces it).
 
-        A planned ``device_map`` (``"auto"``, ``"balanced"``, ...) is computed by :func:`plan_device_map` (with the
-        loaded dtypes), unless a ``quantization_config`` is given and ``engram_tables`` is not (transformers then
-        plans with the quantizer's sizes). Tables kept in host memory stay off the map: they are not offloaded by
-        accelerate, and only the rows the hash ids address reach the accelerators.
-        """
-        device_map = kwargs.get("device_map")
-        planned = isinstance(device_map, str) and device_map in PLANNED_DEVICE_MAPS
-        if engram_tables is None and (not planned or kwargs.get("quantization_config") is not None):
-            loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-            _hook_split_layers(loaded[0] if isinstance(loaded, tuple) else loaded)
-            return loaded
-        placement = _check_placement("auto" if engram_tables is None else engram_tables)
-        if placement == "mmap" and not Path(str(pretrained_model_name_or_path)).is_dir():
-            raise ValueError("engram_tables='mmap' maps the tables from a local checkpoint folder; download it first")
-        if device_map is not None:
-            kwargs["device_map"] = cls._engram_device_map(pretrained_model_name_or_path, placement, kwargs)
-        loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        if placement == "pinned" or (isinstance(placement, torch.device) and device_map is None):
-            place_engram_tables(model, placement)
-        elif placement == "mmap":
-            memory_map_engram_tables(model, pretrained_model_name_or_path)
-        _hook_split_layers(model)
-        return loaded
+def engram_device_map(
+    cls: type, source, placement: str | torch.device, kwargs: dict, hub_kwargs: dict, native: Callable[[], bool]
+) -> dict:
+    """The device map ``cls.from_pretrained(source, **kwargs)`` loads with: planned by :func:`plan_device_map` (with
+    the loaded dtypes; ``native()`` says whether the released FP8/FP4 weights stay as stored, sized so), or the
+    caller's with the tables moved off it (host) or onto ``placement`` (a device). Tables kept in host memory stay off
+    the map: they are not offloaded by accelerate, and only the rows the hash ids address reach the accelerators."""
+    from transformers import PreTrainedConfig
+    from transformers.integrations.accelerate import check_and_set_device_map
 
-    @classmethod
-    def _engram_device_map(cls, source, placement, kwargs: dict) -> dict:
-        """The device map to load with: planned, or the caller's with the tables moved off it (host) or onto
-        ``placement`` (a device)."""
-        from transformers import PreTrainedConfig
-        from transformers.integrations.accelerate import check_and_set_device_map
-
-        config = kwargs.get("config")
-        if not isinstance(config, PreTrainedConfig):
-            hub = {k: kwargs[k] for k in ("cache_dir", "revision", "subfolder", "token", "local_files_only") if k in kwargs}
-            config = cls.config_class.from_pretrained(config or source, **hub)
-        dtype = kwargs.get("dtype")
-        probe = meta_instance(config, cls, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
-        device_map = check_and_set_device_map(kwargs["device_map"])
-        tables = "auto" if placement == "auto" else "host" if placement in HOST_PLACEMENTS else str(placement)
-        if isinstance(device_map, str):
-            native = cls._loads_natively(source, kwargs)  # released FP8/FP4 weights are sized as stored
-            return plan_device_map(probe, kwargs.get("max_memory"), tables, native=native, strategy=device_map).device_map
-        if placement == "auto":
-            return device_map
-        device_map = engram_tables_off_map(device_map, probe)
-        if tables != "host":
-            device_map.update({name: tables for name, _ in probe.named_modules() if ENGRAM_TABLE.search(name)})
+    config = kwargs.get("config")
+    if not isinstance(config, PreTrainedConfig):
+        config = cls.config_class.from_pretrained(config or source, **hub_kwargs)
+    dtype = kwargs.get("dtype")
+    probe = meta_instance(config, cls, dtype if isinstance(dtype, torch.dtype) else torch.bfloat16)
+    device_map = check_and_set_device_map(kwargs["device_map"])
+    tables = "auto" if placement == "auto" else "host" if placement in HOST_PLACEMENTS else str(placement)
+    if isinstance(device_map, str):
+        return plan_device_map(probe, kwargs.get("max_memory"), tables, native=native(), strategy=device_map).device_map
+    if placement == "auto":
         return device_map
+    device_map = engram_tables_off_map(device_map, probe)
+    if tables != "host":
+        device_map.update({name: tables for name, _ in probe.named_modules() if ENGRAM_TABLE.search(name)})
+    return device_map
+
+
+def place_loaded_engram_tables(model: nn.Module, placement: str | torch.device, device_map_given: bool, source) -> None:
+    """Put the tables of a model just loaded where ``placement`` says, if its device map did not already."""
+    if placement == "pinned" or (isinstance(placement, torch.device) and not device_map_given):
+        place_engram_tables(model, placement)
+    elif placement == "mmap":
+        memory_map_engram_tables(model, source)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The forward's lookups
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def execution_device(layer: nn.Module, fallback: torch.Tensor) -> torch.device:
+    """Where ``layer`` computes: accelerate's execution device when it dispatched the model, else the device of the
+    layer's weights outside its Engram table (the table may live elsewhere)."""
+    hook = getattr(layer, "_hf_hook", None)
+    if getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)  # an int names an accelerator index
+    device = layer.hc_attn_fn.device
+    return fallback.device if device.type == "meta" else device
+
+
+def gather_engram_rows(layers: list[nn.Module], hash_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
+    """The rows every Engram layer of ``layers`` reads, gathered before the first layer runs: layer id →
+    ``[B, S, n_cols·d]``.
+
+    The hash ids follow from the input ids alone, so all the lookups are issued up front, each from wherever its table
+    lives (an accelerator, host memory, pinned host memory or a memory-mapped checkpoint) to the device its layer runs
+    on. Only the addressed rows move; from a pinned table the copy is asynchronous for the host, which goes on to
+    launch the layers (it is queued on the current stream, ahead of them: no side stream). Cost: the rows of every
+    Engram layer are held at once, ``n_engram_layers × n_cols × engram_head_dim`` values per token (24 KiB per token in
+    bf16 for DeepSeek-V4.1-Flash). A table whose weights exist whole only while its layer runs is looked up by its
+    layer instead: offloaded by accelerate (on the meta device until then) or sharded by FSDP2 (a DTensor shard until
+    the layer's pre-forward all-gather).
+    """
+    if hash_ids is None:
+        return {}
+    rows = {}
+    for layer in layers:
+        engram = layer.engram
+        if engram is None or engram.table_device.type == "meta" or isinstance(engram.embed.weight, DTensor):
+            continue
+        rows[layer.layer_id] = engram.lookup(hash_ids[:, :, engram.hash_index], execution_device(layer, hash_ids))
+    return rows
 
 
 __all__ = [
-    "DeepseekV41PlacementMixin",
     "DevicePlan",
     "ENGRAM_TABLE",
     "ParallelPlan",
     "TensorSizes",
     "meta_instance",
     "cache_bytes_per_token",
+    "engram_device_map",
     "engram_tables_off_map",
+    "execution_device",
+    "gather_engram_rows",
+    "hook_split_layers",
     "format_plan",
     "memory_map_engram_tables",
     "place_engram_tables",
+    "place_loaded_engram_tables",
+    "requested_table_placement",
     "plan_device_map",
     "native_held_bytes",
     "plan_parallel",

@@ -1,8 +1,10 @@
-"""Builds our model from the golden fixture (reference names and dtypes) for the parity tests."""
+"""Builds our model from the golden fixture (reference names and dtypes) for the parity tests, and reads the released
+format as the reference does."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -15,6 +17,35 @@ import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.engram import dequantize_engram_table
+from modeling_dsv41.released.codec import RELEASED_BLOCK_SIZE, dequantize_fp4_rows, dequantize_fp8_block, dequantize_fp8_rows
+
+
+def dequantize_released_tensor(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Dequantize one quantized tensor of the released checkpoint to fp32, inferring its format from dtypes and shapes
+    (the loader is told the width instead: ``codec.dequantize_released_weight``):
+
+    * int8 / uint8 / float4_e2m1fn_x2 weight [R, C/2] + scale [R, C/32]: packed FP4 routed expert;
+    * float8_e4m3fn weight [R, C] + scale [R, C/32]: FP8 with per-row scales (Engram table);
+    * float8_e4m3fn weight [R, C] + scale [ceil(R/32), ceil(C/32)]: FP8 with 32x32 block scales (dense Linear).
+
+    For R = 1 the last two layouts coincide and give the same values. Scales must be float8_e8m0fnu.
+    """
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise ValueError(f"released scales are float8_e8m0fnu, got {scale.dtype}")
+    if weight.dim() != 2 or scale.dim() != 2:
+        raise ValueError(f"expected 2-D weight and scale, got {tuple(weight.shape)} and {tuple(scale.shape)}")
+    b = RELEASED_BLOCK_SIZE
+    rows, cols = weight.shape
+    if weight.dtype in (torch.int8, torch.uint8, torch.float4_e2m1fn_x2):
+        return dequantize_fp4_rows(weight, scale, b)
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"cannot dequantize a {weight.dtype} weight: expected float8_e4m3fn or packed FP4 bytes")
+    if cols % b == 0 and tuple(scale.shape) == (rows, cols // b):
+        return dequantize_fp8_rows(weight, scale, b)
+    if tuple(scale.shape) == (math.ceil(rows / b), math.ceil(cols / b)):
+        return dequantize_fp8_block(weight, scale, b)
+    raise ValueError(f"scale shape {tuple(scale.shape)} fits neither per-row [{rows}, {cols}/{b}] nor 32x32 block "
+                     f"{(math.ceil(rows / b), math.ceil(cols / b))} scales for FP8 weight {tuple(weight.shape)}")
 
 
 def reference_state_dict(fixtures: Path) -> dict[str, torch.Tensor]:

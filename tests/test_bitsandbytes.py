@@ -12,7 +12,7 @@ from transformers import BitsAndBytesConfig
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.released.writing import save_released_checkpoint
 from reference_fixture import stub_tokenizer
 
 # Text-only, two layers (window-only + a ratio-2 KV/index source with Engram). Most widths are multiples of 64 so

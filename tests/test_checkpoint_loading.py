@@ -16,19 +16,17 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.hub import checkpoint_loading, released_storage
-from modeling_dsv41.hub.checkpoint_loading import (
+from modeling_dsv41.released import codec, conversions
+from modeling_dsv41.released.codec import (
     dequantize_released_weight,
     quantize_fp4_rows,
     quantize_fp8_block,
     quantize_fp8_rows,
-    released_state_dict,
-    save_released_checkpoint,
-    stores_scales,
 )
-from modeling_dsv41.quantization import dequantize_released_tensor
+from modeling_dsv41.released.reading import stores_scales
+from modeling_dsv41.released.writing import released_state_dict, save_released_checkpoint
 from reference_fixture import (
-    QUANT_FORMAT_TEXT, fixture_checkpoint, reference_inputs, reference_model, stub_tokenizer,
+    QUANT_FORMAT_TEXT, dequantize_released_tensor, fixture_checkpoint, reference_inputs, reference_model, stub_tokenizer,
 )
 
 
@@ -205,14 +203,14 @@ def test_released_checkpoints_are_read_one_tensor_at_a_time(released_folder, fix
     """transformers' prefetching thread pool would hold every quantized tensor, cast up, until its turn."""
     folder, _ = released_folder
     seen = []
-    dequantize = checkpoint_loading.dequantize_released_weight
+    dequantize = conversions.dequantize_released_weight
 
     def recording(*args):
         seen.append(os.environ.get("HF_DEACTIVATE_ASYNC_LOAD"))
         return dequantize(*args)
 
     monkeypatch.delenv("HF_DEACTIVATE_ASYNC_LOAD", raising=False)
-    monkeypatch.setattr(checkpoint_loading, "dequantize_released_weight", recording)
+    monkeypatch.setattr(conversions, "dequantize_released_weight", recording)
     _load_dequantized(folder, dtype=torch.bfloat16)
     assert seen and set(seen) == {"1"}
     assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ  # restored
@@ -223,7 +221,7 @@ def test_dequantizing_after_the_loader_cast_equals_the_reference(quant_format, m
     """The loader hands the op its sources cast to the parameter dtype; bf16 keeps FP8 values, FP4 bytes and E8M0
     scales exactly. Chunking over rows (with a partial last 32-row block: the 40-row case) changes nothing."""
     stored, expected = quant_format
-    monkeypatch.setattr(released_storage, "_CHUNK_ELEMENTS", 1)  # one 32-row block per chunk
+    monkeypatch.setattr(codec, "_CHUNK_ELEMENTS", 1)  # one 32-row block per chunk
     for name, values in expected.items():
         weight, scale = stored[name], stored[name[: -len("weight")] + "scale"]
         columns = values.shape[1]

@@ -24,7 +24,7 @@ from transformers import FineGrainedFP8Config
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.cli import demo as demo_module
-from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.released.writing import save_released_checkpoint
 from modeling_dsv41.cli import main
 from modeling_dsv41.cli.demo_data import CAPTIONS, ShapesDataset, build_demo_tokenizer
 from modeling_dsv41.cli.inspection import format_inspection, inspect_config
@@ -306,9 +306,9 @@ def test_convert_errors_are_one_line(released_checkpoint, tmp_path, monkeypatch,
     assert main(["convert", str(released_checkpoint), str(occupied)]) == 2
     assert "not an empty folder" in _one_line_error(capsys.readouterr().err, "convert")
 
-    from modeling_dsv41.hub import conversion
+    from modeling_dsv41.released import convert
 
-    monkeypatch.setattr(conversion.shutil, "disk_usage", lambda path: DiskUsage(2**40, 2**40, 1000))
+    monkeypatch.setattr(convert.shutil, "disk_usage", lambda path: DiskUsage(2**40, 2**40, 1000))
     assert main(["convert", str(released_checkpoint), str(tmp_path / "full")]) == 2
     assert "not enough disk space" in _one_line_error(capsys.readouterr().err, "convert")
 

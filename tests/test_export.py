@@ -340,7 +340,7 @@ def test_package_and_remote_code_coexist_in_one_process(exported, tmp_path, orde
         assert result["loaded"][0].startswith(remote) and result["loaded"][1] == package
     else:
         assert result["loaded"][0] == package and result["loaded"][1].startswith(remote)
-    assert result["quantizer"] == ["modeling_dsv41.hub.native_precision"] * 2
+    assert result["quantizer"] == ["modeling_dsv41.released.native_precision"] * 2
 
 
 @pytest.mark.parametrize("trust_remote_code", [True, None])
@@ -421,7 +421,7 @@ def test_the_exported_modules_import_one_way():
         source = Path(importlib.import_module(module).__file__).read_text(encoding="utf-8")
         graph[module] = flatten_module_source(source, module)[1] - {module}
         pending.extend(graph[module])
-    assert {"modeling_dsv41.hub.checkpoint_loading", "modeling_dsv41.placement"} <= graph.keys()
+    assert {"modeling_dsv41.released.loading", "modeling_dsv41.placement"} <= graph.keys()
 
     def reaches(start: str, target: str, seen: set) -> bool:
         return any(dep == target or (dep not in seen and not seen.add(dep) and reaches(dep, target, seen))

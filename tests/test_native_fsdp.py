@@ -28,7 +28,7 @@ def released(tmp_path_factory) -> Path:
     import modeling_dsv41  # noqa: F401
     from configuration import DeepseekV41Config
     from modeling_dsv41 import DeepseekV41ForCausalLM
-    from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+    from modeling_dsv41.released.writing import save_released_checkpoint
 
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=QUANT_FORMAT_TEXT)).to(torch.bfloat16)

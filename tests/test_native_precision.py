@@ -1,4 +1,4 @@
-"""Released checkpoints in their native precision (modeling_dsv41/hub/native_precision.py): FP8 Linears and FP4 experts
+"""Released checkpoints in their native precision (modeling_dsv41/released/native_precision.py): FP8 Linears and FP4 experts
 kept as stored through transformers' fine-grained FP8 quantization, computed weight-only on the CPU."""
 
 import json
@@ -13,9 +13,9 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.hub import native_precision, released_storage
-from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
-from modeling_dsv41.hub.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
+from modeling_dsv41.released import codec, native_precision
+from modeling_dsv41.released.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
+from modeling_dsv41.released.writing import save_released_checkpoint
 from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
 
 # a two-layer text model with every released storage kind: FP8 attention / indexer / shared-expert Linears, an FP8
@@ -109,7 +109,7 @@ def test_only_the_selected_experts_are_dequantized(native, monkeypatch):
     experts = native.model.layers[0].ffn.experts
     assert isinstance(experts, WeightOnlyFP4Experts)
     read = []
-    original = released_storage.dequantize_released_weight
+    original = codec.dequantize_released_weight
 
     def owner(weight: torch.Tensor) -> int:
         """The expert whose stored bytes ``weight`` (a slice of its rows) lies in."""
@@ -124,7 +124,7 @@ def test_only_the_selected_experts_are_dequantized(native, monkeypatch):
         read.append(owner(weight))
         return original(weight, scale, columns, dtype)
 
-    monkeypatch.setattr(released_storage, "dequantize_released_weight", recording)
+    monkeypatch.setattr(native_precision, "dequantize_released_weight", recording)
     hidden = torch.randn(5, TEXT["hidden_size"], dtype=torch.bfloat16)
     index = torch.tensor([[1, 3]] * 5)
     with torch.no_grad():
@@ -447,13 +447,13 @@ def test_nothing_dequantized_waits_for_the_backward(released, monkeypatch):
     is activations and the stored bytes. Kept alive until the end, every dequantized tensor has its own storage."""
     torch.manual_seed(4)
     model = _adapted(_load(released[0], native=True), init_lora_weights=False)
-    dequantized, original = [], released_storage.dequantize_released_weight
+    dequantized, original = [], codec.dequantize_released_weight
 
     def recording(*args):
         dequantized.append(original(*args))
         return dequantized[-1]
 
-    monkeypatch.setattr(released_storage, "dequantize_released_weight", recording)
+    monkeypatch.setattr(native_precision, "dequantize_released_weight", recording)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().data_ptr()) or t, lambda t: t):
         loss = model(input_ids=_SameBatch.ids, labels=_SameBatch.ids).loss
@@ -494,7 +494,7 @@ def test_merging_into_a_native_base_merges_into_dequantized_copies(released):
     fp4 = wrapper.get_base_layer()
     lora_a, lora_b, scaling = wrapper._factors(["default"])(1)[0]
     columns = 2 * fp4.down_proj.shape[-1]
-    expected = released_storage.dequantize_released_weight(fp4.down_proj[1], fp4.down_proj_scale_inv[1], columns,
+    expected = codec.dequantize_released_weight(fp4.down_proj[1], fp4.down_proj_scale_inv[1], columns,
                                                            torch.float32) + scaling * lora_b.float() @ lora_a.float()
     merged, error, _, _ = _merged_against_adapted(experts_only, ids)
     experts = merged.model.layers[0].ffn.experts
@@ -509,7 +509,7 @@ def test_expert_adapters_of_the_packed_width_are_an_error_not_inert(released, mo
     trainers and at the first forward, never a silent no-op."""
     from peft import LoraConfig, get_peft_model
 
-    from modeling_dsv41.hub import native_lora
+    from modeling_dsv41.released import native_lora
 
     model = DeepseekV41ForCausalLM.from_pretrained(released[0])
     monkeypatch.setattr(native_lora, "_native_lora_module", lambda *args, **kwargs: None)
@@ -603,7 +603,7 @@ def _forward_only_kernel(input, weight, weight_scale_inv, block_size=None, bias=
     and, as the kernel, no backward."""
     columns = 2 * weight.shape[-1] if weight.dtype == torch.int8 else weight.shape[-1]
     with torch.no_grad():
-        dense = released_storage.dequantize_released_weight(weight, weight_scale_inv, columns, input.dtype)
+        dense = codec.dequantize_released_weight(weight, weight_scale_inv, columns, input.dtype)
         return torch.nn.functional.linear(input, dense, bias)
 
 
@@ -673,7 +673,7 @@ def test_on_the_kernel_path_no_gradient_is_dropped(kernel_path, monkeypatch):
 
     def differentiable_kernel(input, weight, weight_scale_inv, block_size=None, bias=None, *args):
         columns = 2 * weight.shape[-1] if weight.dtype == torch.int8 else weight.shape[-1]
-        dense = released_storage.dequantize_released_weight(weight, weight_scale_inv, columns, input.dtype)
+        dense = codec.dequantize_released_weight(weight, weight_scale_inv, columns, input.dtype)
         return torch.nn.functional.linear(input, dense, bias)
 
     monkeypatch.setattr(finegrained_fp8, "fp8_linear", differentiable_kernel)

@@ -25,8 +25,9 @@ from transformers.distributed.utils import is_dtensor
 
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.hub.checkpoint_loading import check_whole_scale_blocks, save_released_checkpoint
-from modeling_dsv41.hub.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
+from modeling_dsv41.released.conversions import check_whole_scale_blocks
+from modeling_dsv41.released.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
+from modeling_dsv41.released.writing import save_released_checkpoint
 from modeling_dsv41.parallel import check_parallel_load, distributed_config
 from modeling_dsv41.cli.inspection import build_meta_model
 from modeling_dsv41.placement import plan_parallel

@@ -199,14 +199,14 @@ def test_loading_with_a_table_placement_gives_the_same_logits(tiny_model, tmp_pa
 
 def test_engram_layers_split_off_a_multi_device_map_get_their_own_hook(tmp_path):
     """Only the execution path on one CPU: the hook's device moves are the accelerate behaviour it relies on."""
-    from modeling_dsv41.placement import _hook_split_layers
+    from modeling_dsv41.placement import hook_split_layers
 
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny")).eval()
     with torch.no_grad():
         expected = model(input_ids=_ids()).logits
     model.hf_device_map = {"model.layers.0.attn": "cpu", "model.layers.2": 0}  # as after a dispatch over two devices
-    _hook_split_layers(model)
+    hook_split_layers(model)
     hooked = {layer.layer_id for layer in model.model.layers if hasattr(layer, "_hf_hook")}
     assert hooked == {0, 1}  # the Engram layers
     assert all(model.model.layers[i]._hf_hook.execution_device == torch.device("cpu") for i in hooked)

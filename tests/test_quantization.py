@@ -12,18 +12,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from modeling_dsv41.quantization import (
+from modeling_dsv41.released.codec import (
     QuantizeDequantize,
     dequantize_fp4_rows,
     dequantize_fp8_block,
     dequantize_fp8_rows,
-    dequantize_released_tensor,
     fp4_qdq_e4m3_scale,
     fp4_qdq_e8m0_scale,
     fp8_qdq,
     straight_through,
     unpack_fp4,
 )
+from reference_fixture import dequantize_released_tensor
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Independent reference: value grids from the bit layouts, nearest value with ties to the even code, in float64

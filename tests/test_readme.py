@@ -18,7 +18,7 @@ import torch
 from documentation import README, REPO_ROOT, code_blocks, command_lines, pages
 
 from modeling_dsv41 import export_for_hub
-from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.released.writing import save_released_checkpoint
 from modeling_dsv41.cli import main
 from modeling_dsv41.cli.demo import build_demo_model, build_demo_processor, demo_config
 from modeling_dsv41.cli.demo_data import ShapesDataset, build_demo_tokenizer

@@ -91,7 +91,7 @@ ENGRAM_MODEL_SKIPS = TEXT_ONLY_MODEL_SKIPS | {
     "test_inputs_embeds": "Engram hashes token ids: inputs_embeds cannot replace input_ids",
     "test_inputs_embeds_matches_input_ids": "Engram hashes token ids: inputs_embeds cannot replace input_ids",
     # a checkpoint without engram_hasher.token_map is what released weights look like; their tables are indexed
-    # by the tokenizer's compressed map, so from_pretrained refuses to guess one (checkpoint_loading)
+    # by the tokenizer's compressed map, so from_pretrained refuses to guess one (released.loading)
     "test_model_weights_reload_no_missing_tied_weights": (
         "an Engram checkpoint with no token map needs the tokenizer's map: from_pretrained refuses to guess"
     ),

@@ -14,7 +14,7 @@ from modeling_dsv41 import export_for_hub
 from modeling_dsv41.cli import main as dsv41
 from modeling_dsv41.cli.demo import build_demo_model, build_demo_processor, demo_config
 from modeling_dsv41.cli.demo_data import build_demo_tokenizer
-from modeling_dsv41.hub.checkpoint_loading import save_released_checkpoint
+from modeling_dsv41.released.writing import save_released_checkpoint
 from modeling_dsv41.optim import MixedOptimizer
 
 trl = pytest.importorskip("trl")  # in the `test` extra: a missing trl fails the suite's set-up, not silently here

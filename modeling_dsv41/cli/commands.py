@@ -5,7 +5,7 @@
   meta device; with ``--devices``, where ``device_map="auto"`` puts the weights (see :mod:`modeling_dsv41.placement`);
   with ``--train lora`` what LoRA fine-tuning on those devices takes (see :mod:`modeling_dsv41.training.planning`).
 - ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see
-  :mod:`modeling_dsv41.hub.conversion`).
+  :mod:`modeling_dsv41.released.convert`).
 
 Errors are one line on stderr (``dsv41 <command>: error: …``) with exit status 2; Ctrl-C exits with 130.
 
@@ -358,7 +358,7 @@ def _check_writable(folder: Path) -> None:
 def _run_convert(args: argparse.Namespace) -> int:
     import torch
 
-    from ..hub.conversion import convert_released_checkpoint
+    from ..released.convert import convert_released_checkpoint
     from ..validation import check_safetensors_folder
 
     destination = args.destination

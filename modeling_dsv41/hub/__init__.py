@@ -1,2 +1,2 @@
-"""Checkpoints and the Hub: the released FP8/FP4 format (:mod:`.checkpoint_loading`, :mod:`.conversion`) and
-remote-code export (:mod:`.export`)."""
+"""Publishing on the Hub: remote-code export with a model card (:mod:`.export`), and the registration of our quantizer
+with transformers that tolerates the remote copy of the code (:mod:`.registration`)."""

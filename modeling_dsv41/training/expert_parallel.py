@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe import DeepseekV41Experts, routed_experts_forward
+from ..moe import DeepseekV41Experts, add_rows, routed_experts_forward
 
 try:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -139,7 +139,7 @@ class ExpertParallel:
         weights = all_to_all(top_k_weights.flatten()[order], recv_splits, send_splits, self.group)
         out = self._local_experts(experts, x, weights, received)
         out = all_to_all(out, send_splits, recv_splits, self.group)  # [N·k, D] fp32, in `order`
-        return out.new_zeros(num_tokens, out.shape[-1]).index_add(0, slot_tokens, out)
+        return add_rows(out.new_zeros(num_tokens, out.shape[-1]), slot_tokens, out)
 
     def _local_experts(
         self, experts: DeepseekV41Experts, x: torch.Tensor, weights: torch.Tensor, received: torch.Tensor

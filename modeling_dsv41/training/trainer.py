@@ -42,7 +42,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.training_args import OptimizerNames
 
-from ..hub.native_precision import check_trainable
+from ..released.native_precision import check_trainable
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
 from .expert_parallel import check_expert_parallel_arguments, check_expert_parallel_trainer
 from .launch import honour_launch_strategy, use_cpu_without_accelerator

@@ -16,11 +16,11 @@ fused routed experts for ``FP8Experts`` (``weight`` + ``weight_scale_inv``; ``ga
   memory stays near the checkpoint's size. Both dequantize exactly as the dequantizing loader does, so the logits
   equal those of the model loaded in bf16, bit for bit, on the same device;
 * the released ``X.scale`` tensors are paired with their weights by this package's conversions
-  (:mod:`.checkpoint_loading`) rather than renamed by the quantizer, and are never cast on load.
+  (:mod:`.conversions`) rather than renamed by the quantizer, and are never cast on load.
 
 The quantized weights and scales are frozen on load. Backward through a weight-only module is backward through the
 dequantized weight it computes with, so the input's gradient is exact (the same as the dequantized model's); the
-weight is dequantized again for the backward rather than kept (:func:`~.released_storage.frozen_quantized_linear`),
+weight is dequantized again for the backward rather than kept (:func:`frozen_quantized_linear`),
 so training holds no dequantized copy of a layer. Where the kernels run, the quantizer keeps them but swaps in
 :class:`FP8KernelLinear` / :class:`FP4KernelExperts`: the kernel call inside a custom autograd function whose backward
 goes through the dequantized weights, so the gradient is that of the weight-only modules (transformers' FP4 expert
@@ -51,10 +51,9 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 from transformers.utils.import_utils import is_kernels_available
 
+from ..hub.registration import register_quantization_config, register_quantizer
 from ..moe import routed_experts_forward
-from ..quantization import RELEASED_BLOCK_SIZE
-from .registration import register_quantization_config, register_quantizer
-from .released_storage import frozen_quantized_linear
+from .codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
 
 QUANT_METHOD = "deepseek_v41_fp8"
 # our Linears the release stores FP8 and that compute through their forward (a `Linear` the model reads `.weight`
@@ -156,6 +155,43 @@ def check_trainable(model: nn.Module) -> None:
         )
 
 
+class _FrozenQuantizedLinear(torch.autograd.Function):
+    """``product(input)``, ``input @ W.T`` for a frozen quantized ``W`` (by a kernel, or on ``W`` dequantized for the
+    product), with the backward of the dequantized product, ``W`` dequantized again: nothing dequantized outlives
+    either pass (autograd through ``F.linear`` would keep the dequantized weight until the backward, as much memory
+    per layer as a bf16 copy of it)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, scale, columns, product):
+        ctx.save_for_backward(weight, scale)
+        ctx.columns = columns
+        return product(input)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        weight, scale = ctx.saved_tensors
+        dense = dequantize_released_weight(weight, scale, ctx.columns, grad_output.dtype)
+        return grad_output @ dense, None, None, None, None
+
+
+def frozen_quantized_linear(
+    input: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, columns: int, bias: torch.Tensor | None = None,
+    product: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``F.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype), bias)`` (or ``product(input)``,
+    a kernel computing the same) with the exact input gradient and none for the (frozen) weight and bias, holding only
+    the stored bytes between the forward and the backward."""
+
+    @torch.no_grad()
+    def dequantized_product(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, dequantize_released_weight(weight, scale, columns, x.dtype), bias)
+
+    product = product or dequantized_product
+    if not (torch.is_grad_enabled() and input.requires_grad):
+        return product(input)
+    return _FrozenQuantizedLinear.apply(input, weight, scale, columns, torch.no_grad()(product))
+
+
 class WeightOnlyFP8Linear(FP8Linear):
     """``FP8Linear`` computed by dequantizing its weight to the input's dtype in the forward (no FP8 kernel). Under
     tensor parallelism it runs on its local shard (whole 32x32 scale blocks), whose width is the weight's own."""
@@ -172,7 +208,7 @@ ExpertFactors = Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
 class FrozenExpertWeight:
     """One routed expert's FP4 weight [out, in] as :func:`~modeling_dsv41.moe.routed_experts_forward` applies it
     (a :class:`~modeling_dsv41.moe.ProjectedWeight`): dequantized inside each product and again in its backward
-    (:func:`~.released_storage.frozen_quantized_linear`), so no dequantized expert waits for the backward, and LoRA
+    (:func:`frozen_quantized_linear`), so no dequantized expert waits for the backward, and LoRA
     factors added to the output, ``x·Wᵀ + scaling·(x·Aᵀ)·Bᵀ``, so only the rank-r intermediate is kept."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, factors: list | None = None):
@@ -234,7 +270,7 @@ class WeightOnlyFP4Experts(FP8Experts):
 
 class FP8KernelLinear(FP8Linear):
     """``FP8Linear`` running transformers' FP8 kernel (DeepGEMM / Triton), with the exact input gradient: backward
-    through the dequantized weight (:func:`~.released_storage.frozen_quantized_linear`), the gradient
+    through the dequantized weight (:func:`frozen_quantized_linear`), the gradient
     :class:`WeightOnlyFP8Linear` gives."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -377,6 +413,7 @@ __all__ = [
     "WeightOnlyFP4Experts",
     "WeightOnlyFP8Linear",
     "check_trainable",
+    "frozen_quantized_linear",
     "modules_kept_in_high_precision",
     "released_quantization_config",
 ]

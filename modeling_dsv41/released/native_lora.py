@@ -30,9 +30,8 @@ from torch import nn
 from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
 from ..moe import DeepseekV41Experts
-from ..quantization import RELEASED_BLOCK_SIZE
+from .codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
 from .native_precision import FP4KernelExperts, WeightOnlyFP4Experts, fp4_experts_forward
-from .released_storage import dequantize_released_weight
 
 # what a merged module holds: the released model's compute dtype, as FineGrainedFP8Config(dequantize=True) loads it
 MERGED_DTYPE = torch.bfloat16

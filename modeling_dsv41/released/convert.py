@@ -1,7 +1,7 @@
 """Convert a checkpoint in DeepSeek's released storage into our plain format, one output tensor at a time.
 
 The released files keep dense weights as FP8 with 32×32-block E8M0 scales, routed experts as packed FP4 and Engram
-tables as FP8 with per-row scales (see :mod:`.checkpoint_loading`). ``from_pretrained`` can read them directly; a
+tables as FP8 with per-row scales (see :mod:`.codec`). ``from_pretrained`` can read them directly; a
 converted copy loads without the dequantization pass, can be memory-mapped, and is what fine-tuning tools expect.
 It is written in our layout (``model.`` prefix, ``lm_head``, each layer's routed experts fused into
 ``gate_up_proj``/``down_proj``), named by the same conversions ``from_pretrained`` applies. Memory stays at one
@@ -26,7 +26,8 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, dot
 
 from configuration import DeepseekV41Config
 
-from .checkpoint_loading import dequantize_released_weight, released_storage_conversions
+from .codec import dequantize_released_weight
+from .conversions import released_storage_conversions
 
 # what the released checkpoint holds that our model does not load: an unused vector, and copies of the shared embed /
 # head under the DSpark blocks (a reference state dict lists them; the release does not)
@@ -124,7 +125,7 @@ class _ReleasedCheckpoint:
 
     def fused(self, sources: list[str], dtype: torch.dtype) -> torch.Tensor:
         """One output tensor: a single converted tensor, or the experts' weights stacked and concatenated as
-        :class:`~.checkpoint_loading.MergeReleasedExperts` fuses them."""
+        :class:`~.conversions.MergeReleasedExperts` fuses them."""
         if len(sources) == 1 and ".ffn.experts." not in sources[0]:
             return self.converted(sources[0], dtype)
         parts = {}

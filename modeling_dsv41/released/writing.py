@@ -1,0 +1,103 @@
+"""Writing a model in the released storage format: the release's names (:mod:`.conversions`, reversed) and storage
+(FP8 / FP4 with E8M0 scales, :mod:`.codec`), as ``config.json``, safetensors shards and their index. No Engram token
+map is written (the release has none; ``from_pretrained`` builds it from the tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers.core_model_loading import revert_weight_conversion
+
+from .codec import quantize_fp4_rows, quantize_fp8_block, quantize_fp8_rows
+
+_WEIGHT, _SCALE = ".weight", ".scale"
+
+# which of our tensors the release stores quantized (the reference's `Linear` default dtype, fixtures README §7)
+_RELEASED_FP8_BLOCK = re.compile(
+    r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv|main_proj)"
+    r"\.weight$"
+)
+_RELEASED_FP4_ROWS = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+_RELEASED_FP8_ROWS = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
+
+
+_RELEASED_QUANTIZERS = (
+    (_RELEASED_FP8_BLOCK, quantize_fp8_block),
+    (_RELEASED_FP4_ROWS, quantize_fp4_rows),
+    (_RELEASED_FP8_ROWS, quantize_fp8_rows),
+)
+
+
+def released_layout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s tensors under the released names (per-expert ``w1``/``w2``/``w3``), unquantized."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    conversions = getattr(model, "_weight_conversions", None)
+    model._weight_conversions = None  # all of the registered conversions, whichever the last load used
+    try:
+        return revert_weight_conversion(model, state)
+    finally:
+        model._weight_conversions = conversions
+
+
+def released_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s tensors as the release stores them: released names, quantized weights with their ``.scale``, no
+    token map."""
+    state = released_layout_state_dict(model)
+    state.pop("engram_hasher.token_map", None)
+    out = {}
+    for name, tensor in state.items():
+        if name in out:  # the scale of an FP8 Engram table, written with its weight
+            continue
+        quantize = next((q for pattern, q in _RELEASED_QUANTIZERS if pattern.match(name)), None)
+        if quantize is None or tensor.dtype == torch.float8_e4m3fn:  # kept as is (an FP8 table is already stored)
+            out[name] = tensor
+            continue
+        out[name], out[name[: -len(_WEIGHT)] + _SCALE] = quantize(tensor)
+    return out
+
+
+def save_released_checkpoint(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    max_shard_bytes: int = 5 * 2**30,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write ``model`` in the released storage format: ``config.json``, safetensors shards of at most
+    ``max_shard_bytes`` and ``model.safetensors.index.json``. No Engram token map is written.
+
+    ``state_dict`` replaces :func:`released_state_dict` of ``model`` as the tensors to write.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    state = released_state_dict(model) if state_dict is None else state_dict
+    state = {name: tensor.contiguous() for name, tensor in state.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, filename))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    # the E8M0 scales have no dtype transformers can infer "auto" from: name the one to load in (from_pretrained
+    # of this package defaults to it too)
+    index = {"metadata": {"total_size": total, "dtype": "bfloat16"}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+__all__ = ["released_layout_state_dict", "released_state_dict", "save_released_checkpoint"]

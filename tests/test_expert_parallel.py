@@ -11,15 +11,17 @@ summed in another order the gradients differ in their last bits, and so would th
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from gloo_processes import spawn
+from test_trainer_distributed import demo_model  # noqa: F401  (a fixture: the demo model in a folder)
 from tiny_models import tiny_training_model
 
-from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
+from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM, DeepseekV41Trainer, DeepseekV41TrainingArguments
 from modeling_dsv41.numerics import reference_numerics
 from modeling_dsv41.optim import MixedOptimizer, assign_kinds, build_param_groups, freeze_default_parameters
 from modeling_dsv41.training.router_balancing import RouterBiasBalancer
@@ -436,3 +438,114 @@ def test_accelerate_merge_weights_turns_the_sharded_checkpoint_into_one_file_tha
     model = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "merged")
     assert torch.equal(model.model.layers[1].ffn.experts.down_proj, merged["model.layers.1.ffn.experts.down_proj"])
     assert torch.equal(model.model.layers[0].ffn.gate.bias, merged["model.layers.0.ffn.gate.bias"])
+
+
+# ----------------------------------------------------------------------------- the printed launches (docs/training.md)
+
+
+def full_finetune_commands(prefix: str) -> list[list[str]]:
+    """The docs' lines starting with ``prefix`` that run examples/full_finetune.py (argv), the shell's variables
+    set as on node 3 of the many-node commands."""
+    from documentation import command_lines
+
+    variables = {"$NODE_RANK": "3", "$MASTER_ADDR": "10.0.0.1"}
+    lines = [line for line in command_lines(prefix) if "examples/full_finetune.py" in line]
+    return [[variables.get(arg, arg) for arg in shlex.split(line)] for line in lines]
+
+
+def test_printed_expert_parallel_launch_trains_on_4_processes_and_saves_sharded_checkpoints(tmp_path, demo_model):
+    """docs/training.md's one-machine command as printed, on 4 CPU processes: the model built on the meta device,
+    sharded on the 2 × 2 mesh and read shard by shard from the demo folder, trained with checkpoints."""
+    from test_trainer_distributed import flag, launch, workspace
+
+    (argv,) = [argv for argv in full_finetune_commands("accelerate launch") if "--num_machines" not in argv]
+    assert argv[3] == "examples/accelerate/fsdp2_ep.yaml" and flag(argv, "--expert_parallel_size") == "2"
+    assert flag(argv, "--gradient_checkpointing") == "true"
+    cwd = workspace(tmp_path, demo_model)
+    launch(argv, cwd)
+    output = cwd / flag(argv, "--output_dir")
+    steps = [int(flag(argv, "--save_steps")), int(flag(argv, "--max_steps"))]
+    assert sorted(path.name for path in output.iterdir()) == sorted(f"checkpoint-{step}" for step in steps)
+    for step in steps:
+        shards = output / f"checkpoint-{step}" / "pytorch_model_fsdp_0"
+        assert len(list(shards.glob("*.distcp"))) == WORLD
+    state = checkpoint_state(output / f"checkpoint-{steps[-1]}", tmp_path)
+    assert any(state[key].any() for key in state if key.endswith(".gate.bias"))  # balanced on the mesh
+    experts = [key for key in state if key.startswith("pytorch_model") and key.endswith("experts.gate_up_proj")]
+    assert experts and all(state[key].shape[0] == 4 for key in experts)  # whole tensors, every expert
+
+
+def test_printed_multi_node_launches_parse(monkeypatch):
+    """The many-node commands cannot run here: their launcher and script arguments parse, and ask for the FSDP2
+    expert-parallel run they describe."""
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.run import get_args_parser
+    from transformers import HfArgumentParser
+
+    from documentation import REPO_ROOT
+    from examples.full_finetune import ScriptArguments
+
+    monkeypatch.chdir(REPO_ROOT)
+    (accelerate,) = [argv for argv in full_finetune_commands("accelerate launch") if "--num_machines" in argv]
+    (torchrun,) = full_finetune_commands("torchrun")
+    launched = launch_command_parser().parse_args(accelerate[2:])
+    assert (launched.num_machines, launched.num_processes, launched.config_file) == (16, 128, "examples/accelerate/fsdp2_ep.yaml")
+    script = accelerate[accelerate.index("examples/full_finetune.py") + 1 :]
+    run = get_args_parser().parse_args(torchrun[1:])
+    assert (run.nnodes, run.nproc_per_node) == ("16", "8")
+    for flags in (script, torchrun[torchrun.index("examples/full_finetune.py") + 1 :]):
+        parsed, args = HfArgumentParser((ScriptArguments, DeepseekV41TrainingArguments)).parse_args_into_dataclasses(
+            [*flags, "--report_to", "none"]
+        )
+        assert parsed.model == "converted" and args.expert_parallel_size == 64 and args.gradient_checkpointing
+        assert 128 % args.expert_parallel_size == 0 and 384 % args.expert_parallel_size == 0
+    assert args.fsdp_plugin_args["fsdp_version"] == 2 and "SHARDED" in str(args.fsdp_plugin_args["state_dict_type"])
+
+
+# ----------------------------------------------------------------------------- what does not combine
+
+
+def test_expert_parallel_arguments_refuse_what_does_not_combine():
+    with pytest.raises(ValueError, match="expert_parallel_size must be an integer >= 1"):
+        DeepseekV41TrainingArguments(output_dir="x", expert_parallel_size=0, report_to="none")
+    with pytest.raises(ValueError, match="train_dspark_head trains the DSpark draft head alone"):
+        DeepseekV41TrainingArguments(output_dir="x", expert_parallel_size=2, train_dspark_head=True, report_to="none")
+    no_sync = {"gradient_accumulation_kwargs": {"sync_each_batch": False}}
+    with pytest.raises(ValueError, match="reduce-scatters the gradients after every micro-batch"):
+        DeepseekV41TrainingArguments(output_dir="x", expert_parallel_size=2, accelerator_config=no_sync,
+                                     report_to="none")
+    args = DeepseekV41TrainingArguments(output_dir="x", expert_parallel_size=2, report_to="none")
+    assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
+
+
+def test_expert_parallel_without_fsdp2_is_an_error_naming_the_config(tmp_path):
+    args = DeepseekV41TrainingArguments(output_dir=str(tmp_path), expert_parallel_size=2, report_to="none")
+    with pytest.raises(ValueError, match=r"runs under FSDP2.*fsdp_version: 2.*fsdp2_ep.yaml"):
+        DeepseekV41Trainer(model=tiny_training_model(num_hidden_layers=2), args=args)
+
+
+def _shard_model_refusals(rank: int, tmp: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from modeling_dsv41.training.fsdp import shard_model
+
+    with pytest.raises(ValueError, match=r"expert_parallel_size=3 must divide the world size 2: use one of \[1, 2\]"):
+        shard_model(tiny_training_model(num_hidden_layers=2), expert_parallel_size=3)
+    with pytest.raises(ValueError, match="give expert_parallel_size or mesh, not both"):
+        shard_model(tiny_training_model(num_hidden_layers=2), mesh=init_device_mesh("cpu", (2,)), expert_parallel_size=2)
+    adapted = get_peft_model(tiny_training_model(num_hidden_layers=2), LoraConfig(r=2, target_modules=["wq_a"]))
+    with pytest.raises(ValueError, match=r"full fine-tuning.*shard_model\(model\) \(FSDP2 alone"):
+        shard_model(adapted, expert_parallel_size=2)
+    kernels = tiny_training_model(num_hidden_layers=2)
+    kernels.set_experts_implementation("batched_mm")
+    with pytest.raises(ValueError, match="experts_implementation='eager'"):
+        shard_model(kernels, expert_parallel_size=2)
+    preset = DeepseekV41Config.from_preset("tiny")
+    text = {**preset.text_config.to_dict(), "num_hidden_layers": 2, "n_routed_experts": 3}
+    with pytest.raises(ValueError, match="needs whole experts per rank: 3 experts do not split 2 ways"):
+        shard_model(DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)), expert_parallel_size=2)
+
+
+def test_shard_model_refuses_what_expert_parallelism_cannot_shard(tmp_path):
+    spawn(_shard_model_refusals, tmp_path, world_size=2, timeout_s=200)

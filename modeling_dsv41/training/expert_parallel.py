@@ -261,7 +261,7 @@ def check_expert_parallel_trainer(trainer) -> None:
         raise ValueError(
             f"expert_parallel_size={size} runs under FSDP2 (the experts sharded by expert, everything else by FSDP2); "
             f"accelerate runs this as {trainer.accelerator.state.distributed_type.value}: launch with an FSDP2 config "
-            "(fsdp_version: 2, e.g. examples/accelerate/fsdp2.yaml or fsdp2_multinode.yaml)"
+            "(fsdp_version: 2, e.g. examples/accelerate/fsdp2_ep.yaml)"
         )
     config = getattr(trainer.accelerator, "parallelism_config", None)
     others = {k: getattr(config, k, 1) or 1 for k in ("tp_size", "cp_size", "sp_size", "dp_replicate_size")}

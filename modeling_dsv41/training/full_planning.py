@@ -119,8 +119,8 @@ def _totals(model: nn.Module, precision: str) -> _Totals:
         # held as: fp32 masters, or the loaded dtype (fp32-kept modules fp32); frozen weights as loaded
         own = n * (4 if master and trains else p.element_size())
         totals.trainable_parameters += n if trains else 0
-        if id(p) in replicated:
-            totals.replicated += own * (2 + _state_buffers(kinds[name]))
+        if id(p) in replicated:  # whole on every rank, with its gradient and state if it trains
+            totals.replicated += own * (2 + _state_buffers(kinds[name])) if trains else own
             continue
         totals.weights += own
         if trains:

@@ -5,8 +5,9 @@ holds the whole model: it is built on the meta device, sharded, and every proces
 checkpoint (``training.fsdp.load_sharded_weights``). The Engram tables stay frozen, memory-mapped from the folder.
 
 ``--model`` is a folder in our layout with its processor: the demo's (``dsv41 demo``), or the released model converted
-once with ``dsv41 convert released/ converted/`` (bf16 safetensors). The data is the demo's captioning task; put your
-own dataset and collator in ``main``. One node, 4 processes (examples/accelerate/fsdp2_ep.yaml)::
+once with ``dsv41 convert released/ converted/`` (bf16 safetensors). The data is the demo's captioning task
+(``fine_tune`` of examples/finetune.py, beside this script); put your own dataset and collator there. One node,
+4 processes (examples/accelerate/fsdp2_ep.yaml)::
 
     accelerate launch --config_file examples/accelerate/fsdp2_ep.yaml examples/full_finetune.py \\
         --model dsv41-demo/model --output_dir dsv41-full --expert_parallel_size 2 --max_steps 4 --save_steps 2
@@ -23,22 +24,17 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, HfArgumentParser
+from finetune import ScriptArguments, fine_tune, parse_arguments  # examples/finetune.py, beside this script
+from transformers import AutoConfig, AutoModelForCausalLM
 
-import modeling_dsv41  # noqa: F401  registers the model classes with the Auto classes
-import processing  # noqa: F401  registers the processor
 from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
-from modeling_dsv41.cli.demo import CaptionCollator
-from modeling_dsv41.cli.demo_data import ShapesDataset
 from modeling_dsv41.optim import freeze_default_parameters
 from modeling_dsv41.placement import is_engram_table_tensor
 from modeling_dsv41.training.fsdp import load_sharded_weights, shard_model
 
 
 @dataclass
-class ScriptArguments:
-    model: str = field(metadata={"help": "A folder in our layout with its processor (dsv41 demo, dsv41 convert)."})
-    train_samples: int = field(default=200, metadata={"help": "Size of the synthetic captioning training set."})
+class FullScriptArguments(ScriptArguments):
     train_engram_tables: bool = field(
         default=False,
         metadata={"help": "Train the Engram tables (FSDP2 then gathers a whole table at each forward of its layer: "
@@ -72,19 +68,9 @@ def build_sharded_model(folder: str, args: DeepseekV41TrainingArguments, train_e
 
 
 def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
-    parser = HfArgumentParser((ScriptArguments, DeepseekV41TrainingArguments))
-    parser.set_defaults(remove_unused_columns=False, report_to="none")  # the collator reads the raw samples
-    script, args = parser.parse_args_into_dataclasses(argv)
+    script, args = parse_arguments(argv, FullScriptArguments)
     args.device  # noqa: B018  starts the process group (torchrun / accelerate launch) before sharding
-    model = build_sharded_model(script.model, args, script.train_engram_tables)
-    processor = AutoProcessor.from_pretrained(script.model)
-    trainer = DeepseekV41Trainer(
-        model=model, args=args, train_dataset=ShapesDataset("train", script.train_samples),
-        data_collator=CaptionCollator(processor),
-    )
-    resume = args.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
-    return trainer
+    return fine_tune(build_sharded_model(script.model, args, script.train_engram_tables), script, args)
 
 
 if __name__ == "__main__":

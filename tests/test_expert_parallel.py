@@ -483,9 +483,10 @@ def test_printed_multi_node_launches_parse(monkeypatch):
     from transformers import HfArgumentParser
 
     from documentation import REPO_ROOT
-    from examples.full_finetune import ScriptArguments
 
     monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "examples"))  # as when the script runs: its folder first on the path
+    from full_finetune import FullScriptArguments
     (accelerate,) = [argv for argv in full_finetune_commands("accelerate launch") if "--num_machines" in argv]
     (torchrun,) = full_finetune_commands("torchrun")
     launched = launch_command_parser().parse_args(accelerate[2:])
@@ -494,7 +495,7 @@ def test_printed_multi_node_launches_parse(monkeypatch):
     run = get_args_parser().parse_args(torchrun[1:])
     assert (run.nnodes, run.nproc_per_node) == ("16", "8")
     for flags in (script, torchrun[torchrun.index("examples/full_finetune.py") + 1 :]):
-        parsed, args = HfArgumentParser((ScriptArguments, DeepseekV41TrainingArguments)).parse_args_into_dataclasses(
+        parsed, args = HfArgumentParser((FullScriptArguments, DeepseekV41TrainingArguments)).parse_args_into_dataclasses(
             [*flags, "--report_to", "none"]
         )
         assert parsed.model == "converted" and args.expert_parallel_size == 64 and args.gradient_checkpointing

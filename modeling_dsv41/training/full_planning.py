@@ -35,7 +35,7 @@ from ..optim import assign_kinds
 from ..optim.policy import FROZEN
 from ..placement import is_engram_table_tensor
 from .fsdp import _kept_fp32, _split_fp32
-from .planning import RESERVE_BYTES, _fsdp_units, checkpointed_input_bytes_per_token, layer_saved_bytes_per_token
+from .planning import RESERVE_BYTES, PerDeviceTotal, _fsdp_units, checkpointed_input_bytes_per_token, layer_saved_bytes_per_token
 
 PRECISIONS = ("fp32 master", "bf16")
 _EXPERTS = re.compile(r"(^|\.)layers\.\d+\.ffn\.experts\.")
@@ -44,7 +44,7 @@ _LAYER = re.compile(r"(^|\.)layers\.\d+$")
 
 
 @dataclass
-class FullTrainingPlan:
+class FullTrainingPlan(PerDeviceTotal):
     """Per-device bytes of a full fine-tuning step on ``nodes × gpus_per_node`` devices (see the module docstring)."""
 
     nodes: int
@@ -66,14 +66,6 @@ class FullTrainingPlan:
     @property
     def ep_shard(self) -> int:
         return self.world // self.ep_size
-
-    @property
-    def per_device(self) -> float:
-        return sum(self.terms.values())
-
-    @property
-    def fits(self) -> bool:
-        return self.per_device <= self.capacity
 
 
 def _trains(name: str, kinds: dict[str, str]) -> bool:

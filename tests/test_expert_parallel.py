@@ -7,6 +7,10 @@ QDQ emulation off, gradient checkpointing on. Every step takes 4 micro-batches, 
 a row with an image (real pixels through the ViT). One process runs the same micro-batches and sums their gradients
 in the order the mesh does, EP group by EP group: (g0 + g1) + (g2 + g3) (see modeling_dsv41/training/expert_parallel.py;
 summed in another order the gradients differ in their last bits, and so would the parameters).
+
+Then DeepseekV41Trainer on the mesh (``expert_parallel_size=2``, as accelerate's FSDP2 launch sets it up): sharded
+checkpoints that resume on 4, 2 (and from 2 on 4) processes bit-identical to the uninterrupted run, a process killed
+while saving, ``accelerate merge-weights``; docs/training.md's launches; what does not combine.
 """
 
 from __future__ import annotations

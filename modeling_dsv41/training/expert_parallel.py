@@ -43,7 +43,7 @@ from ..moe import DeepseekV41Experts, add_rows, routed_experts_forward
 try:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_custom_reduce_scatter's interface
     from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # torch built without distributed
     CPUOffloadPolicy = DeviceMesh = init_device_mesh = DTensor = Shard = None

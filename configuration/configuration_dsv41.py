@@ -91,19 +91,8 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         "layers.*.ffn.shared_experts.w3": "colwise",
         "layers.*.ffn.shared_experts.w2": "rowwise",
     }
-    # Pipeline plan: what crosses a stage boundary. Between layers that is the whole residual stream, not one
-    # [B, S, D] tensor: the mHC copies [B, S, hc, D], the mix `pre_mix` [B, S, hc] the next block collapses them with
-    # (fp32) and the compressed context later layers share (`kv_source_layer_ids`, index sources, candidates; any may
-    # be None), so `modeling_dsv41.pipeline` sends those rather than transformers' naive `inputs_embeds`. Engram
-    # layers hash the input ids, which every stage keeps. The last stage collapses the copies before `norm`.
-    base_model_pp_plan = {
-        "embed": (["input_ids"], ["inputs_embeds"]),
-        "layers": (
-            ["hidden_states", "pre_mix", "compress_kv", "index_k", "selection", "candidates"],
-            ["hidden_states", "pre_mix", "compress_kv", "index_k", "selection", "candidates"],
-        ),
-        "norm": (["hidden_states", "pre_mix"], ["hidden_states"]),
-    }
+    # (The pipeline plan is the model's own: what crosses a stage boundary is its residual stream, see
+    # `modeling_dsv41.residual_stream`.)
     # Expert parallelism: whole experts per rank (dim 0 of both fused tensors), tokens routed to them by the
     # `EPImplementation` that `DistributedConfig.ep_implementation` names.
     base_model_ep_plan = {
@@ -360,19 +349,6 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     def dspark_num_experts_per_tok(self) -> int:
         return self.dspark_n_activated_experts or self.num_experts_per_tok
 
-    # ---- schedule helpers used by the model ---------------------------------------------------------
-    def kv_source_of(self, layer_id: int) -> int | None:
-        """The layer whose compressed KV layer ``layer_id`` reads (None for window-only layers)."""
-        if self.compress_ratios[layer_id] == 0:
-            return None
-        return max(s for s in self.kv_source_layer_ids if s <= layer_id)
-
-    def index_source_of(self, layer_id: int) -> int | None:
-        """The layer whose top-k selection layer ``layer_id`` reads (None for window-only layers)."""
-        if self.compress_ratios[layer_id] == 0:
-            return None
-        return max(s for s in self.index_source_layer_ids if s <= layer_id)
-
 
 @strict
 class DeepseekV41VisionConfig(PreTrainedConfig):
@@ -459,7 +435,7 @@ def is_reference_config(config_dict: dict[str, Any]) -> bool:
     return _REFERENCE_MARKER_KEYS <= set(config_dict) and "text_config" not in config_dict
 
 
-# keys a config.json must name: without them the defaults (the released 749B sizes) would silently build a model
+# keys a config.json must name: without them the defaults (the released 763B sizes) would silently build a model
 # that matches no checkpoint but the released one
 _REQUIRED_TEXT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 _REQUIRED_REFERENCE_KEYS = (*sorted(_REFERENCE_MARKER_KEYS), "vocab_size")
@@ -547,7 +523,6 @@ class DeepseekV41Config(PreTrainedConfig):
     # config's; the vision tower is replicated (TP/EP) or runs on the first pipeline stage.
     base_model_tp_plan = DeepseekV41TextConfig.base_model_tp_plan
     base_model_ep_plan = DeepseekV41TextConfig.base_model_ep_plan
-    base_model_pp_plan = DeepseekV41TextConfig.base_model_pp_plan
     sub_configs_defaults = {
         "text_config": DeepseekV41TextConfig,
         "vision_config": SubConfigSpec(DeepseekV41VisionConfig, optional=True),

@@ -127,14 +127,6 @@ def candidate_mask(blocks: torch.Tensor, width: int, block_size: int) -> torch.T
     return keep[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :width]
 
 
-def select_candidate_blocks(
-    scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int, block_size: int
-) -> torch.Tensor:
-    """:func:`candidate_blocks` as a bool mask [..., T] of the positions they hold."""
-    blocks = candidate_blocks(scores, compress_lens, topk_blocks, block_size)
-    return candidate_mask(blocks, scores.shape[-1], block_size)
-
-
 class DeepseekV41Indexer(nn.Module):
     """Scores compressed positions for each query with a small multi-head side attention (FP4 q and k in the
     reference), ReLU'd and mixed by ``weights_proj``, and keeps the top ``index_topk``. Key owners (KV sources)
@@ -265,15 +257,25 @@ def sink_attention_forward(
     denom = qf.new_zeros(bsz, seq_len, n_heads)
     acc = qf.new_zeros(bsz, seq_len, n_heads, dim)
     for start in range(0, slots.shape[-1], SPARSE_ATTENTION_BLOCK):
-        keys, scores = _block_scores(qf, kvf, slots[..., start : start + SPARSE_ATTENTION_BLOCK], scale)
-        new_peak = torch.maximum(peak, scores.amax(dim=-1))
-        rescale = torch.exp(peak - new_peak)
-        probs = torch.exp(scores - new_peak.unsqueeze(-1))
-        denom = denom * rescale + probs.sum(dim=-1)
-        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", probs.to(q.dtype).float(), keys)
-        peak = new_peak
+        block = slots[..., start : start + SPARSE_ATTENTION_BLOCK]
+        peak, denom, acc = _online_softmax_step(qf, kvf, block, scale, peak, denom, acc, q.dtype)
     denom = denom + torch.exp(sink.float() - peak)
     return (acc / denom.unsqueeze(-1)).to(q.dtype), peak + torch.log(denom)
+
+
+def _online_softmax_step(
+    qf: torch.Tensor, kvf: torch.Tensor, block: torch.Tensor, scale: float, peak: torch.Tensor, denom: torch.Tensor,
+    acc: torch.Tensor, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block of the online softmax: the running maximum, denominator and accumulator after it (a function of its
+    own, so that a block's keys are freed before the next block gathers its own)."""
+    keys, scores = _block_scores(qf, kvf, block, scale)
+    new_peak = torch.maximum(peak, scores.amax(dim=-1))
+    rescale = torch.exp(peak - new_peak)
+    probs = torch.exp(scores - new_peak.unsqueeze(-1))
+    denom = denom * rescale + probs.sum(dim=-1)
+    acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", probs.to(dtype).float(), keys)
+    return new_peak, denom, acc
 
 
 def _block_scores(
@@ -296,22 +298,33 @@ def sink_attention_backward(
     d logit = p·(grad·key - δ), the sink gets -Σ p_sink·δ, and each slot's key and value gradients (one row of kv
     for both) are added back onto the row it picked."""
     bsz, n_rows, dim = kv.shape
-    qf, kvf, gf = q.float(), kv.float(), grad.float()
-    delta = (gf * out.float()).sum(dim=-1)  # [B, S, H]
-    qg = torch.cat([qf, gf], dim=2)  # [B, S, 2H, D]: a slot's key and value gradients as one product
-    grad_q = torch.zeros_like(qf)
+    n_heads = q.shape[2]
+    kvf = kv.float()
+    qg = torch.cat([q.float(), grad.float()], dim=2)  # [B, S, 2H, D]: a slot's key and value gradients, one product
+    delta = (qg[:, :, n_heads:] * out.float()).sum(dim=-1)  # [B, S, H]
+    grad_q = torch.zeros_like(qg[:, :, :n_heads])
     grad_kv = kvf.new_zeros(bsz * n_rows, dim)
     offsets = torch.arange(bsz, device=slots.device).view(-1, 1, 1) * n_rows
     for start in range(0, slots.shape[-1], SPARSE_ATTENTION_BLOCK):
         block = slots[..., start : start + SPARSE_ATTENTION_BLOCK]
-        keys, scores = _block_scores(qf, kvf, block, scale)
-        probs = torch.exp(scores - lse.unsqueeze(-1))  # [B, S, H, k], 0 on empty slots
-        grad_scores = probs * (torch.einsum("bshd,bskd->bshk", gf, keys) - delta.unsqueeze(-1)) * scale
-        grad_q.add_(torch.einsum("bshk,bskd->bshd", grad_scores, keys))
-        grad_keys = torch.einsum("bshk,bshd->bskd", torch.cat([grad_scores, probs], dim=2), qg)
-        grad_kv.index_add_(0, (block.clamp_min(0) + offsets).flatten(), grad_keys.flatten(0, 2))
+        _block_backward(qg, kvf, (block.clamp_min(0) + offsets).flatten(), block, lse, delta, scale, grad_q, grad_kv)
     grad_sink = -(torch.exp(sink.float() - lse) * delta).sum(dim=(0, 1))
     return grad_q.to(q.dtype), grad_kv.view(bsz, n_rows, dim).to(kv.dtype), grad_sink.to(sink.dtype)
+
+
+def _block_backward(
+    qg: torch.Tensor, kvf: torch.Tensor, rows: torch.Tensor, block: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, scale: float, grad_q: torch.Tensor, grad_kv: torch.Tensor,
+) -> None:
+    """One block's share of :func:`sink_attention_backward`, added into ``grad_q`` [B,S,H,D] and ``grad_kv``
+    [B·N, D] (fp32) at the flattened ``rows`` its slots picked."""
+    n_heads = grad_q.shape[2]
+    keys, scores = _block_scores(qg[:, :, :n_heads], kvf, block, scale)
+    probs = torch.exp(scores - lse.unsqueeze(-1))  # [B, S, H, k], 0 on empty slots
+    grad_scores = probs * (torch.einsum("bshd,bskd->bshk", qg[:, :, n_heads:], keys) - delta.unsqueeze(-1)) * scale
+    grad_q.add_(torch.einsum("bshk,bskd->bshd", grad_scores, keys))
+    grad_keys = torch.einsum("bshk,bshd->bskd", torch.cat([grad_scores, probs], dim=2), qg)
+    grad_kv.index_add_(0, rows, grad_keys.flatten(0, 2))
 
 
 class _SinkAttention(torch.autograd.Function):

@@ -303,8 +303,7 @@ class DeepseekV41NgramHasher(nn.Module):
         """Row ids ``[B, S, n_layers, n_cols]`` for the positions of ``compressed`` ``[B, S]``.
 
         ``past_compressed`` ``[B, history_size]`` holds the compressed ids just before them (``DEAD`` where
-        there are none); ``None`` means the sequence starts here. A decode cache keeps
-        :meth:`next_history` of each step.
+        there are none); ``None`` means the sequence starts here. A decode cache keeps them (:meth:`hash_ids`).
         """
         batch, seq_len = compressed.shape
         lookback = self.history_size
@@ -331,14 +330,6 @@ class DeepseekV41NgramHasher(nn.Module):
             hashes.append(rolling.unsqueeze(-1) % self.primes[:, n - 2])  # [B, S, n_layers, n_heads]
         return torch.cat(hashes, dim=-1) + self.offsets
 
-    def next_history(
-        self, compressed: torch.LongTensor, past_compressed: torch.LongTensor | None = None
-    ) -> torch.LongTensor:
-        """The last ``history_size`` compressed ids after appending ``compressed`` to ``past_compressed``."""
-        if past_compressed is None:
-            past_compressed = compressed.new_full((compressed.size(0), self.history_size), DEAD)
-        return torch.cat([past_compressed, compressed], dim=1)[:, -self.history_size :]
-
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -351,6 +342,32 @@ class DeepseekV41NgramHasher(nn.Module):
         usual 1/0 padding mask over the same positions.
         """
         return self.hash_ids_from_compressed(self.compress(input_ids, image_mask, attention_mask))
+
+    def hash_ids(
+        self,
+        input_ids: torch.LongTensor | None,
+        image_mask: torch.BoolTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        step=None,
+    ) -> torch.LongTensor:
+        """Row ids ``[B, S, n_layers, n_cols]`` of one forward call's tokens ``input_ids`` ``[B, S]``.
+
+        Without a ``cache`` the sequence starts here (as calling the module). With a decode cache
+        (:class:`~.generation.cache.DeepseekV41Cache`) and its ``step`` for this call, the n-grams look back into
+        the compressed ids the cache kept of earlier calls, and the cache keeps this call's: each row's
+        ``step.lengths - step.past`` real tokens lead ``input_ids``.
+        """
+        if input_ids is None:
+            raise ValueError(
+                "Engram hashes token ids: pass input_ids (alongside inputs_embeds if you supply embeddings yourself)"
+            )
+        if cache is None:
+            return self(input_ids, image_mask, attention_mask)
+        compressed = self.compress(input_ids, image_mask, attention_mask)
+        hash_ids = self.hash_ids_from_compressed(compressed, cache.engram_past(self.history_size))
+        cache.update_engram_history(compressed, step.lengths - step.past, self.history_size)
+        return hash_ids
 
 
 # ----------------------------------------------------------------------------------------------------

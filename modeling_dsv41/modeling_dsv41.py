@@ -6,7 +6,7 @@ every transformers causal LM does. Inside the backbone, module names are the rel
 ``layers.{i}.attn.wq_a``, ``layers.{i}.hc_attn_fn``, ``layers.{i}.engram.wkv``, ``vision.*``, ``aligner.*``); the
 routed experts are fused (``layers.{i}.ffn.experts.gate_up_proj`` / ``down_proj``). The released names (no
 ``model.`` prefix, ``head``, per-expert ``w1``/``w2``/``w3``) are mapped on load and, on request, on save by the
-conversions registered in :mod:`.released.conversions`.
+conversions of :mod:`.released.conversions` (registered below for ``deepseek_v41``).
 """
 
 import re
@@ -31,19 +31,27 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from configuration.configuration_dsv41 import DeepseekV41Config
+from processing.image_tokens import ImageTokenType, span_length, token_grid
 
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
 from .dspark import DeepseekV41DSpark, DeepseekV41DSparkBlock
 from .generation.cache import CacheStep, DeepseekV41Cache, DeepseekV41StaticCache
 from .generation.speculative import dspark_decoding
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
-from .hyper_connections import DeepseekV41HyperConnection, add_block_hc_parameters, identity_pre_mix
+from .hyper_connections import DeepseekV41HyperConnection, add_block_hc_parameters
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
 from .padding import left_padding_shift, roll_rows
-from .pipeline import DeepseekV41PipelineStage, check_pipeline_call, check_same_inputs, maybe_distribute_model
+from .pipeline import (
+    DeepseekV41PipelineStage,
+    check_pipeline_call,
+    hand_on_to_next_stage,
+    logits_on_every_stage,
+    maybe_distribute_model,
+    stream_from_previous_stage,
+)
 from .placement import (
     engram_device_map,
     gather_engram_rows,
@@ -51,25 +59,19 @@ from .placement import (
     place_loaded_engram_tables,
     requested_table_placement,
 )
-from .released.conversions import released_storage_conversions
+from .released.conversions import NOT_LOADED, NOT_LOADED_WITHOUT_DSPARK, released_storage_conversions
 from .released.loading import finish_checkpoint_load, loads_natively, prepare_checkpoint_load
 from .released.reading import hub_arguments, sequential_loading
+from .residual_stream import ResidualStream
 from .rotary import DeepseekV41RotaryEmbedding
-from .validation import check_pixel_values, check_text_inputs
-from .vision import (
-    IMAGE_START,
-    DeepseekV41Aligner,
-    DeepseekV41VisionTransformer,
-    image_token_grid,
-    merge_image_embeddings,
-)
+from .validation import check_image_inputs, check_pixel_values, check_text_inputs
+from .vision import DeepseekV41Aligner, DeepseekV41VisionTransformer, merge_image_embeddings
 
 logger = logging.get_logger(__name__)
 
 # the released checkpoint's names and layout, mapped onto ours on load (and back for save_original_format=True)
 register_checkpoint_conversion_mapping(DeepseekV41Config.model_type, released_storage_conversions(), overwrite=True)
 
-IMAGE_TOKEN_TYPE_TEXT = -1
 
 @dataclass
 class DeepseekV41ModelOutputWithPast(MultimodalBaseModelOutputWithPast):
@@ -142,11 +144,11 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         pre_mix: torch.Tensor,
-        rotation: torch.Tensor,
         compress_kv: torch.Tensor | None,
         index_k: torch.Tensor | None,
         selection: torch.Tensor | None,
         candidates: torch.Tensor | None,
+        rotation: torch.Tensor,
         engram_rows: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
         engram_hash_ids: torch.Tensor | None = None,
@@ -156,12 +158,13 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         output_attentions: bool = False,
         tap_stream: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
-        """hidden_states [B,S,hc,D], pre_mix [B,S,hc], then the :class:`CompressedContext` the layer below handed
-        up, field by field → (hidden_states, this FFN's pre, the context this layer hands up, field by field, with
-        ``output_attentions`` this layer's attention map and slot index, else two ``None``, and with ``tap_stream``
-        the DSpark tap: the mean over the copies of the stream after Engram [B,S,D], else ``None``).
+        """The :class:`ResidualStream` the layer below handed up, field by field (hidden_states [B,S,hc,D], pre_mix
+        [B,S,hc], the compressed context), and the rotary table of the positions → the stream this layer hands up,
+        field by field, then with ``output_attentions`` this layer's attention map and slot index (else two ``None``)
+        and with ``tap_stream`` the DSpark tap: the mean over the copies of the stream after Engram [B,S,D] (else
+        ``None``).
 
-        The context travels as positional tensors, and so do the Engram rows, so that reentrant gradient
+        The stream travels as positional tensors, and so do the Engram rows, so that reentrant gradient
         checkpointing, which tracks tensor arguments only, carries their gradients back (to the layer that made
         the compressed KV, to the Engram table).
         An Engram layer takes its table rows already gathered (``engram_rows``, see
@@ -189,7 +192,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         ffn_pre, post, comb = self.hc.mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         out = self.ffn(self.ffn_norm(self.hc.collapse(x, attn_pre)), image_mask)
         x = self.hc.expand(out, residual, post, comb)
-        return x, ffn_pre, ctx.compress_kv, ctx.index_k, ctx.selection, ctx.candidates, probs, slots, tap
+        return (*ResidualStream.handed_up(x, ffn_pre, ctx), probs, slots, tap)
 
 
 class DeepseekV41PreTrainedModel(PreTrainedModel):
@@ -213,7 +216,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     # the released checkpoint carries an unused image_pad vector, and the DSpark draft head (mtp.*), which a model
     # without the head (or the bare backbone) ignores: see post_init. A reference state dict also lists the shared
     # embed / head under every draft block (aliases, never stored by the release).
-    _keys_to_ignore_on_load_unexpected = [r"^image_pad$", r"^mtp\.\d+\.(embed|head)\.weight$"]
+    _keys_to_ignore_on_load_unexpected = list(NOT_LOADED)
     # ... but no Engram token map: from_pretrained builds it from the tokenizer
     _keys_to_ignore_on_load_missing = [r"(^|\.)engram_hasher\.token_map$"]
     _supports_sdpa = False
@@ -238,7 +241,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         if getattr(self, "mtp", None) is not None:  # the draft head's fp32 heads (its hc_*, sinks, gate biases above)
             extra += ["markov_head.head", "confidence_head.proj"]
         else:
-            self._keys_to_ignore_on_load_unexpected = [*type(self)._keys_to_ignore_on_load_unexpected, r"^mtp\."]
+            ignored = [*type(self)._keys_to_ignore_on_load_unexpected, NOT_LOADED_WITHOUT_DSPARK]
+            self._keys_to_ignore_on_load_unexpected = ignored
         self._keep_in_fp32_modules_strict = [*type(self)._keep_in_fp32_modules_strict, *extra]
         # only the block classes this model has: accelerate's FSDP wraps by these names and refuses a missing one
         present = {type(module).__name__ for module in self.modules()}
@@ -382,6 +386,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     ``output_hidden_states`` the per-layer residual streams [B, S, hc_mult, D] (embedding copies first).
     """
 
+    # Pipeline plan: what crosses a stage boundary. Between layers that is the whole residual stream (its copies, the
+    # mix the next layer collapses them with, the compressed context), not one [B, S, D] tensor: `.pipeline` sends it
+    # rather than transformers' naive `inputs_embeds`. Engram layers hash the input ids, which every stage keeps. The
+    # last stage collapses the copies before `norm`.
+    _pp_plan = {
+        "embed": (["input_ids"], ["inputs_embeds"]),
+        "layers": (list(ResidualStream._fields), list(ResidualStream._fields)),
+        "norm": (["hidden_states", "pre_mix"], ["hidden_states"]),
+    }
     _pp_stage: DeepseekV41PipelineStage | None = None  # this rank's stage under pipeline parallelism (.pipeline)
 
     def __init__(self, config: DeepseekV41Config):
@@ -468,11 +481,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if image_grid_hw is None or image_token_types is None:
             raise ValueError("pixel_values need image_grid_hw and image_token_types (as the processor returns them)")
         vision = self.config.vision_config
-        grids = [image_token_grid(g, vision.downsample_ratio) for g in image_grid_hw.tolist()]
-        for index, (h, w) in enumerate(grids):
-            if h * (w + 1) + 2 > vision.max_image_tokens:
+        grids = [token_grid(g, vision.downsample_ratio) for g in image_grid_hw.tolist()]
+        for index, grid in enumerate(grids):
+            if span_length(grid) > vision.max_image_tokens:
                 raise ValueError(
-                    f"image {index} needs {h * (w + 1) + 2} positions, more than max_image_tokens "
+                    f"image {index} needs {span_length(grid)} positions, more than max_image_tokens "
                     f"({vision.max_image_tokens}); preprocess it with the DeepseekV41ImageProcessor"
                 )
         image_outputs = self.get_image_features(
@@ -485,44 +498,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         )
         return merged, image_outputs
 
-    def _stage_input(
-        self, input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
-        output_attentions,
-    ) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor | None, BaseModelOutputWithPooling | None]:
-        """The residual stream entering this model's first layer: (copies [B, S, hc, D], ``pre_mix`` [B, S, hc], the
-        :class:`CompressedContext` fields), then the embeddings [B, S, D] and what the image encoder returned. A later
-        pipeline stage receives the stream from the stage before it (and has neither)."""
-        stage = self._pp_stage
-        if stage is not None and not stage.pp_is_first_stage:
-            device = self.layers[stage.layer_range.start].hc_attn_fn.device
-            return tuple(stage.recv_stream(6, device)), None, None
-        embeds, image_outputs = self._embed_inputs(
-            input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
-            output_attentions,
-        )
-        hc_mult = self.text_config.hc_mult
-        hidden = embeds.unsqueeze(2).repeat(1, 1, hc_mult, 1)  # [B, S, hc, D]
-        return (hidden, identity_pre_mix(hidden, hc_mult), None, None, None, None), embeds, image_outputs
-
     def _stage_layers(self) -> list[DeepseekV41DecoderLayer]:
         """The decoder layers this model runs: all of them, or its pipeline stage's."""
         stage = self._pp_stage
         return list(self.layers) if stage is None else [self.layers[i] for i in stage.layer_range]
-
-    def _engram_hash_ids(self, input_ids, image_mask, attention_mask, cache=None, step=None):
-        if self.engram_hasher is None:
-            return None
-        if input_ids is None:
-            raise ValueError(
-                "Engram hashes token ids: pass input_ids (alongside inputs_embeds if you supply embeddings yourself)"
-            )
-        if cache is None:
-            return self.engram_hasher(input_ids, image_mask, attention_mask)
-        hasher = self.engram_hasher
-        compressed = hasher.compress(input_ids, image_mask, attention_mask)
-        hash_ids = hasher.hash_ids_from_compressed(compressed, cache.engram_past(hasher.history_size))
-        cache.update_engram_history(compressed, step.lengths - step.past, hasher.history_size)
-        return hash_ids
 
     def gather_engram_rows(self, hash_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """The rows every Engram layer this model runs reads, gathered before the first layer runs: layer id →
@@ -577,52 +556,83 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if not torch.compiler.is_compiling():  # the checks read values on the host
             past_length = 0 if cache is None else cache.get_seq_length()
             check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
-        if cache is not None and not cache.is_empty:
-            return self._forward_cached(
-                input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
-                output_hidden_states, output_attentions, cache, output_dspark_hidden_states,
-            )
+            if self.config.has_vision and past_length == 0:
+                check_image_inputs(
+                    input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, self.config.image_token_id
+                )
+        prefill = cache is None or cache.is_empty  # else the new tokens of every cached row, at its next positions
 
-        shift = left_padding_shift(attention_mask)
-        if shift is not None and (output_hidden_states or output_attentions) and not bool(shift.any()):
-            # rolling by 0 is an exact no-op; skipped (one host read, only when intermediate outputs are asked
-            # for) so that hidden_states and attentions are the forward's own tensors (retain_grad works on them)
-            shift = None
-        if shift is not None:  # align left-padded rows so positions count from each row's first real token
+        # A prefill aligns left-padded rows so that positions count from each row's first real token.
+        shift = _alignment(attention_mask, keep_outputs=output_hidden_states or output_attentions) if prefill else None
+        if shift is not None:
             input_ids, inputs_embeds, image_token_types, attention_mask = (
                 roll_rows(t, -shift) for t in (input_ids, inputs_embeds, image_token_types, attention_mask)
             )
-        stream, embeds, image_outputs = self._stage_input(
-            input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
-            output_attentions,
-        )
-        seq_len = stream[0].shape[1]
-        image_mask = None if image_token_types is None else image_token_types != IMAGE_TOKEN_TYPE_TEXT
-        engram_mask = None if image_mask is None else ~image_mask
+        # The stream entering this model's first layer: the embeddings (images merged), or what the previous pipeline
+        # stage handed on.
+        stream = stream_from_previous_stage(self._pp_stage, self._stage_layers()[0].hc_attn_fn.device)
+        embeds = image_outputs = None
+        if stream is None:
+            embeds, image_outputs = self._embed_inputs(
+                input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
+                output_attentions,
+            )
+            stream = ResidualStream.from_embeddings(embeds, self.text_config.hc_mult)
+        seq_len = stream.hidden_states.shape[1]
+        image_mask = None if image_token_types is None else image_token_types != ImageTokenType.TEXT.value
+
+        # Where the tokens sit: in the cache's rows, in Engram's n-grams, on the rotary tables.
         step = None
         if cache is not None:
-            step = cache.step(_real_tokens_per_row(attention_mask, stream[0]), seq_len, self.compress_rotary)
-        hash_ids = self._engram_hash_ids(input_ids, image_mask, attention_mask, cache, step)
-
-        positions = torch.arange(seq_len, device=stream[0].device)
+            new_tokens = _new_tokens_per_row(attention_mask, stream.hidden_states, prefill)
+            step = cache.step(new_tokens, seq_len, self.compress_rotary)
+        hash_ids = None
+        if self.engram_hasher is not None:
+            real = attention_mask if prefill else None  # a later call's tokens are all real
+            hash_ids = self.engram_hasher.hash_ids(input_ids, image_mask, real, cache, step)
+        positions = torch.arange(seq_len, device=stream.hidden_states.device) if prefill else step.positions
         rotations = {False: self.window_rotary(positions), True: self.compress_rotary(positions)}
-        outputs = self._run_layers(
-            stream, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions,
-            cache, step, output_dspark_hidden_states,
-        )
+
+        # The layers.
+        text = self.text_config
+        collapse = DeepseekV41HyperConnection.collapse
+        engram_rows = self.gather_engram_rows(hash_ids)
+        engram_mask = None if image_mask is None else ~image_mask
+        targets = set(text.dspark_target_layer_ids) if output_dspark_hidden_states else set()
+        all_hidden = [embeds] if output_hidden_states else None  # = the copies collapsed onto copy 0
+        all_attentions, all_slots = ([], []) if output_attentions else (None, None)
+        taps = []
+        for layer in self._stage_layers():
+            rotation = rotations[text.compress_ratios[layer.layer_id] > 0]
+            *handed_up, probs, slots, tap = layer(
+                *stream, rotation, engram_rows.get(layer.layer_id), image_mask=image_mask, engram_hash_ids=hash_ids,
+                engram_mask=engram_mask, cache=cache, step=step, output_attentions=output_attentions,
+                tap_stream=layer.layer_id in targets,
+            )
+            stream = ResidualStream(*handed_up)
+            if tap is not None:
+                taps.append(tap)
+            if output_hidden_states:
+                all_hidden.append(collapse(stream.hidden_states, stream.pre_mix))
+            if output_attentions:
+                all_attentions.append(probs)
+                all_slots.append(slots)
         if cache is not None:
             cache.finish_step(step, seq_len)
-        if shift is not None:  # queries back in the caller's layout (slots keep counting from the first real token)
-            outputs.last_hidden_state = roll_rows(outputs.last_hidden_state, shift)
-            if outputs.dspark_hidden_states is not None:
-                outputs.dspark_hidden_states = roll_rows(outputs.dspark_hidden_states, shift)
-            for name in ("hidden_states", "attention_slots"):
-                if getattr(outputs, name) is not None:
-                    setattr(outputs, name, tuple(roll_rows(t, shift) for t in getattr(outputs, name)))
-            if outputs.attentions is not None:  # [B, H, S, K]: queries on dim 2
-                outputs.attentions = tuple(roll_rows(t.transpose(1, 2), shift).transpose(1, 2) for t in outputs.attentions)
-        outputs.image_outputs = image_outputs
-        return outputs
+
+        # The outputs, or the stream for the next pipeline stage.
+        if hand_on_to_next_stage(self._pp_stage, stream):
+            return DeepseekV41ModelOutputWithPast(cache=cache, image_outputs=image_outputs)
+        outputs = DeepseekV41ModelOutputWithPast(
+            last_hidden_state=self.norm(collapse(stream.hidden_states, stream.pre_mix)),
+            cache=cache,
+            hidden_states=None if all_hidden is None else tuple(all_hidden),
+            attentions=None if all_attentions is None else tuple(all_attentions),
+            attention_slots=None if all_slots is None else tuple(all_slots),
+            dspark_hidden_states=torch.cat(taps, dim=-1) if taps else None,
+            image_outputs=image_outputs,
+        )
+        return outputs if shift is None else _in_caller_layout(outputs, shift)
 
     def _resolve_cache(self, cache: DeepseekV41Cache | None, use_cache: bool | None) -> DeepseekV41Cache | None:
         if cache is not None and not isinstance(cache, DeepseekV41Cache):
@@ -639,78 +649,6 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         if cache is None and use_cache:
             cache = DeepseekV41Cache(self.config)
         return cache
-
-    def _forward_cached(
-        self, input_ids, attention_mask, inputs_embeds, pixel_values, image_grid_hw, image_token_types,
-        output_hidden_states, output_attentions, cache: DeepseekV41Cache, output_dspark_hidden_states=False,
-    ) -> DeepseekV41ModelOutputWithPast:
-        """The new tokens of every row, at each row's own next positions."""
-        stream, embeds, image_outputs = self._stage_input(
-            input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
-            output_attentions,
-        )
-        bsz, seq_len = stream[0].shape[:2]
-        if (
-            attention_mask is not None
-            and not torch.compiler.is_compiling()
-            and not bool(attention_mask[:, -seq_len:].bool().all())
-        ):
-            raise ValueError(
-                "with a non-empty cache the new tokens must all be real (attention_mask 1): only the first call "
-                "(the prefill) may be padded"
-            )
-        image_mask = None if image_token_types is None else image_token_types != IMAGE_TOKEN_TYPE_TEXT
-        engram_mask = None if image_mask is None else ~image_mask
-        new_tokens = torch.full((bsz,), seq_len, dtype=torch.long, device=stream[0].device)
-        step = cache.step(new_tokens, seq_len, self.compress_rotary)
-        hash_ids = self._engram_hash_ids(input_ids, image_mask, None, cache, step)
-        rotations = {False: self.window_rotary(step.positions), True: self.compress_rotary(step.positions)}
-        outputs = self._run_layers(
-            stream, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions,
-            cache, step, output_dspark_hidden_states,
-        )
-        cache.finish_step(step, seq_len)
-        outputs.image_outputs = image_outputs
-        return outputs
-
-    def _run_layers(
-        self, stream, embeds, rotations, image_mask, hash_ids, engram_mask, output_hidden_states, output_attentions,
-        cache, step, output_dspark_hidden_states=False,
-    ) -> DeepseekV41ModelOutputWithPast:
-        text = self.text_config
-        engram_rows = self.gather_engram_rows(hash_ids)
-        hidden, pre_mix, *compressed = stream  # compressed: the CompressedContext handed up the stack, field by field
-        collapse = DeepseekV41HyperConnection.collapse
-        all_hidden = [embeds] if output_hidden_states else None  # = the copies collapsed onto copy 0
-        all_attentions, all_slots = ([], []) if output_attentions else (None, None)
-        targets = set(text.dspark_target_layer_ids) if output_dspark_hidden_states else set()
-        taps = []
-        for layer in self._stage_layers():
-            rotation = rotations[text.compress_ratios[layer.layer_id] > 0]
-            hidden, pre_mix, *compressed, probs, slots, tap = layer(
-                hidden, pre_mix, rotation, *compressed, engram_rows.get(layer.layer_id), image_mask=image_mask,
-                engram_hash_ids=hash_ids, engram_mask=engram_mask, cache=cache, step=step,
-                output_attentions=output_attentions, tap_stream=layer.layer_id in targets,
-            )
-            if tap is not None:
-                taps.append(tap)
-            if output_hidden_states:
-                all_hidden.append(collapse(hidden, pre_mix))
-            if output_attentions:
-                all_attentions.append(probs)
-                all_slots.append(slots)
-        stage = self._pp_stage
-        if stage is not None and not stage.pp_is_last_stage:  # the next stage goes on from this stream
-            stage.send_stream((hidden, pre_mix, *compressed))
-            return DeepseekV41ModelOutputWithPast(cache=cache)
-        return DeepseekV41ModelOutputWithPast(
-            last_hidden_state=self.norm(collapse(hidden, pre_mix)),
-            cache=cache,
-            hidden_states=None if all_hidden is None else tuple(all_hidden),
-            attentions=None if all_attentions is None else tuple(all_attentions),
-            attention_slots=None if all_slots is None else tuple(all_slots),
-            dspark_hidden_states=torch.cat(taps, dim=-1) if taps else None,
-        )
 
 
 class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
@@ -774,14 +712,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     ) -> DeepseekV41CausalLMOutputWithPast:
         """As :meth:`DeepseekV41Model.forward`, plus ``labels`` ([B, S], -100 ignored; shifted inside, as in every
         transformers causal LM) and ``logits_to_keep`` (an int keeps the last N positions, a tensor indexes)."""
-        if self._pp_stage is not None:
-            check_pipeline_call(
-                labels, self.training,
-                output_hidden_states=_flag(output_hidden_states, self.config, "output_hidden_states"),
-                output_attentions=_flag(output_attentions, self.config, "output_attentions"),
-                output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
-            )
-            check_same_inputs(self._pp_stage, input_ids if input_ids is not None else inputs_embeds)
+        check_pipeline_call(
+            self._pp_stage, input_ids if input_ids is not None else inputs_embeds, labels, self.training,
+            output_hidden_states=_flag(output_hidden_states, self.config, "output_hidden_states"),
+            output_attentions=_flag(output_attentions, self.config, "output_attentions"),
+            output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
+        )
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
             pixel_values=pixel_values, image_grid_hw=image_grid_hw, image_token_types=image_token_types,
@@ -792,9 +728,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         hidden = outputs.last_hidden_state  # None on all pipeline stages but the last
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = None if hidden is None else self.lm_head(hidden[:, keep])
-        if self._pp_stage is not None:
-            device = (input_ids if input_ids is not None else inputs_embeds).device
-            logits = self._pp_stage.broadcast_from_last(logits, dtype=torch.float32, device=device)
+        logits = logits_on_every_stage(self._pp_stage, logits, (input_ids if input_ids is not None else inputs_embeds).device)
         loss = None
         if labels is not None:
             vocab_size = self.config.get_text_config().vocab_size
@@ -914,8 +848,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         self, input_ids: torch.LongTensor, image_token_types: torch.LongTensor | None = None, **kwargs
     ) -> dict:
         """The standard preparation, plus: generated tokens are text, so ``image_token_types`` is extended with
-        text types and sliced like ``input_ids`` (decode steps need none); and Engram still gets the ids when
-        generation starts from ``inputs_embeds``."""
+        text types and sliced like ``input_ids`` (decode steps need none); Engram still gets the ids when
+        generation starts from ``inputs_embeds``; and a prefill (an empty cache) always gets the images, also an
+        assistant model's, which transformers treats as a later iteration."""
+        cache = kwargs.get("cache")
+        if cache is None or cache.get_seq_length() == 0:
+            kwargs["is_first_iteration"] = True
         model_inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
         new = model_inputs["input_ids"] if model_inputs.get("input_ids") is not None else model_inputs["inputs_embeds"]
         length = new.shape[1]
@@ -923,7 +861,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             model_inputs["input_ids"] = input_ids[:, -length:]
         if image_token_types is not None and (kwargs.get("is_first_iteration") or not kwargs.get("use_cache", True)):
             total = max(input_ids.shape[1], image_token_types.shape[1])
-            types = F.pad(image_token_types, (0, total - image_token_types.shape[1]), value=IMAGE_TOKEN_TYPE_TEXT)
+            types = F.pad(image_token_types, (0, total - image_token_types.shape[1]), value=ImageTokenType.TEXT.value)
             model_inputs["image_token_types"] = types[:, -length:]
         return model_inputs
 
@@ -948,16 +886,49 @@ def _flag(value: bool | None, config, name: str) -> bool:
     return bool(getattr(config, name, False)) if value is None else value
 
 
-def _real_tokens_per_row(attention_mask: torch.Tensor | None, embeds: torch.Tensor) -> torch.Tensor:
-    """Real tokens of each (aligned) row [B]; a cache needs them in one run from position 0."""
-    bsz, seq_len = embeds.shape[:2]
+def _alignment(attention_mask: torch.Tensor | None, keep_outputs: bool) -> torch.Tensor | None:
+    """How far to roll each left-padded row [B] so that it starts at position 0 (None: no [B, S] mask). Rolling by 0
+    is an exact no-op; when intermediate outputs are asked for (``keep_outputs``), a mask without left padding is
+    not rolled at all (one host read), so that hidden_states and attentions are the forward's own tensors
+    (retain_grad works on them)."""
+    shift = left_padding_shift(attention_mask)
+    if shift is not None and keep_outputs and not bool(shift.any()):
+        return None
+    return shift
+
+
+def _new_tokens_per_row(attention_mask: torch.Tensor | None, hidden: torch.Tensor, prefill: bool) -> torch.Tensor:
+    """Real tokens each row [B] adds to a cache with this call (hidden [B, S, ...]): a prefill's one run per row from
+    position 0 (rows aligned), a later call's every token (only the prefill may be padded)."""
+    bsz, seq_len = hidden.shape[:2]
     if attention_mask is None:
-        return torch.full((bsz,), seq_len, dtype=torch.long, device=embeds.device)
+        return torch.full((bsz,), seq_len, dtype=torch.long, device=hidden.device)
+    if not prefill:
+        if not torch.compiler.is_compiling() and not bool(attention_mask[:, -seq_len:].bool().all()):
+            raise ValueError(
+                "with a non-empty cache the new tokens must all be real (attention_mask 1): only the first call "
+                "(the prefill) may be padded"
+            )
+        return torch.full((bsz,), seq_len, dtype=torch.long, device=hidden.device)
     mask = attention_mask.bool()
     lengths = mask.sum(dim=1)
     if not bool((mask == (torch.arange(seq_len, device=mask.device) < lengths.unsqueeze(1))).all()):
         raise ValueError("with a cache, attention_mask must mark one run of real tokens per row (left or right padding only)")
     return lengths
+
+
+def _in_caller_layout(outputs: DeepseekV41ModelOutputWithPast, shift: torch.Tensor) -> DeepseekV41ModelOutputWithPast:
+    """The outputs of aligned rows rolled back by ``shift`` [B]: queries in the caller's layout (slots keep counting
+    from the first real token)."""
+    outputs.last_hidden_state = roll_rows(outputs.last_hidden_state, shift)
+    if outputs.dspark_hidden_states is not None:
+        outputs.dspark_hidden_states = roll_rows(outputs.dspark_hidden_states, shift)
+    for name in ("hidden_states", "attention_slots"):
+        if getattr(outputs, name) is not None:
+            setattr(outputs, name, tuple(roll_rows(t, shift) for t in getattr(outputs, name)))
+    if outputs.attentions is not None:  # [B, H, S, K]: queries on dim 2
+        outputs.attentions = tuple(roll_rows(t.transpose(1, 2), shift).transpose(1, 2) for t in outputs.attentions)
+    return outputs
 
 
 def _repeat_images(
@@ -968,7 +939,7 @@ def _repeat_images(
         raise ValueError("pixel_values need image_grid_hw and image_token_types (as the processor returns them)")
     patches = pixel_values.split(image_grid_hw.prod(dim=-1).tolist())
     order, first = [], 0
-    for count in (image_token_types == IMAGE_START).sum(dim=1).tolist():
+    for count in (image_token_types == ImageTokenType.START.value).sum(dim=1).tolist():
         order += list(range(first, first + count)) * repeats
         first += count
     return {"pixel_values": torch.cat([patches[i] for i in order]), "image_grid_hw": image_grid_hw[order]}

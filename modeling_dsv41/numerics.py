@@ -9,7 +9,10 @@ The last bits of a floating-point op depend on the machine in three ways:
 - Reductions: ATen's vectorized sums (softmax, RMSNorm means, Sinkhorn normalisations) accumulate in lanes whose
   number depends on the ISA, and its scalar kernels in another order again.
 - Transcendentals: ``exp``, ``sigmoid``, ``cos``... come from vector libraries (Sleef, MKL VML) or libm by ISA, and
-  differ by an ulp here and there.
+  differ by an ulp here and there. So does ``sqrt``, which ATen also takes from MKL's vector math for fp32 and fp64:
+  IEEE 754 defines it correctly rounded, MKL's code paths are not always (through the Engram gate's signed root and
+  the router's ``sqrt(softplus)``, MKL's AVX-512 path on an Intel CPU and its path on an AMD one gave image-prompt
+  logits 0.12 apart).
 
 A few outputs then round the other way, and FP8 block scales (a power of two of a block's amax), the 8 FP4 levels and
 the top-k decisions of the router and the indexer turn one ulp into visibly different logits. In fp64, the order of
@@ -24,8 +27,8 @@ machine-independent ops instead (:func:`portable_attention`).
 The mode is a :class:`~torch.overrides.TorchFunctionMode`, so it reaches every op the model runs — its own layers,
 wrappers around them (PEFT LoRA), einsums, fused experts, the ViT's attention — and DeepSeek's reference code run
 inside it, without a code path of its own in each module. Autograd differentiates through the casts, so it also
-works in training (slower). Ops left alone are exact in any order: elementwise ``+ - * /``, ``sqrt``, comparisons,
-``max``/``topk``, casts and indexing.
+works in training (slower). ``sqrt`` is computed correctly rounded (:func:`correctly_rounded_sqrt`). Ops left alone
+are exact in any order: elementwise ``+ - * /``, comparisons, ``max``/``topk``, casts and indexing.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ MATRIX_PRODUCTS = frozenset(
         torch.matmul, torch.mm, torch.bmm, torch.mv, torch.dot, torch.inner, torch.tensordot, torch.einsum,
         torch.addmm, torch.addbmm, torch.baddbmm, torch.addmv,
         _T.matmul, _T.__matmul__, _T.__rmatmul__, _T.mm, _T.bmm, _T.mv, _T.dot, _T.addmm, _T.baddbmm,
+        torch.cdist, F.conv1d, F.conv2d, F.conv3d,  # MKL's / oneDNN's products inside
     }
     | ({torch._grouped_mm} if hasattr(torch, "_grouped_mm") else set())
 )
@@ -71,17 +75,30 @@ TRANSCENDENTALS = frozenset(
         _T.pow, _T.__pow__, _T.__rpow__, _T.erf,
         _T.exp_, _T.log_, _T.sigmoid_, _T.tanh_, _T.sin_, _T.cos_, _T.rsqrt_, _T.pow_,
         F.silu, F.gelu, F.softplus, F.sigmoid, F.tanh, F.logsigmoid, F.elu, F.mish,
+        torch.tan, torch.atan, torch.atan2, torch.asin, torch.acos, torch.sinh, torch.cosh, torch.asinh, torch.acosh,
+        torch.atanh, torch.log10, torch.erfc, torch.erfinv, torch.lgamma, torch.digamma, torch.hypot, torch.logaddexp,
+        torch.logaddexp2,
+        _T.tan, _T.atan, _T.atan2, _T.asin, _T.acos, _T.sinh, _T.cosh, _T.asinh, _T.acosh, _T.atanh, _T.log10, _T.erfc,
+        _T.erfinv, _T.lgamma, _T.digamma, _T.hypot, _T.logaddexp, _T.logaddexp2,
+        F.selu, F.celu, F.glu,
     }
+)
+# vector code fuses their last multiply and add (one rounding), scalar kernels do not: run as separate fp64 steps
+FUSED_MULTIPLY_ADDS = frozenset(
+    {torch.addcmul, torch.addcdiv, torch.lerp, _T.addcmul, _T.addcdiv, _T.lerp, _T.addcmul_, _T.addcdiv_, _T.lerp_}
 )
 # complex products (RoPE's rotation) are vector code with their own rounding per ISA; real ones are exact
 COMPLEX_PRODUCTS = frozenset({torch.mul, _T.mul, _T.__mul__, _T.__rmul__})
-WIDENED = MATRIX_PRODUCTS | REDUCTIONS | TRANSCENDENTALS | COMPLEX_PRODUCTS
+# ATen takes fp32 and fp64 sqrt from MKL's vector math, whose last bit follows MKL's code path: correctly rounded here
+SQUARE_ROOTS = frozenset({torch.sqrt, _T.sqrt, _T.sqrt_})
+WIDENED = MATRIX_PRODUCTS | REDUCTIONS | TRANSCENDENTALS | FUSED_MULTIPLY_ADDS | COMPLEX_PRODUCTS | SQUARE_ROOTS
 
 
 class ReferenceNumericsMode(TorchFunctionMode):
-    """Runs each matrix product, reduction, transcendental op and complex product of bf16/fp16/fp32 (complex64)
-    operands in fp64 (complex128) and rounds the result once to the dtype the op would have returned. A matrix product of mixed dtypes fails as it does without
-    the mode; integer, FP8 and fp64 operands, ``out=`` calls and every other op run as they are."""
+    """Runs each matrix product, reduction, transcendental op, fused multiply-add and complex product of
+    bf16/fp16/fp32 (complex64) operands in fp64 (complex128) and rounds the result once to the dtype the op would have
+    returned; square roots are correctly rounded. A matrix product of mixed dtypes fails as it does without the mode;
+    integer, FP8 and fp64 operands, ``out=`` calls and every other op run as they are."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -93,6 +110,10 @@ class ReferenceNumericsMode(TorchFunctionMode):
         if func.__name__.endswith("_") and not func.__name__.startswith("__"):  # in place: widen, then write back
             out_of_place = getattr(torch.Tensor, func.__name__[:-1])
             return args[0].copy_(self.__torch_function__(out_of_place, types, args, kwargs))
+        if func in SQUARE_ROOTS and not dtype.is_complex:
+            return correctly_rounded_sqrt(*args, **kwargs)
+        if func in FUSED_MULTIPLY_ADDS:
+            func = functools.partial(unfused_multiply_add, func.__name__)
         if kwargs.get("dtype") is not None:
             kwargs = {**kwargs, "dtype": WIDE[kwargs["dtype"]]}
         result = func(*tree_map(_widen, args), **tree_map(_widen, kwargs))
@@ -128,6 +149,47 @@ def _result_dtype(func: Callable, args: tuple, kwargs: dict) -> torch.dtype | No
     if requested is not None:
         return requested if requested in ROUNDED_DTYPES else None
     return functools.reduce(torch.promote_types, dtypes)
+
+
+def correctly_rounded_sqrt(input: torch.Tensor) -> torch.Tensor:
+    """√x of a bf16/fp16/fp32 tensor, correctly rounded to its dtype (as IEEE 754 defines ``sqrt``).
+
+    ATen's fp32 and fp64 ``sqrt`` come from MKL's vector math, whose last bit depends on the code path MKL picks for
+    the CPU (with ``MKL_CBWR=COMPATIBLE`` 17% of fp32 roots are not the correctly rounded one, on the AVX-512 path
+    0.6%). The fp64 root rounded to the dtype is within an ulp of √x whatever library computed it; the halfway
+    points to its two neighbours have one bit more than the dtype, so their squares are exact in fp64 and comparing
+    them with x picks the correctly rounded root. Gradients flow as through ``sqrt`` of the fp64 value.
+    """
+    root = input.double().sqrt().to(input.dtype)
+    with torch.no_grad():
+        wide, near = input.double(), root.double()
+        up = torch.nextafter(root, torch.full_like(root, math.inf))
+        down = torch.nextafter(root, torch.zeros_like(root))
+        halfway_up, halfway_down = (near + up.double()) / 2, (near + down.double()) / 2
+        rounded = torch.where(halfway_up * halfway_up < wide, up, root)
+        rounded = torch.where(halfway_down * halfway_down > wide, down, rounded)
+        moved = (wide > 0) & root.isfinite() & (rounded != root)
+        step = torch.where(moved, rounded - root, 0)  # exact: zero or one ulp
+    return torch.where(moved, root + step, root)
+
+
+def unfused_multiply_add(
+    name: str, input: torch.Tensor, other: torch.Tensor, third: torch.Tensor | float, *, value: float = 1
+) -> torch.Tensor:
+    """``addcmul`` / ``addcdiv`` / ``lerp`` as the separate ops of ATen's scalar kernels: ``input + value·t1·t2``,
+    ``input + value·(t1 / t2)``, and ``input + w·(end - input)`` (``end - (end - input)·(1 - w)`` where |w| ≥ 0.5).
+
+    Vector code fuses the last multiply and add into one rounding; where the sum cancels, that shows even after
+    rounding an fp64 result to fp32 (lerp: 99 of 300k). Separate ops round the same way in every build.
+    """
+    if name == "addcmul":
+        return input + value * other * third
+    if name == "addcdiv":
+        return input + value * (other / third)
+    weight, difference = third, other - input
+    if not isinstance(weight, torch.Tensor):
+        return input + weight * difference if abs(weight) < 0.5 else other - difference * (1 - weight)
+    return torch.where(weight.abs() < 0.5, input + weight * difference, other - difference * (1 - weight))
 
 
 def _is_plain_attention(

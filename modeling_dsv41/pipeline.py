@@ -1,12 +1,13 @@
 """Pipeline parallelism (``DistributedConfig(pp_size=N)``) for DeepSeek-V4.1, on transformers' pipeline stages.
 
 transformers' naive pipeline hands one [B, S, D] tensor from stage to stage as ``inputs_embeds``. Our residual
-stream between blocks is more than that (``base_model_pp_plan``): the ``hc_mult`` copies [B, S, hc, D], the mHC
-weights ``pre_mix`` [B, S, hc] the next block collapses them with, and the compressed context that compressed layers
-hand up the stack (compressed K=V, index keys, top-k selection, candidate blocks: any may be None). Engram layers
-hash n-grams of the input ids, which every stage keeps. So the split keeps transformers' :class:`PipelineStage`
-(layer ranges, point-to-point ``communicate``, ``broadcast_from_last`` of the logits, checkpoint key ownership) and
-its ``pp`` mesh, and :class:`~modeling_dsv41.modeling_dsv41.DeepseekV41Model` receives / sends that stream itself:
+stream between blocks is more than that (:class:`~.residual_stream.ResidualStream`, the model's pipeline plan): the
+``hc_mult`` copies [B, S, hc, D], the mHC weights ``pre_mix`` [B, S, hc] the next block collapses them with, and the
+compressed context that compressed layers hand up the stack (compressed K=V, index keys, top-k selection, candidate
+blocks: any may be None). Engram layers hash n-grams of the input ids, which every stage keeps. So the split keeps
+transformers' :class:`PipelineStage` (layer ranges, point-to-point ``communicate``, ``broadcast_from_last`` of the
+logits, checkpoint key ownership) and its ``pp`` mesh, and the model's forward receives / sends that stream itself
+(:func:`stream_from_previous_stage`, :func:`hand_on_to_next_stage`):
 
 * stage 0: ``embed`` (and the vision tower) → its layers → sends the stream;
 * a middle stage: receives the stream → its layers → sends it;
@@ -21,13 +22,15 @@ each forward checks that every stage was given the same inputs, so a rank that d
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer, PipelineStage
+
+from .residual_stream import ResidualStream
 
 # what a stream header can name (its index is the code sent); -1 sends None
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
@@ -51,31 +54,48 @@ class DeepseekV41PipelineStage(PipelineStage):
             return 0
         return super().find_rank_for_key(key, num_layers, base_model_prefix)
 
-    def send_stream(self, tensors: Sequence[torch.Tensor | None]) -> None:
+    def send_stream(self, stream: ResidualStream) -> None:
         """Send the stream to the next stage: a header [n, 2 + _MAX_NDIM] (dtype code or -1 for None, ndim, shape),
         then each tensor, at its own dtype (``pre_mix`` is fp32 whatever the model dtype; selections are ids)."""
-        header = torch.full((len(tensors), 2 + _MAX_NDIM), -1, dtype=torch.long)
-        for row, tensor in zip(header, tensors):
+        header = torch.full((len(stream), 2 + _MAX_NDIM), -1, dtype=torch.long)
+        for row, tensor in zip(header, stream):
             if tensor is None:
                 continue
             if tensor.dtype not in _DTYPES or tensor.ndim > _MAX_NDIM:
                 raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)} between stages")
             row[0], row[1] = _DTYPES.index(tensor.dtype), tensor.ndim
             row[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
-        device = next(tensor.device for tensor in tensors if tensor is not None)  # NCCL sends from the accelerator
+        device = next(tensor.device for tensor in stream if tensor is not None)  # NCCL sends from the accelerator
         self.communicate("send_forward", device=device, dtype=torch.long, tensor=header)
-        for tensor in tensors:
+        for tensor in stream:
             if tensor is not None:
                 self.communicate("send_forward", device=tensor.device, dtype=tensor.dtype, tensor=tensor)
 
-    def recv_stream(self, count: int, device: torch.device) -> list[torch.Tensor | None]:
-        """Receive the ``count`` tensors :meth:`send_stream` sent from the previous stage, onto ``device``."""
+    def recv_stream(self, device: torch.device) -> ResidualStream:
+        """Receive the stream :meth:`send_stream` sent from the previous stage, onto ``device``."""
         receive = partial(self.communicate, "recv_forward", device=device)
-        header = receive(dtype=torch.long, shape=(count, 2 + _MAX_NDIM))
-        return [
+        header = receive(dtype=torch.long, shape=(len(ResidualStream._fields), 2 + _MAX_NDIM))
+        return ResidualStream(*[
             None if code < 0 else receive(dtype=_DTYPES[code], shape=shape[:ndim])
             for code, ndim, *shape in header.tolist()
-        ]
+        ])
+
+
+def stream_from_previous_stage(stage: DeepseekV41PipelineStage | None, device: torch.device) -> ResidualStream | None:
+    """The stream the previous pipeline stage handed on, received onto ``device``; None where the model embeds its
+    inputs itself (without pipeline parallelism, and on the first stage)."""
+    if stage is None or stage.pp_is_first_stage:
+        return None
+    return stage.recv_stream(device)
+
+
+def hand_on_to_next_stage(stage: DeepseekV41PipelineStage | None, stream: ResidualStream) -> bool:
+    """Send ``stream`` to the next pipeline stage, which goes on from it; False where the model ends the forward
+    itself (without pipeline parallelism, and on the last stage)."""
+    if stage is None or stage.pp_is_last_stage:
+        return False
+    stage.send_stream(stream)
+    return True
 
 
 def maybe_distribute_model(distribute: Callable, model: nn.Module, distributed_config, mesh_manager) -> nn.Module:
@@ -118,8 +138,13 @@ def split_into_stage(model: nn.Module, pp_mesh) -> DeepseekV41PipelineStage:
     return stage
 
 
-def check_pipeline_call(labels, training: bool, **outputs: bool | None) -> None:
-    """What a pipeline-parallel forward refuses rather than computing it partly."""
+def check_pipeline_call(
+    stage: PipelineStage | None, inputs: torch.Tensor, labels, training: bool, **outputs: bool | None
+) -> None:
+    """Refuse what a pipeline-parallel forward cannot compute whole, and inputs that differ between the stages
+    (:func:`check_same_inputs`); nothing to check without pipeline parallelism (``stage`` None)."""
+    if stage is None:
+        return
     if labels is not None or training:
         raise ValueError(
             "pipeline parallelism runs inference only (no backward across stages): call it in eval mode, without labels"
@@ -128,6 +153,15 @@ def check_pipeline_call(labels, training: bool, **outputs: bool | None) -> None:
         raise ValueError(
             f"{', '.join(asked)}: not returned under pipeline parallelism (each stage sees only its own layers)"
         )
+    check_same_inputs(stage, inputs)
+
+
+def logits_on_every_stage(stage: PipelineStage | None, logits: torch.Tensor | None, device: torch.device):
+    """The last stage's logits, on every stage (``generate`` runs on every rank); ``logits`` themselves without
+    pipeline parallelism."""
+    if stage is None:
+        return logits
+    return stage.broadcast_from_last(logits, dtype=torch.float32, device=device)
 
 
 def check_same_inputs(stage: PipelineStage, inputs: torch.Tensor) -> None:

@@ -287,7 +287,7 @@ def format_plan(plan: DevicePlan, max_memory: dict[int | str, int], native: bool
     """The placement table ``dsv41 inspect --devices`` prints."""
     storage = "released storage (FP8 Linears, FP4 experts, FP8 Engram tables)" if native else "loaded dtypes"
     lines = [f"Placement with device_map=\"auto\" ({storage}):", f"{'device':<10}{'weights':>14}{'capacity':>14}{'used':>8}"]
-    for device in sorted(max_memory, key=lambda d: (isinstance(d, str), str(d))):
+    for device in sorted(max_memory, key=lambda d: (isinstance(d, str), 0 if isinstance(d, str) else d, str(d))):
         used = plan.weights.get(device, 0)
         if isinstance(device, str) and not used:
             continue
@@ -295,6 +295,9 @@ def format_plan(plan: DevicePlan, max_memory: dict[int | str, int], native: bool
     for device, used in plan.weights.items():
         if device not in max_memory:
             lines.append(f"{device!s:<10}{_bytes(used):>14}{'-':>14}{'':>8}")
+    on_devices = sum(plan.weights.values())
+    lines.append(f"weights in all: {_bytes(on_devices + plan.engram_host_bytes)} ({_bytes(on_devices)} placed, "
+                 f"{_bytes(plan.engram_host_bytes)} of Engram tables in host memory)")
     tables = ", ".join(f"layer {layer}: {where if where == 'host' else f'device {where}'}"
                        for layer, where in plan.engram_tables.items())
     if plan.engram_tables:

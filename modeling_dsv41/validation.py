@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from processing.image_tokens import ImageTokenType
+
 IGNORE_INDEX = -100  # labels' ignore index, a common mistake in input_ids
 
 
@@ -75,6 +77,49 @@ def check_pixel_values(pixel_values: torch.Tensor, image_grid_hw: torch.Tensor |
     raise ValueError(f"pixel_values holds {bad} NaN/inf values{where}: check the image files and the preprocessing")
 
 
+def count(number: int, noun: str) -> str:
+    """``"1 image"``, ``"2 images"``: a number with its noun, for messages."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def check_image_inputs(
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    pixel_values: torch.Tensor | None,
+    image_grid_hw: torch.Tensor | None,
+    image_token_types: torch.Tensor | None,
+    image_token_id: int,
+) -> None:
+    """Images come with their placeholders and placeholders with their images (a full forward, not a decode step).
+
+    Without ``pixel_values`` the placeholders would be embedded as the image token itself, and the model would answer
+    about an image it never saw. ``image_token_types`` alone stays allowed next to ``inputs_embeds``: the caller
+    merged the images into the embeddings (see :meth:`DeepseekV41Model.forward`).
+    """
+    fix = "pass everything the processor returns (input_ids, pixel_values, image_grid_hw, image_token_types)"
+    if pixel_values is None:
+        if inputs_embeds is not None:
+            return
+        if image_token_types is not None:
+            spans = int((image_token_types == ImageTokenType.START.value).sum())  # one per image span
+            if spans:
+                raise ValueError(f"image_token_types marks {count(spans, 'image span')} but no pixel_values were given: {fix}")
+        elif input_ids is not None:
+            placeholders = int((input_ids == image_token_id).sum())
+            if placeholders:
+                raise ValueError(
+                    f"input_ids hold {count(placeholders, 'image position')} (image_token_id {image_token_id}) but no "
+                    f"pixel_values were given: {fix}, e.g. model.generate(**inputs)"
+                )
+        return
+    if image_token_types is None and input_ids is not None and not bool((input_ids == image_token_id).any()):
+        images = "pixel_values" if image_grid_hw is None else f"pixel_values of {count(len(image_grid_hw), 'image')}"
+        raise ValueError(
+            f"{images} but input_ids hold no image placeholder (image_token_id {image_token_id}): {fix}; the "
+            "processor expands one placeholder per image into its span"
+        )
+
+
 def check_safetensors_file(path: str | os.PathLike) -> None:
     """A ``ValueError`` naming ``path`` if it is not a whole safetensors file (a truncated download or copy):
     the header must parse and the file must hold every byte the header lists. Reads only the header."""
@@ -105,9 +150,11 @@ def check_safetensors_folder(folder: str | os.PathLike) -> None:
 
 __all__ = [
     "check_attention_mask",
+    "check_image_inputs",
     "check_input_ids",
     "check_pixel_values",
     "check_safetensors_file",
     "check_safetensors_folder",
     "check_text_inputs",
+    "count",
 ]

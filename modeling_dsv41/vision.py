@@ -14,23 +14,18 @@ Module and parameter names follow the released checkpoint (``vision.*``, ``align
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# token types of an image span in the LM sequence (text positions are -1)
-IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = 0, 1, 2, 3
-TEXT = -1
+from processing.image_tokens import ImageTokenType
 
+from .validation import count
 
-def image_token_grid(vit_grid_hw: Sequence[int], downsample_ratio: int) -> tuple[int, int]:
-    """The LM token grid of an image: the ViT patch grid divided by the aligner ratio, rounded up
-    (the aligner zero-pads the bottom and right edges)."""
-    vit_h, vit_w = (int(n) for n in vit_grid_hw)
-    return math.ceil(vit_h / downsample_ratio), math.ceil(vit_w / downsample_ratio)
+# the token types of an image span (plain ints: see ImageTokenType)
+TEXT, START, IMAGE, NEWLINE, END = (kind.value for kind in ImageTokenType)
 
 
 def vision_rotary_cos_sin(
@@ -254,9 +249,9 @@ def _image_spans(image_token_types: torch.Tensor) -> list[tuple[int, int, int]]:
     if image_token_types.ndim != 2:
         raise ValueError(f"image_token_types must be [batch, seq], got shape {tuple(image_token_types.shape)}")
     types = image_token_types
-    if ((types < TEXT) | (types > IMAGE_END)).any():
+    if ((types < TEXT) | (types > END)).any():
         raise ValueError("image_token_types must hold -1 (text), 0 (start), 1 (image), 2 (newline) or 3 (end)")
-    is_start, is_end = types == IMAGE_START, types == IMAGE_END
+    is_start, is_end = types == START, types == END
     # 1 from a start through its end, 0 elsewhere, when spans are well formed
     depth = is_start.long().cumsum(1) - is_end.long().cumsum(1) + is_end.long()
     well_formed = ((depth == 1) == (types != TEXT)).all() and (depth[:, -1] - is_end[:, -1].long() == 0).all()
@@ -271,11 +266,11 @@ def _image_spans(image_token_types: torch.Tensor) -> list[tuple[int, int, int]]:
 
 def _span_grid(inner: torch.Tensor) -> tuple[int, int]:
     """(rows, width) of a span's inner types, which must be rows × (width image tokens + newline)."""
-    rows = int((inner == IMAGE_NEWLINE).sum())
+    rows = int((inner == NEWLINE).sum())
     if rows == 0 or inner.numel() % rows or inner.numel() // rows < 2:
         raise ValueError(f"image span of {inner.numel()} inner tokens does not split into rows ending in a newline")
     lines = inner.reshape(rows, -1)
-    if not ((lines[:, -1] == IMAGE_NEWLINE).all() and (lines[:, :-1] == IMAGE).all()):
+    if not ((lines[:, -1] == NEWLINE).all() and (lines[:, :-1] == IMAGE).all()):
         raise ValueError("image span rows must each be the same number of image tokens followed by one newline")
     return rows, lines.shape[1] - 1
 
@@ -305,9 +300,9 @@ def merge_image_embeddings(
         )
     spans = _image_spans(image_token_types)
     if len(spans) != len(image_features):
-        raise ValueError(f"found {len(spans)} image spans but got {len(image_features)} images")
+        raise ValueError(f"found {count(len(spans), 'image span')} but got {count(len(image_features), 'image')}")
     if token_grids is not None and len(token_grids) != len(image_features):
-        raise ValueError(f"got {len(token_grids)} token grids for {len(image_features)} images")
+        raise ValueError(f"got {count(len(token_grids), 'token grid')} for {count(len(image_features), 'image')}")
     if not spans:
         return inputs_embeds
     dim = inputs_embeds.shape[-1]
@@ -326,8 +321,8 @@ def merge_image_embeddings(
     dtype, device = inputs_embeds.dtype, inputs_embeds.device
     types = image_token_types.to(device)
     merged = inputs_embeds.clone()
-    merged[types == IMAGE_START] = image_start.to(device, dtype)
-    merged[types == IMAGE_NEWLINE] = image_newline.to(device, dtype)
-    merged[types == IMAGE_END] = image_end.to(device, dtype)
+    merged[types == START] = image_start.to(device, dtype)
+    merged[types == NEWLINE] = image_newline.to(device, dtype)
+    merged[types == END] = image_end.to(device, dtype)
     merged[types == IMAGE] = torch.cat([f.to(device, dtype) for f in image_features])
     return merged

@@ -4,16 +4,9 @@ Importing this package registers the classes with ``AutoImageProcessor`` and ``A
 ``model_type="deepseek_v41"`` (see :func:`register`).
 """
 
-from .image_processing_dsv41 import (
-    DeepseekV41ImageProcessor,
-    ImageGridPlan,
-    ImageTokenType,
-    image_span_token_types,
-    plan_image_grid,
-    span_length,
-    token_grid,
-)
+from .image_processing_dsv41 import DeepseekV41ImageProcessor, ImageGridPlan, plan_image_grid
 from .image_processing_pil_dsv41 import DeepseekV41ImageProcessorPil
+from .image_tokens import ImageTokenType, image_span_token_types, span_length, token_grid
 from .processing_dsv41 import DeepseekV41Processor
 from .tokenizer_dsv41 import CHAT_TEMPLATE, IMAGE_TOKEN, build_tiny_tokenizer
 

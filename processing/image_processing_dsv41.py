@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import enum
 import io
 import itertools
 import math
@@ -44,17 +43,9 @@ from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 from transformers.image_utils import ChannelDimension, PILImageResampling
 from transformers.processing_utils import ImagesKwargs, Unpack
 
+from .image_tokens import span_length, token_grid
+
 LETTERBOX_FILL = 127  # gray of the padding band, as the reference's ImageOps.pad(color=(127, 127, 127))
-
-
-class ImageTokenType(enum.IntEnum):
-    """Role of each position in ``input_ids``: every image-span position carries the image token id."""
-
-    TEXT = -1
-    START = 0
-    IMAGE = 1
-    NEWLINE = 2
-    END = 3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -84,23 +75,6 @@ class ImageGridPlan:
     def num_positions(self) -> int:
         """Length of the image span in the LM sequence: start + rows × (visual tokens + newline) + end."""
         return span_length(self.token_grid)
-
-
-def span_length(token_grid: tuple[int, int]) -> int:
-    rows, cols = token_grid
-    return rows * (cols + 1) + 2
-
-
-def image_span_token_types(token_grid: tuple[int, int]) -> list[int]:
-    """START, then per row ``cols`` IMAGE and one NEWLINE, then END (the reference's default layout)."""
-    rows, cols = token_grid
-    row = [ImageTokenType.IMAGE.value] * cols + [ImageTokenType.NEWLINE.value]
-    return [ImageTokenType.START.value, *(row * rows), ImageTokenType.END.value]
-
-
-def token_grid(patch_grid: tuple[int, int], downsample_ratio: int) -> tuple[int, int]:
-    """LM grid of a ViT patch grid: the aligner pads the patches to a multiple of the ratio, so ceil(n / ratio)."""
-    return tuple(-(-side // downsample_ratio) for side in patch_grid)
 
 
 def _canvas_token_grid(canvas_size: tuple[int, int], patch_size: int, downsample_ratio: int) -> tuple[int, int]:
@@ -222,12 +196,15 @@ def _encoded_bytes(source: EncodedImage) -> bytes:
     if os.path.isfile(path):
         with open(path, "rb") as file:
             return file.read()
+    if os.path.exists(path):
+        raise ValueError(f"{path!r} is not a file")
     if isinstance(source, str):  # transformers' load_image also takes bare base64
         try:
             return base64.b64decode(source, validate=True)
         except binascii.Error:
             pass
-    raise ValueError(f"not an image file, a data: URI or base64: {path[:80]!r}")
+        raise ValueError(f"image file {path[:200]!r} does not exist (nor is the text a data: URI or base64)")
+    raise ValueError(f"image file {path!r} does not exist")
 
 
 def decode_image(source: EncodedImage) -> Image.Image:

@@ -14,13 +14,8 @@ import torch
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import MultiModalData, ProcessorMixin
 
-from .image_processing_dsv41 import (
-    ImageTokenType,
-    flatten_images,
-    image_span_token_types,
-    token_grid,
-    span_length,
-)
+from .image_processing_dsv41 import flatten_images
+from .image_tokens import ImageTokenType, image_span_token_types, span_length, token_grid
 from .tokenizer_dsv41 import CHAT_TEMPLATE, IMAGE_TOKEN
 
 
@@ -75,7 +70,7 @@ class DeepseekV41Processor(ProcessorMixin):
         placeholders = [sample.count(self.image_token) for sample in text]
         if images is None:
             if any(placeholders):
-                raise ValueError(f"the text has {sum(placeholders)} {self.image_token} placeholders but no images")
+                raise ValueError(f"the text has {_count(sum(placeholders), self.image_token + ' placeholder')} but no images")
             return
         per_prompt = (
             isinstance(images, (list, tuple))
@@ -89,9 +84,10 @@ class DeepseekV41Processor(ProcessorMixin):
                     f"{self.image_token} placeholders per prompt {placeholders} != images per prompt {given}"
                 )
         elif sum(placeholders) != len(flatten_images(images)):
+            given = len(flatten_images(images))
             raise ValueError(
-                f"the text has {sum(placeholders)} {self.image_token} placeholders but "
-                f"{len(flatten_images(images))} images were given"
+                f"the text has {_count(sum(placeholders), self.image_token + ' placeholder')} but "
+                f"{_count(given, 'image')} {'was' if given == 1 else 'were'} given"
             )
 
     def _process_images(self, images: Any, **kwargs: Any) -> tuple[BatchFeature, list[str]]:
@@ -137,6 +133,11 @@ class DeepseekV41Processor(ProcessorMixin):
     @property
     def model_input_names(self) -> list[str]:
         return [*self.tokenizer.model_input_names, *self.image_processor.model_input_names, "image_token_types"]
+
+
+def _count(number: int, noun: str) -> str:
+    """``"1 image"``, ``"2 images"``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 __all__ = ["DeepseekV41Processor"]

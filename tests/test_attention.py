@@ -18,6 +18,7 @@ from modeling_dsv41.attention import (
 )
 from modeling_dsv41.numerics import reference_numerics, reference_numerics_active
 from modeling_dsv41.rotary import apply_rotary
+from tiny_models import tiny_model
 
 
 def dense_sink_attention(q, kv, slots, sink, scale):
@@ -197,14 +198,9 @@ def test_slot_gather_backward_matches_the_advanced_indexing_path(monkeypatch):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def tiny_model(dtype=torch.float32, **text_overrides):
-    from configuration import DeepseekV41Config
-    from modeling_dsv41 import DeepseekV41ForCausalLM
-
-    torch.manual_seed(0)
-    config = DeepseekV41Config.from_preset("tiny")
-    text = config.text_config.to_dict() | {"engram_layer_ids": [], "engram_num_embeddings": []} | text_overrides
-    return DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)).eval().to(dtype)
+def attention_model(dtype=torch.float32, **text_overrides):
+    """The tiny model without Engram (its attention is what these tests look at)."""
+    return tiny_model(engram_layer_ids=[], engram_num_embeddings=[], **text_overrides).to(dtype)
 
 
 def set_query_chunk_size(model, chunk):
@@ -245,7 +241,7 @@ def test_chunked_queries_reproduce_the_whole_pass():
     one full-suite run (logits 0.05 apart). In float64 such a flip would need scores within 1e-15 of each other, so
     the passes must agree to the fp32 head's rounding. A chunk misaligned by one query (lengths, candidates or
     slots) moves these logits by more than 1e-2."""
-    model = tiny_model(torch.float64)
+    model = attention_model(torch.float64)
     ids = torch.randint(3, 500, (2, 150), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         whole = model(ids, use_cache=False).logits
@@ -275,7 +271,7 @@ def test_forward_peak_memory_grows_linearly_with_sequence_length():
 def test_attention_map_recombines_into_the_output():
     """probs [B, H, S, K] over the slots that slot_index names (window key positions, then compressed rows), times
     those K=V rows, is the attention before its output projections: the module's own output follows."""
-    model = tiny_model()
+    model = attention_model()
     text = model.config.text_config
     attn = model.model.layers[1].attn  # ratio 2: KV and index source, index_topk 8 of up to 20 rows
     bsz, seq = 2, 41
@@ -305,7 +301,7 @@ def test_attention_map_recombines_into_the_output():
 def test_attention_map_of_a_decode_step_matches_the_full_pass():
     """The last query's map from a cached decode step names the same window positions and compressed rows, with
     the same probabilities, as the full forward's last query."""
-    model = tiny_model()
+    model = attention_model()
     maps = []
 
     def recording(forward):

@@ -312,3 +312,39 @@ def test_released_storage_round_trips_and_loads_without_a_dtype(released_folder,
     reloaded = _load_dequantized(tmp_path, engram_tokenizer=stub_tokenizer())
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def _stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    stored = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        stored.update(load_file(shard))
+    return stored
+
+
+@pytest.mark.parametrize("case", ["float_tables", "fp8_tables", "dspark_vision"])
+def test_a_natively_loaded_released_folder_is_written_back_byte_for_byte(fixtures_dir, tmp_path, case):
+    """A released folder loaded natively (FP8 Linears and FP4 experts as stored; ``wo_a``, Engram ``wkv``, the draft
+    head and, unless ``engram_table_dtype="fp8"``, the Engram tables dequantized) and written in the released layout
+    again holds the source's tensor names, dtypes and bytes. The source is what save_released_checkpoint writes for a
+    model in the reference dtypes (bf16, fp32 where the reference keeps fp32)."""
+    if case == "dspark_vision":
+        reference = json.loads((fixtures_dir / "v41_tiny_dspark/config.json").read_text())
+        config = DeepseekV41Config.from_dict({**reference, "dspark_n_routed_experts": 2})
+    else:
+        config = DeepseekV41Config(text_config=QUANT_FORMAT_TEXT)
+    torch.manual_seed(0)
+    DeepseekV41ForCausalLM(config).save_pretrained(tmp_path / "ours")
+    source = tmp_path / "released"
+    save_released_checkpoint(_load(tmp_path / "ours", dtype=torch.bfloat16), source, max_shard_bytes=1 << 20)
+    stub_tokenizer().save(str(source / "tokenizer.json"))
+    config = DeepseekV41Config.from_pretrained(source)
+    config.text_config.engram_table_dtype = "fp8" if case == "fp8_tables" else "float"
+    native = _load(source, config=config)
+    assert native.model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn  # really kept as stored
+    assert native.model.layers[0].ffn.experts.gate_up_proj.dtype == torch.int8
+    save_released_checkpoint(native, tmp_path / "again", max_shard_bytes=1 << 20)
+    stored, written = _stored_tensors(source), _stored_tensors(tmp_path / "again")
+    assert written.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert (written[name].dtype, written[name].shape) == (tensor.dtype, tensor.shape), name
+        assert torch.equal(written[name].flatten().view(torch.uint8), tensor.flatten().view(torch.uint8)), name

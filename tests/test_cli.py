@@ -208,6 +208,7 @@ def test_inspect_counts_match_a_real_model():
 def test_inspect_released_size_on_the_meta_device(capsys):
     assert main(["inspect"]) == 0
     out = capsys.readouterr().out
+    assert "SPEC" not in out  # users have the docs/ pages, not the design note they were written from
     # independent of the model code: docs/design.md §2's sizes
     experts = 40 * 384 * 3 * 5120 * 2304
     engram_tables = (384006168 + 384016682) * 256

@@ -18,20 +18,17 @@ from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.generation.cache import DeepseekV41Cache, DeepseekV41StaticCache
 from modeling_dsv41.generation.speculative import accept_greedy, accept_sampled
 from test_generation import image_prompt, random_prompt
+from tiny_models import tiny_model
 
 NEW_TOKENS = 16
 
 
 def dspark_model(block_size: int = 4, stages: int = 2) -> DeepseekV41ForCausalLM:
-    preset = DeepseekV41Config.from_preset("tiny")
-    text = {
-        **preset.text_config.to_dict(), "num_nextn_predict_layers": stages, "dspark_block_size": block_size,
-        "dspark_noise_token_id": 7, "dspark_target_layer_ids": [3, 5, 4], "dspark_markov_rank": 16,
-        "dspark_n_routed_experts": 2, "dspark_n_activated_experts": 1,
-    }
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)).eval()
-    model.model.engram_hasher.token_map.copy_(torch.arange(512) // 2)
+    model = tiny_model(
+        num_nextn_predict_layers=stages, dspark_block_size=block_size, dspark_noise_token_id=7,
+        dspark_target_layer_ids=[3, 5, 4], dspark_markov_rank=16, dspark_n_routed_experts=2,
+        dspark_n_activated_experts=1,
+    )
     model.generation_config.eos_token_id = None
     return model
 

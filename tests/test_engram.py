@@ -18,6 +18,7 @@ from modeling_dsv41.engram import (
     dequantize_engram_table,
     engram_primes,
 )
+from modeling_dsv41.generation.cache import DeepseekV41Cache
 
 CAPTURES = "v41_tiny_vl/dense/captures_noqdq.safetensors"
 
@@ -111,11 +112,11 @@ def test_incremental_hashing_equals_full(tiny, chunk):
     image_mask = inputs["token_types"] >= 0
     full = hasher(inputs["input_ids"], image_mask)
     compressed = hasher.compress(inputs["input_ids"], image_mask)
-    history, steps = None, []
+    cache, steps = DeepseekV41Cache(config), []  # the decode cache keeps the history
     for start in range(0, compressed.size(1), chunk):
         piece = compressed[:, start : start + chunk]
-        steps.append(hasher.hash_ids_from_compressed(piece, history))
-        history = hasher.next_history(piece, history)
+        steps.append(hasher.hash_ids_from_compressed(piece, cache.engram_past(hasher.history_size)))
+        cache.update_engram_history(piece, torch.full((1,), piece.size(1)), hasher.history_size)
     assert torch.equal(torch.cat(steps, dim=1), full)
 
 

@@ -26,6 +26,7 @@ from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.engram import build_compressed_token_map
 from modeling_dsv41.hub.export import EXPORT_MANIFEST, export_for_hub, flatten_module_source, push_to_hub
 from processing import DeepseekV41ImageProcessor, DeepseekV41Processor, build_tiny_tokenizer  # (registers them)
+from tiny_models import tiny_model
 
 PROJECT_PACKAGES = {"configuration", "processing", "modeling_dsv41"}
 RESULTS = {"MMMU (val)": {"accuracy": 0.5123}, "DocVQA": {"ANLS": 0.9}}
@@ -36,15 +37,10 @@ CARD_DATA = {"datasets": ["HuggingFaceM4/the_cauldron"], "tags": ["lora-ready"],
 def tiny():
     """A tiny model and processor that belong together (the Engram map is built from this tokenizer)."""
     tokenizer = build_tiny_tokenizer()
-    preset = DeepseekV41Config.from_preset("tiny")
     _, compressed = build_compressed_token_map(tokenizer)
-    config = DeepseekV41Config.from_preset(
-        "tiny", text_config={**preset.text_config.to_dict(), "engram_compressed_vocab_size": compressed}
-    )
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(config).eval()
+    model = tiny_model(engram_map=None, engram_compressed_vocab_size=compressed)
     model.model.engram_hasher.load_tokenizer(tokenizer)
-    processor = DeepseekV41Processor(DeepseekV41ImageProcessor.from_vision_config(config.vision_config), tokenizer)
+    processor = DeepseekV41Processor(DeepseekV41ImageProcessor.from_vision_config(model.config.vision_config), tokenizer)
     return model, processor
 
 

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.generation.cache import DeepseekV41Cache
+from tiny_models import tiny_model
 
 NEW_TOKENS = 40
 # fp32 rounding of GEMMs of other shapes (one token vs the whole prefix), compounded over 6 layers, stays ~1e-6
@@ -20,12 +21,8 @@ IMAGE_TOKEN_ID = 510
 TEXT = -1
 
 
-def tiny_model(emulate_quantization: bool = False) -> DeepseekV41ForCausalLM:
-    torch.manual_seed(0)
-    config = DeepseekV41Config.from_preset("tiny")
-    config.text_config.emulate_quantization = emulate_quantization
-    model = DeepseekV41ForCausalLM(config).eval()
-    model.model.engram_hasher.token_map.copy_(torch.arange(config.text_config.vocab_size) // 2)  # the fixtures' stub map
+def generating_model(emulate_quantization: bool = False) -> DeepseekV41ForCausalLM:
+    model = tiny_model(emulate_quantization=emulate_quantization)  # the fixtures' stub Engram map
     model.generation_config.eos_token_id = None  # every run generates all NEW_TOKENS
     return model
 
@@ -127,7 +124,7 @@ def assert_matches_full_recomputation(model, inputs, out):
     ],
 )
 def test_greedy_generation_matches_full_recomputation(prompt_len, emulate_quantization):
-    model = tiny_model(emulate_quantization)
+    model = generating_model(emulate_quantization)
     inputs, out = generate_tie_free(model, lambda seed: {"input_ids": random_prompt(prompt_len, seed)})
     assert isinstance(out.cache, DeepseekV41Cache)
     assert out.cache.get_seq_length() == prompt_len + NEW_TOKENS - 1  # the last token is never fed back
@@ -140,7 +137,7 @@ def test_bf16_generation_tracks_full_recomputation():
     every greedy token must still be the full forward's argmax, and the drift stay within 0.02. (bf16 index scores
     tie at the top-k boundary in every prompt, so the tie-free seed search of the fp32 tests cannot apply; this
     prompt's ties resolve alike in both paths.)"""
-    model = tiny_model().to(torch.bfloat16)
+    model = generating_model().to(torch.bfloat16)
     kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
     out = model.generate(random_prompt(37, 0), **kwargs)
     worst = 0.0
@@ -154,14 +151,14 @@ def test_bf16_generation_tracks_full_recomputation():
 
 
 def test_generation_after_an_image_matches_full_recomputation():
-    model = tiny_model()
+    model = generating_model()
     inputs, out = generate_tie_free(model, image_prompt)
     assert_matches_full_recomputation(model, inputs, out)
 
 
 def test_prefill_with_cache_is_the_plain_forward():
     """Recording the decode state changes nothing in the full forward (left padding and an image included)."""
-    model = tiny_model(emulate_quantization=True)
+    model = generating_model(emulate_quantization=True)
     image = image_prompt(0)
     ids = torch.cat([torch.full((1, 5), 2), image["input_ids"]], 1)
     types = torch.cat([torch.full((1, 5), TEXT), image["image_token_types"]], 1)
@@ -183,7 +180,7 @@ def test_prefill_with_cache_is_the_plain_forward():
 def test_left_padded_batch_matches_each_row_alone():
     """Rows of different lengths (one with an image) sit at different positions and complete their ratio-2
     groups at different steps; each must generate what it generates alone."""
-    model = tiny_model()
+    model = generating_model()
     image = image_prompt(3, before=4, after=12)  # 24 tokens
     rows = [{"input_ids": random_prompt(37, 1)}, image, {"input_ids": random_prompt(11, 2)}]
     width = max(row["input_ids"].shape[1] for row in rows)
@@ -209,7 +206,7 @@ def test_left_padded_batch_matches_each_row_alone():
 
 def test_cache_memory_is_a_fixed_window_plus_compressed_rows():
     """Window state is fixed; compressed K=V and index keys hold exactly N // r rows per KV source."""
-    model = tiny_model()
+    model = generating_model()
     text = model.config.text_config
     sources = [i for i in text.kv_source_layer_ids if i < text.num_hidden_layers]
     fp32 = 4
@@ -237,7 +234,7 @@ def test_cache_memory_is_a_fixed_window_plus_compressed_rows():
 
 def test_cache_carries_over_to_a_second_generate_call():
     """A continuation of several tokens (a ratio-2 group open across the call boundary) equals a fresh run."""
-    model = tiny_model()
+    model = generating_model()
     kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
     cache = DeepseekV41Cache(model.config)
     first = model.generate(random_prompt(21, 0), cache=cache, **kwargs)
@@ -249,7 +246,7 @@ def test_cache_carries_over_to_a_second_generate_call():
 
 
 def test_beam_search_and_sampling_match_uncached_generation():
-    model = tiny_model()
+    model = generating_model()
     prompt = image_prompt(1)
     beams = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False)
     assert torch.equal(model.generate(**prompt, **beams), model.generate(**prompt, **beams, use_cache=False))
@@ -261,7 +258,7 @@ def test_beam_search_and_sampling_match_uncached_generation():
 
 
 def test_unsupported_uses_raise_clear_errors():
-    model = tiny_model()
+    model = generating_model()
     ids = random_prompt(9, 0)
     with pytest.raises(ValueError, match="cache_implementation"):
         model.generate(ids, max_new_tokens=2, cache_implementation="quantized")

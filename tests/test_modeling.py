@@ -15,31 +15,16 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM, DeepseekV41Model
+from tiny_models import tiny_config, tiny_model
 
 SEQ = 40  # > 2 × sliding_window (16), so windows slide and the indexer (top-8) really selects
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 PAD = 2  # the tiny preset's pad_token_id
 
 
-def tiny_config(**text_overrides) -> DeepseekV41Config:
-    config = DeepseekV41Config.from_preset("tiny")
-    if text_overrides:
-        config = DeepseekV41Config.from_preset("tiny", text_config=config.text_config.to_dict() | text_overrides)
-    return config
-
-
-def build(config: DeepseekV41Config | None = None, seed: int = 0) -> DeepseekV41ForCausalLM:
-    torch.manual_seed(seed)
-    model = DeepseekV41ForCausalLM(config or tiny_config()).eval()
-    if model.model.engram_hasher is not None:
-        # the fixture's stub tokenizer compresses id → id // 2
-        model.model.engram_hasher.token_map.copy_(torch.arange(model.config.text_config.vocab_size) // 2)
-    return model
-
-
 @pytest.fixture(scope="module")
 def model() -> DeepseekV41ForCausalLM:
-    return build()
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +144,7 @@ def test_inputs_embeds_alone_with_engram_is_a_clear_error(model, input_ids):
 
 
 def test_inputs_embeds_alone_without_engram():
-    model = build(tiny_config(engram_layer_ids=[], engram_num_embeddings=[]))
+    model = tiny_model(tiny_config(engram_layer_ids=[], engram_num_embeddings=[]))
     ids = torch.randint(3, 500, (1, SEQ))
     embeds = model.get_input_embeddings()(ids)
     assert torch.equal(logits_of(model, inputs_embeds=embeds), logits_of(model, input_ids=ids))
@@ -185,14 +170,14 @@ def loss_and_grads(model, input_ids):
 
 @pytest.fixture(scope="module")
 def qdq_loss_and_grads(input_ids):
-    return loss_and_grads(build(), input_ids)
+    return loss_and_grads(tiny_model(), input_ids)
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_gradient_checkpointing_gives_same_loss_and_grads(input_ids, qdq_loss_and_grads, use_reentrant):
     loss, grads = qdq_loss_and_grads
-    model = build()
+    model = tiny_model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     loss_ckpt, grads_ckpt = loss_and_grads(model, input_ids)
@@ -322,8 +307,8 @@ def test_image_inputs_run(model):
 
 
 def test_images_without_vision_config_is_a_clear_error():
-    config = DeepseekV41Config.from_preset("tiny", vision_config=None)
-    model = build(config)
+    config = tiny_config(vision=False)
+    model = tiny_model(config)
     with pytest.raises(ValueError, match="no vision_config"):
         model(**image_inputs())
 
@@ -349,9 +334,9 @@ def test_image_too_large_for_max_image_tokens_is_a_clear_error(model):
 # text-only config
 # ---------------------------------------------------------------------------------------------------
 def test_text_only_config_builds_and_runs(model, input_ids, reference):
-    config = DeepseekV41Config.from_preset("tiny", vision_config=None)
+    config = tiny_config(vision=False)
     assert not config.has_vision
-    text_only = build(config)
+    text_only = tiny_model(config)
     state = text_only.state_dict()
     assert not any("bias_vl" in k or k.startswith(("model.vision.", "model.aligner.", "model.image_")) for k in state)
     assert all(layer.ffn.gate.bias_vl is None for layer in text_only.model.layers)
@@ -372,7 +357,7 @@ def test_text_only_config_builds_and_runs(model, input_ids, reference):
 def test_moe_runs_only_selected_experts(input_ids):
     """An expert no token chose never runs: with its weights NaN (which any dense or masked computation would
     spread) every implementation still gives finite outputs, and its weights get an all-zero gradient."""
-    model = build()
+    model = tiny_model()
     moe = model.model.layers[2].ffn
     with torch.no_grad():
         moe.gate.bias[3] = -1e4  # expert 3 is never chosen
@@ -401,7 +386,7 @@ def _expert(experts, e: int, x: torch.Tensor) -> torch.Tensor:
 
 def test_moe_equals_dense_mixture_of_selected_experts():
     """The sparse dispatch computes Σ_k w_k · expert_k(x) + shared(x), token by token."""
-    model = build()
+    model = tiny_model()
     moe = model.model.layers[0].ffn
     x = 3 * torch.randn(2, 7, model.config.text_config.hidden_size)  # large enough for the clamps to act
     with torch.no_grad():
@@ -421,7 +406,7 @@ def test_moe_equals_dense_mixture_of_selected_experts():
 # ---------------------------------------------------------------------------------------------------
 def test_emulate_quantization_changes_the_result_and_trains_straight_through(model, input_ids, qdq_loss_and_grads):
     assert model.config.text_config.emulate_quantization  # the default
-    plain = build(tiny_config(emulate_quantization=False))
+    plain = tiny_model(tiny_config(emulate_quantization=False))
     assert_state_equal(model.state_dict(), plain.state_dict())  # same seed, same weights
     assert not torch.equal(logits_of(model, input_ids=input_ids), logits_of(plain, input_ids=input_ids))
 
@@ -505,7 +490,7 @@ def test_model_experts_implementation_switch_agrees_with_eager(model, input_ids,
 def test_every_expert_tensor_gets_a_gradient_whatever_the_data(input_ids):
     """One token picks top-k of the experts per layer, the full batch picks them all: the same tensors get
     gradients (zeros for experts nobody chose), so DDP and optimizers see a fixed set of gradients."""
-    model = build()
+    model = tiny_model()
     grad_sets = []
     for batch in (input_ids, input_ids[:1, :1]):
         model.zero_grad(set_to_none=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from modeling_dsv41.attention import select_candidate_blocks, topk_selection
+from modeling_dsv41.attention import candidate_blocks, candidate_mask, topk_selection
 from modeling_dsv41.numerics import reference_numerics
 from reference_fixture import reference_inputs, reference_model
 
@@ -107,9 +107,10 @@ def test_sparse_selection_matches_given_captured_scores(fixtures_dir, mode):
         # the same rows in the same slots (ascending, -1 padded): the attention's reduction order depends on it
         assert torch.equal(ours, captures[f"layers.{layer}.topk_idxs"].long()), layer
         if layer == text.candidate_source_layer_id:
-            cands = select_candidate_blocks(
+            blocks = candidate_blocks(
                 scores, compress_lens.unsqueeze(0), text.candidate_topk_blocks, text.candidate_block_size
-            )[0]
+            )
+            cands = candidate_mask(blocks, scores.shape[-1], text.candidate_block_size)[0]  # as a mask [S, T]
             assert torch.equal(cands, captures[f"layers.{layer}.candidates"])
 
 

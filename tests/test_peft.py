@@ -15,10 +15,11 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch.utils.data import Dataset
 
-from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.numerics import reference_numerics
 from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+import tiny_models
 
 # the released names: attention, shared experts (w1/w2/w3), ViT (wqkv, wo, mlp w1/w2, patch proj), aligner (w1/w2).
 # Suffix matching also reaches the compressor's and Engram's `wkv` and the indexer's `wq_b`.
@@ -30,14 +31,9 @@ IMAGE_TOKEN_ID = 510  # tiny preset
 
 def tiny_model(seed: int = 0) -> DeepseekV41ForCausalLM:
     """Without the FP8/FP4 KV quantization emulation: merging B·A into the weights reorders fp32 sums, and QDQ would
-    turn those ulps into whole quantization steps (measured: 0.012 on the logits), hiding what the tests compare."""
-    torch.manual_seed(seed)
-    text = DeepseekV41Config.from_preset("tiny").text_config.to_dict() | {"emulate_quantization": False}
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text))
-    vocab = model.config.text_config.vocab_size
-    compressed = model.config.text_config.engram_compressed_vocab_size
-    model.model.engram_hasher.token_map.copy_(torch.arange(vocab) % compressed)  # any complete map will do here
-    return model
+    turn those ulps into whole quantization steps (measured: 0.012 on the logits), hiding what the tests compare.
+    Any complete Engram map will do here; in training mode."""
+    return tiny_models.tiny_model(seed=seed, engram_map="default", emulate_quantization=False).train()
 
 
 def image_batch(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from modeling_dsv41.placement import (
     plan_device_map,
     released_storage_bytes,
 )
+import tiny_models
 
 GiB = 2**30
 REPO = Path(__file__).resolve().parents[1]
@@ -32,8 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    return DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny")).eval()
+    return tiny_models.tiny_model(engram_map=None)
 
 
 def _ids(batch=2, length=12, seed=0):

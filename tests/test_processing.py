@@ -18,6 +18,7 @@ from processing import (
     image_span_token_types,
     plan_image_grid,
 )
+from tiny_models import tiny_model
 
 TINY = {"min_pixels": 20000, "max_image_tokens": 64}
 
@@ -119,11 +120,11 @@ def test_lists_without_return_tensors(processor):
 
 
 def test_placeholder_image_mismatch_is_an_error(processor):
-    with pytest.raises(ValueError, match="2 .* placeholders but 1 images"):
+    with pytest.raises(ValueError, match="2 .* placeholders but 1 image was given"):
         processor(text=f"{IMAGE_TOKEN} and {IMAGE_TOKEN}", images=[image(20, 20)])
-    with pytest.raises(ValueError, match="0 .* placeholders but 1 images"):
+    with pytest.raises(ValueError, match="0 .* placeholders but 1 image was given"):
         processor(text="no placeholder", images=[image(20, 20)])
-    with pytest.raises(ValueError, match="but no images"):
+    with pytest.raises(ValueError, match=f"the text has 1 {IMAGE_TOKEN} placeholder but no images"):
         processor(text=f"{IMAGE_TOKEN}")
     with pytest.raises(ValueError, match=r"per prompt \[1, 0\] != images per prompt \[0, 1\]"):
         processor(text=[f"a {IMAGE_TOKEN}", "b"], images=[[], [image(20, 20)]])
@@ -225,18 +226,13 @@ def test_tokenizer_pads_on_the_left_so_batched_generation_continues_every_row(to
     """With right padding the shorter row's continuation would start after its padding."""
     from transformers import AutoTokenizer
 
-    from configuration import DeepseekV41Config
-    from modeling_dsv41 import DeepseekV41ForCausalLM
     from modeling_dsv41.engram import build_compressed_token_map
 
     tokenizer.save_pretrained(tmp_path)
     assert tokenizer.padding_side == "left" and AutoTokenizer.from_pretrained(tmp_path).padding_side == "left"
 
-    preset = DeepseekV41Config.from_preset("tiny")
     _, compressed = build_compressed_token_map(tokenizer)
-    text = {**preset.text_config.to_dict(), "num_hidden_layers": 2, "engram_compressed_vocab_size": compressed}
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)).eval()
+    model = tiny_model(engram_map=None, num_hidden_layers=2, engram_compressed_vocab_size=compressed)
     model.model.engram_hasher.load_tokenizer(tokenizer)
     prompts = ["A cat", "The quick brown fox jumps over the lazy dog and"]
     batch = tokenizer(prompts, padding=True, return_tensors="pt")

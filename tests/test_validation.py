@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.generation.cache import DeepseekV41Cache
+from tiny_models import tiny_model
 
 SEQ = 24
 VIT_GRID = (6, 6)  # a 2×2 token grid: span = start + 2 × (2 + newline) + end = 8 positions
@@ -15,13 +15,7 @@ VIT_GRID = (6, 6)  # a 2×2 token grid: span = start + 2 × (2 + newline) + end 
 
 @pytest.fixture(scope="module")
 def model() -> DeepseekV41ForCausalLM:
-    preset = DeepseekV41Config.from_preset("tiny")
-    text = {**preset.text_config.to_dict(), "num_hidden_layers": 2, "emulate_quantization": False}
-    torch.manual_seed(0)
-    model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)).eval()
-    text = model.config.text_config
-    model.model.engram_hasher.token_map.copy_(torch.arange(text.vocab_size) % text.engram_compressed_vocab_size)
-    return model
+    return tiny_model(engram_map="default", num_hidden_layers=2, emulate_quantization=False)
 
 
 def ids(batch: int = 2, seq: int = SEQ) -> torch.Tensor:
@@ -83,6 +77,42 @@ def test_attention_mask_after_the_prefill_covers_cached_and_new_positions(model)
             model(input_ids=step, attention_mask=torch.ones(2, 1, dtype=torch.long), cache=cache)
         out = model(input_ids=step, attention_mask=torch.ones(2, SEQ + 1, dtype=torch.long), cache=cache)
     assert out.logits.shape[:2] == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        (("pixel_values", "image_grid_hw", "image_token_types"),
+         r"input_ids hold 8 image positions \(image_token_id 510\) but no pixel_values were given"),
+        (("pixel_values", "image_grid_hw"), r"image_token_types marks 1 image span but no pixel_values were given"),
+    ],
+)
+def test_image_placeholders_without_pixel_values_are_an_error_in_forward_and_generate(model, drop, message):
+    """Embedded as the image token itself they would make the model describe an image it never saw."""
+    inputs = {key: value for key, value in image_inputs().items() if key not in drop}
+    with pytest.raises(ValueError, match=message):
+        model(**inputs)
+    with pytest.raises(ValueError, match=message):
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)
+
+
+def test_pixel_values_without_placeholders_are_an_error(model):
+    inputs = image_inputs()
+    inputs["input_ids"] = ids(1)  # text only
+    with pytest.raises(ValueError, match=r"pixel_values of 1 image but input_ids hold no image placeholder"):
+        model(**{key: value for key, value in inputs.items() if key != "image_token_types"})
+    inputs["image_token_types"] = torch.full((1, SEQ), -1)
+    with pytest.raises(ValueError, match=r"found 0 image spans but got 1 image$"):
+        model(**inputs)
+
+
+def test_image_token_types_with_merged_inputs_embeds_need_no_pixel_values(model):
+    """Callers who merge image embeddings themselves pass inputs_embeds and image_token_types alone."""
+    inputs = image_inputs()
+    embeds = model.get_input_embeddings()(inputs["input_ids"])
+    with torch.no_grad():
+        out = model(input_ids=inputs["input_ids"], inputs_embeds=embeds, image_token_types=inputs["image_token_types"])
+    assert torch.isfinite(out.logits).all()
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

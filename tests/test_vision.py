@@ -14,10 +14,10 @@ from modeling_dsv41.vision import (
     DeepseekV41Aligner,
     DeepseekV41VisionRMSNorm,
     DeepseekV41VisionTransformer,
-    image_token_grid,
     merge_image_embeddings,
     unfold_token_grid,
 )
+from processing.image_tokens import token_grid
 
 TEXT, START, IMAGE, NEWLINE, END = -1, 0, 1, 2, 3
 
@@ -105,7 +105,7 @@ def test_merge_matches_reference_inputs_embeds(tiny, aligner):
         tokens = aligner([tiny["captures"]["vision.out"]], torch.tensor([[9, 13]]))
     merged = merge_image_embeddings(
         embeds, inputs["token_types"], tokens, weights["image_start"], weights["image_newline"], weights["image_end"],
-        token_grids=[image_token_grid((9, 13), 3)],
+        token_grids=[token_grid((9, 13), 3)],
     )
     assert torch.equal(merged[0], expected["inputs_embeds"])
 
@@ -125,7 +125,7 @@ def test_images_in_a_batch_are_encoded_exactly_as_alone(tiny, vit, aligner):
             (alone,) = vit(x, torch.tensor([g]))
             assert torch.equal(features, alone)
             assert torch.equal(tokens, aligner([alone], torch.tensor([g]))[0])
-            assert tokens.shape == (image_token_grid(g, 3)[0] * image_token_grid(g, 3)[1], 64)
+            assert tokens.shape == (token_grid(g, 3)[0] * token_grid(g, 3)[1], 64)
     # the two 4×7 images differ, so the outputs must too (guards against a broadcast mix-up)
     assert not torch.equal(batch_features[0], batch_features[4])
 
@@ -142,10 +142,10 @@ def test_unfold_token_grid_is_channel_major_like_f_unfold():
 
 
 @pytest.mark.parametrize(
-    ("vit_grid", "token_grid"), [((9, 13), (3, 5)), ((93, 93), (31, 31)), ((1, 1), (1, 1)), ((3, 4), (1, 2))]
+    ("vit_grid", "expected"), [((9, 13), (3, 5)), ((93, 93), (31, 31)), ((1, 1), (1, 1)), ((3, 4), (1, 2))]
 )
-def test_image_token_grid_rounds_up(vit_grid, token_grid):
-    assert image_token_grid(vit_grid, 3) == token_grid
+def test_image_token_grid_rounds_up(vit_grid, expected):
+    assert token_grid(vit_grid, 3) == expected
 
 
 def _span(h: int, w: int) -> list[int]:
@@ -209,8 +209,8 @@ def _types_with(row0: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("types", "n_features", "match"),
     [
-        (_types_with(_span(1, 2)), 2, "found 1 image spans but got 2 images"),
-        (_types_with(_span(1, 2) + _span(1, 2)), 1, "found 2 image spans but got 1 images"),
+        (_types_with(_span(1, 2)), 2, "found 1 image span but got 2 images"),
+        (_types_with(_span(1, 2) + _span(1, 2)), 1, "found 2 image spans but got 1 image$"),
         (_types_with([START, IMAGE, IMAGE, NEWLINE]), 1, "malformed image span"),  # no end
         (_types_with([IMAGE, NEWLINE, END]), 1, "malformed image span"),  # no start
         (_types_with(_span(1, 2) + [IMAGE]), 1, "malformed image span"),  # image token outside a span

@@ -31,6 +31,11 @@ RELEASED_WEIGHT = r"\.weight(?![\w.])"
 RELEASED_SCALE = r"\.scale(?![\w.])"
 _WEIGHT, _SCALE = ".weight", ".scale"
 _NATIVE_SCALE = ".weight_scale_inv"  # transformers' FP8 layers' name for the scales
+# what the release stores that our model does not load: an unused vector, and the copies of the shared embed / head
+# a reference state dict lists under every DSpark block (never stored by the release); and the DSpark head itself
+# when the config has none
+NOT_LOADED = (r"^image_pad$", r"^mtp\.\d+\.(embed|head)\.weight$")
+NOT_LOADED_WITHOUT_DSPARK = r"^mtp\."
 
 
 def _only(tensors: list[torch.Tensor] | torch.Tensor | None) -> torch.Tensor | None:
@@ -233,6 +238,8 @@ def released_storage_conversions() -> list[WeightRenaming | WeightConverter]:
 __all__ = [
     "DequantizeReleasedWeight",
     "MergeReleasedExperts",
+    "NOT_LOADED",
+    "NOT_LOADED_WITHOUT_DSPARK",
     "RELEASED_SCALE",
     "RELEASED_WEIGHT",
     "SplitReleasedExperts",

@@ -27,13 +27,11 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, dot
 from configuration import DeepseekV41Config
 
 from .codec import dequantize_released_weight
-from .conversions import released_storage_conversions
+from .conversions import NOT_LOADED, NOT_LOADED_WITHOUT_DSPARK, released_storage_conversions
 
-# what the released checkpoint holds that our model does not load: an unused vector, and copies of the shared embed /
-# head under the DSpark blocks (a reference state dict lists them; the release does not)
-IGNORED_KEYS = re.compile(r"^(image_pad$|mtp\.\d+\.(embed|head)\.weight$)")
-# ... and the DSpark draft head itself when the config has none
-IGNORED_KEYS_WITHOUT_DSPARK = re.compile(rf"{IGNORED_KEYS.pattern}|^mtp\.")
+# what the released checkpoint holds that our model does not load (with the DSpark draft head, and without)
+IGNORED_KEYS = re.compile("|".join(NOT_LOADED))
+IGNORED_KEYS_WITHOUT_DSPARK = re.compile("|".join((*NOT_LOADED, NOT_LOADED_WITHOUT_DSPARK)))
 # files copied next to the converted weights (tokenizer, chat template, generation defaults, licence)
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                 "chat_template.jinja", "LICENSE")

@@ -5,6 +5,7 @@ map is written (the release has none; ``from_pretrained`` builds it from the tok
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from .codec import quantize_fp4_rows, quantize_fp8_block, quantize_fp8_rows
 
 _WEIGHT, _SCALE = ".weight", ".scale"
+_NATIVE_SCALE = "_scale_inv"  # transformers' FP8 modules: `weight_scale_inv`, the experts' `{name}_scale_inv`
 
 # which of our tensors the release stores quantized (the reference's `Linear` default dtype, fixtures README §7)
 _RELEASED_FP8_BLOCK = re.compile(
@@ -35,9 +37,8 @@ _RELEASED_QUANTIZERS = (
 )
 
 
-def released_layout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s tensors under the released names (per-expert ``w1``/``w2``/``w3``), unquantized."""
-    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+def _reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (our names) under the released names, by every registered conversion reversed."""
     conversions = getattr(model, "_weight_conversions", None)
     model._weight_conversions = None  # all of the registered conversions, whichever the last load used
     try:
@@ -46,17 +47,37 @@ def released_layout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         model._weight_conversions = conversions
 
 
+def released_layout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s tensors under the released names (per-expert ``w1``/``w2``/``w3``), as the model holds them: plain
+    weights unquantized, and what a native load keeps as stored (FP8 Linears, FP4 experts: transformers' ``weight``
+    and ``weight_scale_inv``, ``{name}`` and ``{name}_scale_inv``) as stored, each weight followed by its ``.scale``."""
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    # the stored scales take the names of the tensors they scale, then the released names as those do
+    scales = {name[: -len(_NATIVE_SCALE)]: state.pop(name) for name in list(state) if name.endswith(_NATIVE_SCALE)}
+    released = _reverted(model, state)
+    if not scales:
+        return released
+    released_scales = _reverted(model, scales)
+    out = {}
+    for name, tensor in released.items():
+        out[name] = tensor
+        if name in released_scales:
+            out[name[: -len(_WEIGHT)] + _SCALE] = released_scales[name]
+    return out
+
+
 def released_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s tensors as the release stores them: released names, quantized weights with their ``.scale``, no
-    token map."""
+    token map. Tensors the model holds as stored (a native load's FP8 Linears and FP4 experts, FP8 Engram tables)
+    are written as they are; the others are quantized (:mod:`.codec`: canonically, so that a tensor a native load
+    dequantized is written back with the bytes it was stored with, when those were canonical)."""
     state = released_layout_state_dict(model)
     state.pop("engram_hasher.token_map", None)
     out = {}
     for name, tensor in state.items():
-        if name in out:  # the scale of an FP8 Engram table, written with its weight
-            continue
         quantize = next((q for pattern, q in _RELEASED_QUANTIZERS if pattern.match(name)), None)
-        if quantize is None or tensor.dtype == torch.float8_e4m3fn:  # kept as is (an FP8 table is already stored)
+        stored = name.endswith(_WEIGHT) and name[: -len(_WEIGHT)] + _SCALE in state
+        if quantize is None or stored:
             out[name] = tensor
             continue
         out[name], out[name[: -len(_WEIGHT)] + _SCALE] = quantize(tensor)
@@ -76,7 +97,10 @@ def save_released_checkpoint(
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(folder)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):  # a native load's: a released folder implies its own
+        del config.quantization_config
+    config.save_pretrained(folder)
     state = released_state_dict(model) if state_dict is None else state_dict
     state = {name: tensor.contiguous() for name, tensor in state.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]

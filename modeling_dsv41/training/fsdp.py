@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..placement import ENGRAM_TABLE
+from .offload import offload_checkpointed_inputs
 
 try:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -83,6 +84,7 @@ def shard_model(
     reshard_after_forward: bool = True,
     offload_policy: OffloadPolicy | None = None,
     expert_parallel_size: int = 1,
+    offload_activations: bool = False,
 ) -> nn.Module:
     """``fully_shard`` the decoder layers and ViT blocks, then the whole model, in place; returns ``model``.
 
@@ -98,9 +100,13 @@ def shard_model(
             neighbouring ranks, tokens dispatched to them by all-to-all, and FSDP2-sharded over the rest of the world;
             everything else is sharded over every rank (see :mod:`~.expert_parallel`). Full fine-tuning only: not
             with ``mesh``, adapters or the natively loaded weights.
+        offload_activations: keep the inputs of the checkpointed decoder layers in host memory until their backward
+            (:func:`~.offload.offload_checkpointed_inputs`; gradient checkpointing must be enabled).
     """
     if fully_shard is None or not dist.is_initialized():
         raise ValueError("shard_model needs torch.distributed initialized (init_process_group) before sharding")
+    if offload_activations:
+        offload_checkpointed_inputs(model)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     kwargs = {"reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy()}
     training, expert_units = None, []

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..modeling_dsv41 import IMAGE_TOKEN_TYPE_TEXT, DeepseekV41Model
+from processing.image_tokens import ImageTokenType
+
+from ..modeling_dsv41 import DeepseekV41Model
 from ..moe import DeepseekV41MoE
 from ..padding import left_padding_shift, roll_rows
 
@@ -49,7 +51,7 @@ def token_modalities(
     device = next((t.device for t in (attention_mask, image_token_types) if t is not None), None)
     modality = torch.full(shape, TEXT, dtype=torch.long, device=device)
     if image_token_types is not None:
-        modality = modality.masked_fill(image_token_types != IMAGE_TOKEN_TYPE_TEXT, IMAGE)
+        modality = modality.masked_fill(image_token_types != ImageTokenType.TEXT.value, IMAGE)
     if attention_mask is not None:
         modality = modality.masked_fill(~attention_mask.bool(), PADDING)
         shift = left_padding_shift(attention_mask)

@@ -46,6 +46,7 @@ from ..released.native_precision import check_trainable
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
 from .expert_parallel import check_expert_parallel_arguments, check_expert_parallel_trainer
 from .launch import honour_launch_strategy, use_cpu_without_accelerator
+from .offload import offload_checkpointed_inputs
 from .router_balancing import RouterBiasBalancer, is_adapter_model
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,13 @@ class DeepseekV41TrainingArguments(TrainingArguments):
             "diverged run must show a NaN loss (with the filter, a first logging window of NaNs reads 0.0)."
         },
     )
+    offload_activations: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the checkpointed decoder layers' inputs in host memory until their backward (needs "
+            "activation_checkpointing; a tensor the layers share is copied once); see training/offload.py."
+        },
+    )
 
     _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "optimizer_kind_kwargs", "optimizer_overrides"]
 
@@ -166,6 +174,12 @@ class DeepseekV41TrainingArguments(TrainingArguments):
         unknown = set(self.optimizer_kind_kwargs or {}) - set(KINDS)
         if unknown:
             raise ValueError(f"optimizer_kind_kwargs has unknown kinds {sorted(unknown)}; known: {list(KINDS)}")
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ValueError("offload_activations keeps the checkpointed layers' inputs in host memory: set "
+                             "activation_checkpointing=True (gradient_checkpointing=True) too")
+        if self.offload_activations and (self.activation_checkpointing_kwargs or {}).get("offload"):
+            raise ValueError("offload_activations and activation_checkpointing_kwargs['offload'] both offload the "
+                             "checkpointed inputs: keep one")
         check_expert_parallel_arguments(self)
 
 
@@ -289,6 +303,8 @@ class DeepseekV41Trainer(Trainer):
         return self.optimizer
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self.args.offload_activations:  # train() has enabled gradient checkpointing by now
+            offload_checkpointed_inputs(self.model)
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
             self._shard_with_fsdp2()
         return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)

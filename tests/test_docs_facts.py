@@ -1,0 +1,162 @@
+"""What README and the docs pages state about the code holds.
+
+- The parameter counts, memory and per-rank figures given for the released model are what ``dsv41 inspect`` prints
+  (run here on the meta device): each sentence is checked with the numbers read from the inspector's output, so a
+  change of the model, the planner or the parallel plans shows up here until the docs say the new figures.
+- Every folder the pages' commands and snippets write is ignored by git.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+import subprocess
+from functools import lru_cache
+
+import pytest
+from documentation import DOCS, REPO_ROOT, code_blocks, pages
+
+from modeling_dsv41.cli import main
+
+RELEASED = DOCS / "released-model.md"
+
+
+@lru_cache
+def inspect(*argv: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["inspect", *argv]) == 0
+    return out.getvalue()
+
+
+def read(output: str, pattern: str) -> tuple[str, ...]:
+    match = re.search(pattern, output, re.MULTILINE)
+    assert match, f"{pattern!r} not in the output:\n{output}"
+    return match.groups()
+
+
+def prose(page) -> str:
+    """The page's text with every run of whitespace one space (sentences wrap anywhere)."""
+    return " ".join(page.read_text().split())
+
+
+def billions(component: str) -> str:
+    (count,) = read(inspect(), rf"^{re.escape(component)}\s+([\d,]+)\s")
+    return f"{int(count.replace(',', '')) / 1e9:.1f}"
+
+
+def total_billions() -> str:
+    return read(inspect(), r"^Parameters: [\d,]+ \((\d+)B\)")[0]
+
+
+def assert_says(page, sentence: str) -> None:
+    assert sentence in prose(page), f"{page.name} should say: {sentence}"
+
+
+def test_parameter_counts():
+    total, engram, experts, head = (total_billions(), billions("Engram: tables"), billions("MoE: routed experts"),
+                                    billions("DSpark draft head"))
+    (state,) = read(inspect(), r"\((\d+)% of AdamW\)")
+    assert_says(RELEASED, f"The model has {total} billion parameters, the {head}-billion-parameter DSpark draft head "
+                          f"included")
+    assert_says(RELEASED, f"{engram}-billion-parameter Engram tables")
+    assert_says(RELEASED, f"{total} billion parameters, of which {engram} billion are the two Engram tables, {experts} "
+                          f"billion the routed experts and {head} billion the DSpark draft head; `MixedOptimizer` keeps "
+                          f"{state}% of AdamW's state")
+    assert_says(DOCS / "design.md", f"the two tables hold {engram} billion parameters")
+
+
+def test_native_and_bf16_weights():
+    native = read(inspect("--devices", "8x141GiB"), r"^weights in all: ([\d.]+ [GT]iB) \(")[0]
+    loaded = read(inspect("--storage", "loaded", "--devices", "8x141GiB"), r"^weights in all: ([\d.]+ [GT]iB) \(")[0]
+    assert_says(RELEASED, f"its weights take {native} natively")
+    assert_says(RELEASED, f"against {loaded} loaded in bf16")
+    small = inspect("--devices", "8x80GiB")
+    (host,) = read(small, r"host memory for Engram: ([\d.]+ GiB)")
+    assert read(small, r"^weights in all: ([\d.]+ [GT]iB) \(")[0] == native
+    assert "all weights on accelerators" in small and "all weights on accelerators" in inspect("--devices", "8x141GiB")
+    assert_says(RELEASED, f"The released model takes {native} natively: it fits 8×141 GiB with the tables on the "
+                          f"accelerators, and 8×80 GiB with the two tables ({host}) in host memory")
+
+
+def test_bitsandbytes_leaves_the_experts_in_bf16():
+    (count,) = read(inspect(), r"^MoE: routed experts\s+([\d,]+)\s")
+    gib = int(count.replace(",", "")) * 2 / 2**30
+    assert_says(RELEASED, f"({billions('MoE: routed experts')} billion of the {total_billions()} billion parameters) "
+                          f"stay in bf16: {gib:.1f} GiB for them alone")
+
+
+@pytest.mark.parametrize("plan", ["--tp", "--ep"])
+def test_per_rank_weights_under_tensor_and_expert_parallelism(plan):
+    output = inspect("--devices", "8x141GiB", plan, "8")
+    per_rank, share = read(output, r"^weights per rank\s+([\d.]+ GiB) of 141.0 GiB \((\d+)%\)")
+
+    def row(component: str) -> str:
+        return read(output, rf"^{re.escape(component)}\s+([\d.]+ [GMK]iB)\s")[0]
+
+    (tables,) = read(output, r"^Engram tables: ([\d.]+ GiB)")
+    assert_says(RELEASED, f"plans: {per_rank} of weights per rank ({share}% of an H200's 141 GiB), of which "
+                          f"{row('MoE: routed experts')} are its part of the routed experts, {row('DSpark draft head')} "
+                          f"the DSpark draft head and {row('attention')} the attention, both held whole by every rank; "
+                          f"plus the {tables} of Engram tables in host memory")
+
+
+def docs_lora_table() -> list[list[str]]:
+    """The figures of each row of docs/released-model.md's LoRA table: [resident, offloaded] ("host" or "N GiB")."""
+    text = RELEASED.read_text()
+    start = text.index("| 8 devices, 4096 tokens, rank 16 |")
+    rows = [line for line in text[start:].splitlines()[2:] if line.startswith("|")]
+    rows = rows[: next(i for i, line in enumerate(rows) if "per device" in line) + 1]
+    return [[re.search(r"[\d.]+ GiB|host", cell).group() for cell in line.strip("|").split("|")[1:]] for line in rows]
+
+
+def test_lora_plan_table_and_figures():
+    output = inspect("--devices", "8x80GiB", "--train", "lora")
+    table = output[re.search(r"^per device\s+resident", output, re.MULTILINE).start():].splitlines()[1:]
+    planned = [re.findall(r"[\d.]+ GiB|host", line) for line in table[: next(i for i, line in enumerate(table)
+                                                                            if line.startswith("total")) + 1]]
+    assert docs_lora_table() == planned
+    (unit,) = read(output, r"^largest unit gathered: (\S+)")
+    assert f"| gathered units (`{unit}` + prefetch) |" in RELEASED.read_text()
+    (adapters,) = read(output, r"rank 16, .*: ([\d.]+B) adapter parameters\)")
+    (tables,) = read(output, r"^host memory, Engram tables: ([\d.]+ GiB)")
+    (offloaded,) = read(output, r"^host memory, frozen shards and adapter state \(all ranks\): ([\d.]+ GiB)")
+    assert_says(RELEASED, f"({tables}). For the released model at rank 16 ({adapters} adapter parameters)")
+    assert_says(RELEASED, f"Offloading puts {offloaded} of frozen shards and adapter state in host memory")
+
+    def resident(*argv: str) -> str:
+        return read(inspect("--devices", "8x80GiB", "--train", "lora", *argv), r"^total\s+([\d.]+ GiB)\s")[0]
+
+    assert_says(RELEASED, f"it fits at 1024 tokens ({resident('--seq', '1024')}), or at 2048 tokens with rank 8 "
+                          f"({resident('--seq', '2048', '--rank', '8')})")
+
+
+def written_folders() -> set[str]:
+    """The top folder of every output the pages' Python snippets and bash commands write (relative paths)."""
+    folders = set()
+    for page in pages():
+        for code in code_blocks(page, "python"):
+            folders |= set(re.findall(r'output_dir="([^"/]+)', code))
+            folders |= set(re.findall(r'save_pretrained\("([^"/]+)', code))
+            folders |= set(re.findall(r'export_for_hub\(\s*\w+, "([^"/]+)', code))
+        for code in code_blocks(page, "bash"):
+            for line in code.splitlines():
+                argv = shlex.split(line, comments=True)
+                folders |= {argv[i + 1].split("/")[0] for i, arg in enumerate(argv[:-1])
+                            if arg in ("--output_dir", "--output")}
+                for i, arg in enumerate(argv[:-1]):  # the dsv41 command, as `dsv41` or `.venv/bin/dsv41`
+                    if arg.split("/")[-1] == "dsv41" and argv[i + 1] == "convert":
+                        folders.add(argv[i + 3].split("/")[0])
+                    if arg.split("/")[-1] == "dsv41" and argv[i + 1] == "demo" and "--output" not in argv:
+                        folders.add("dsv41-demo")  # its default output
+    return folders
+
+
+def test_every_folder_the_docs_write_is_ignored_by_git():
+    folders = written_folders()
+    assert {"dsv41-demo", "dsv41-sft", "dsv41-fsdp2", "dsv41-lora", "converted"} <= folders, folders
+    for folder in sorted(folders):
+        result = subprocess.run(["git", "check-ignore", "--no-index", "-q", f"{folder}/"], cwd=REPO_ROOT)
+        assert result.returncode == 0, f"{folder}/ (written by a documented command) is not in .gitignore"

@@ -151,8 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    import torch
+
     from .. import register
-    from .demo import DemoInterrupted, DemoSettings, run_demo
+    from .demo import DemoInterrupted, DemoSettings, choose_threads, run_demo
 
     register()  # the export writes the Auto classes registered for the model into config.json
 
@@ -160,6 +162,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.steps is not None:
         settings.steps = args.steps
     start = time.perf_counter()
+    threads = torch.get_num_threads()
+    choose_threads()
     try:
         report = run_demo(settings)
     except DemoInterrupted as interrupted:
@@ -168,6 +172,8 @@ def _run_demo(args: argparse.Namespace) -> int:
               + (f" --steps {args.steps}" if args.steps else "") + (f" --seed {args.seed}" if args.seed else ""),
               file=sys.stderr)
         return 130
+    finally:
+        torch.set_num_threads(threads)  # as it was for the caller (the tests run the command in-process)
     print(format_demo_summary(report, time.perf_counter() - start))
     return 0
 
@@ -226,8 +232,9 @@ def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
         f"generations {'equal' if same else 'DIFFER'}",
         f"Hub-ready folder: {report['export_dir']}",
         f"Also written: {Path(settings['output']) / 'loss.png'}, {Path(settings['output']) / 'report.json'}",
-        f"Time {seconds / 60:.1f} min, peak memory {report['peak_memory_bytes'] / 2**20:.0f} MiB, "
-        f"{report['threads']} threads on {report['cpu']}",
+        f"Time {seconds / 60:.1f} min (CPU time {report['cpu_time_s'] / 60:.1f} min), peak memory "
+        f"{report['peak_memory_bytes'] / 2**20:.0f} MiB, {report['threads']} thread{'s' * (report['threads'] != 1)} "
+        f"on {report['cpu']}",
         "Wall time per stage: " + ", ".join(
             f"{STAGE_NAMES.get(key, key)} {value:.1f} s" for key, value in report["timings_s"].items()
         ),

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -81,7 +82,8 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     stages = re.search(r"Wall time per stage: build \+ baseline [\d.]+ s, fine-tuning [\d.]+ s, DSpark head [\d.]+ s, "
                        r"export [\d.]+ s, reload check [\d.]+ s", captured.out)
     assert stages, captured.out
-    assert re.search(rf"\d+ threads on {re.escape(demo_module._cpu_name())}\n", captured.out)
+    assert re.search(rf"CPU time [\d.]+ min\), .*, (1 thread|\d+ threads) on {re.escape(demo_module._cpu_name())}\n",
+                     captured.out)
 
     report = json.loads((out / "report.json").read_text())
     assert report["before"] == baseline  # measured once, before any training
@@ -131,6 +133,40 @@ def test_caption_collator_learns_only_the_caption():
         learned = batch["labels"][row][batch["labels"][row] != -100].tolist()
         assert tokenizer.decode(learned) == sample.caption + tokenizer.eos_token
     assert batch["pixel_values"].shape[0] == 2 * 36 and batch["image_token_types"].shape == batch["input_ids"].shape
+
+
+def test_loss_plot_ticks_are_round():
+    assert demo_module.round_ticks(120) == [0, 20, 40, 60, 80, 100, 120]
+    assert demo_module.round_ticks(6.26) == [0, 2, 4, 6, 8]
+    assert demo_module.round_ticks(0.9) == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    assert demo_module.round_ticks(240) == [0, 50, 100, 150, 200, 250]
+
+
+def test_demo_computes_with_the_cores_other_jobs_leave_free(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(demo_module.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(demo_module, "_busy_cores", lambda cores: 1.8)  # another job on both cores
+    torch.set_num_threads(2)
+    assert demo_module.choose_threads() == 1 == torch.get_num_threads()
+    assert "other jobs keep 1.8 of its 2 cores busy): the demo computes with 1 thread " in capsys.readouterr().out
+    torch.set_num_threads(2)
+    monkeypatch.setattr(demo_module, "_busy_cores", lambda cores: 0.1)
+    assert demo_module.choose_threads() == 2 == torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+    monkeypatch.setattr(demo_module, "_busy_cores", lambda cores: 2.0)
+    assert demo_module.choose_threads() == 2
+
+
+def test_busy_cores_counts_what_other_processes_compute():
+    cores = os.sched_getaffinity(0)
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)  # started
+        busy = demo_module._busy_cores(cores, seconds=0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert 0.5 <= busy <= len(cores) + 1e-9  # at least the spinner's core (all of them on a loaded machine)
 
 
 def test_demo_lora_stage_teaches_a_new_wording_and_publishes_the_merged_model(tmp_path, monkeypatch, capsys):

@@ -9,6 +9,7 @@ import argparse
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,10 +71,20 @@ def test_readme_is_short_and_links_existing_pages():
     assert linked == {str(page.relative_to(REPO_ROOT)) for page in pages()[1:]}  # every page, none missing
 
 
+def assert_new_entries_are_ignored(workspace: Path, before: set[str]) -> None:
+    """What the snippets or commands just wrote in the user's folder (anything new at its top) is in .gitignore."""
+    for name in sorted({p.name for p in workspace.iterdir()} - before):
+        entry = f"{name}/" if (workspace / name).is_dir() else name
+        ignored = subprocess.run(["git", "check-ignore", "--no-index", "-q", entry], cwd=REPO_ROOT).returncode == 0
+        assert ignored, f"{entry} (written by a documented snippet or command) is not in .gitignore"
+
+
 def test_readme_python_snippets_run_in_order(workspace, monkeypatch, capsys):
     monkeypatch.chdir(workspace)
     assert len(code_blocks(README, "python")) >= 4
+    before = {p.name for p in workspace.iterdir()}
     run_page_snippets(README, workspace)
+    assert_new_entries_are_ignored(workspace, before)
     out = capsys.readouterr().out
     assert "muon_headwise" in out  # the Trainer's assignment table was printed
     assert "trainable params" in out  # PEFT's summary
@@ -84,18 +95,22 @@ def test_readme_python_snippets_run_in_order(workspace, monkeypatch, capsys):
 @pytest.mark.parametrize("name", [page.name for page in pages()[1:] if code_blocks(page, "python")])
 def test_docs_python_snippets_run_in_order(name, workspace, monkeypatch):
     monkeypatch.chdir(workspace)
+    before = {p.name for p in workspace.iterdir()}
     run_page_snippets(REPO_ROOT / "docs" / name, workspace)
+    assert_new_entries_are_ignored(workspace, before)
 
 
 def test_command_lines_run(workspace, monkeypatch, capsys):
     monkeypatch.chdir(workspace)
     commands = command_lines("dsv41 ")
     assert {shlex.split(c)[1] for c in commands} == {"inspect", "convert"}  # the demo is run by test_cli
+    before = {p.name for p in workspace.iterdir()}
     for command in commands:
         argv = shlex.split(command)[1:]
-        argv = [str(workspace / "released-tiny") if a == "released/" else a for a in argv]
+        argv = [str(workspace / "released-tiny") if a == "released/" else a for a in argv]  # the released weights
         assert main(argv) == 0, command
     assert "Parameters:" in capsys.readouterr().out
+    assert_new_entries_are_ignored(workspace, before)
 
 
 def test_benchmark_commands_exist_and_parse_their_arguments(monkeypatch, capsys):
@@ -126,17 +141,63 @@ def test_gpu_script_commands_parse_their_arguments(monkeypatch):
     commands = [shlex.split(line)[2:] for line in text.splitlines() if line.lstrip().startswith("step ")]
     scripts = ("forward", "generate", "memory", "loading", "finetune", "speculative")
     assert {c[1] for c in commands} == {f"benchmarks/{n}.py" for n in scripts}
-    parse_args = argparse.ArgumentParser.parse_args
-
-    def parse_then_stop(self, args=None, namespace=None):
-        parse_args(self, args, namespace)
-        raise ArgumentsParsed
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    monkeypatch.chdir(REPO_ROOT)
-    monkeypatch.syspath_prepend(str(REPO_ROOT))
     for interpreter, script, *args in commands:
         assert interpreter == "$PYTHON" and "--device" in args and "cuda" in args, args
-        monkeypatch.setattr(sys, "argv", [str(REPO_ROOT / script), *args])
+        run_until_parsed(monkeypatch, script, args)
+
+
+def run_until_parsed(monkeypatch, script: str, args: list[str]) -> None:
+    """Run ``script`` with ``args`` in this process, stopping right after its arguments parsed without error
+    (``argparse``'s ``parse_args`` or ``HfArgumentParser.parse_args_into_dataclasses``, unknown flags included)."""
+    from transformers import HfArgumentParser
+
+    def then_stop(parse):
+        def parse_then_stop(self, *args, **kwargs):
+            parse(self, *args, **kwargs)
+            raise ArgumentsParsed
+
+        return parse_then_stop
+
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", then_stop(argparse.ArgumentParser.parse_args))
+        patch.setattr(HfArgumentParser, "parse_args_into_dataclasses", then_stop(HfArgumentParser.parse_args_into_dataclasses))
+        patch.chdir(REPO_ROOT)
+        patch.syspath_prepend(str(REPO_ROOT))
+        patch.syspath_prepend(str((REPO_ROOT / script).parent))  # as `python script` puts its folder first
+        patch.setattr(sys, "argv", [str(REPO_ROOT / script), *args])
         with pytest.raises(ArgumentsParsed):
             runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
+
+
+def test_torchrun_commands_parse_their_arguments(monkeypatch):
+    """The docs' ``torchrun`` lines need GPUs, several nodes or the released weights: each is parsed by torchrun's
+    own parser, and its script runs here up to a successful ``parse_args`` with the printed arguments."""
+    from torch.distributed.run import get_args_parser
+
+    node = {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}  # what the many-node lines ask each node to set
+    commands = [shlex.split(line) for line in command_lines("torchrun ")]
+    assert commands
+    for _, *launch in commands:
+        launch = [node.get(word[1:], word) if word.startswith("$") else word for word in launch]
+        run = get_args_parser().parse_args(launch)
+        assert int(run.nproc_per_node) > 1, launch
+        run_until_parsed(monkeypatch, run.training_script, run.training_script_args)
+
+
+# the first words of each kind of command the pages print → the test that runs it as printed
+COMMAND_TESTS = {
+    "python3 -m venv .venv": "CI (.ci/run) and the set-up itself; test_setup_commands_are_unchanged",
+    "dsv41 ": "test_command_lines_run",
+    "python benchmarks/": "test_benchmark_commands_exist_and_parse_their_arguments",
+    "torchrun ": "test_torchrun_commands_parse_their_arguments",
+    "python examples/trl_": "tests/test_trl.py",
+    "python examples/lm_eval_local.py": "tests/test_lm_eval.py",
+    "accelerate launch ": "tests/test_trainer_distributed.py",
+}
+
+
+def test_every_documented_command_is_run_by_a_test():
+    lines = [line.strip() for page in pages() for block in code_blocks(page, "bash") for line in block.splitlines()]
+    unrun = [line for line in lines if line and not line.startswith("#") and not line.startswith(tuple(COMMAND_TESTS))]
+    assert not unrun, f"commands no test runs: {unrun}"
+

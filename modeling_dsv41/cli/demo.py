@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import resource
@@ -387,32 +388,53 @@ def loss_curves(
     return curves
 
 
+def round_ticks(top: float, count: int = 6) -> list[float]:
+    """Ticks from 0 in round steps (1, 2, 2.5 or 5 times a power of ten), about ``count`` of them, the last ≥ ``top``."""
+    raw = max(top, 1e-12) / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    return [step * k for k in range(math.ceil(top / step - 1e-9) + 1)]
+
+
+def _tick_label(value: float) -> str:
+    return f"{value:g}" if value >= 0.01 or value == 0 else f"{value:.0e}"
+
+
 def plot_losses(curves: dict[str, list[tuple[int, float]]], path: Path, size: tuple[int, int] = (640, 400)) -> None:
-    """A line chart of the loss curves, drawn with PIL (no plotting dependency)."""
+    """A line chart of the loss curves, drawn with PIL (no plotting dependency): x the training step, y the mean
+    cross-entropy of the caption tokens (nats), both from 0 with round ticks."""
     width, height = size
-    left, right, top, bottom = 60, 20, 30, 40
+    left, right, top, bottom = 70, 20, 30, 50
     image = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(image)
     points = [p for curve in curves.values() for p in curve]
     if not points:
         raise ValueError("no loss values to plot")
-    max_step = max(1, max(s for s, _ in points))
-    max_loss = max(l for _, l in points) * 1.05 or 1.0
+    step_ticks = round_ticks(max(1, max(s for s, _ in points)))
+    loss_ticks = round_ticks(max(l for _, l in points) or 1.0)
+    max_step, max_loss = step_ticks[-1], loss_ticks[-1]
 
     def xy(step: float, loss: float) -> tuple[float, float]:
         return (left + step / max_step * (width - left - right), top + (1 - loss / max_loss) * (height - top - bottom))
 
     draw.rectangle([left, top, width - right, height - bottom], outline="black")
-    for k in range(5):
-        loss = max_loss * k / 4
+    for loss in loss_ticks:
         y = xy(0, loss)[1]
         draw.line([left - 4, y, left, y], fill="black")
-        draw.text((4, y - 6), f"{loss:.2f}", fill="black")
-        step = max_step * k / 4
+        label = _tick_label(loss)
+        draw.text((left - 8 - draw.textlength(label), y - 6), label, fill="black")
+    for step in step_ticks:
         x = xy(step, 0)[0]
         draw.line([x, height - bottom, x, height - bottom + 4], fill="black")
-        draw.text((x - 10, height - bottom + 8), f"{step:.0f}", fill="black")
-    draw.text((width // 2 - 15, height - 16), "step", fill="black")
+        label = _tick_label(step)
+        draw.text((x - draw.textlength(label) / 2, height - bottom + 8), label, fill="black")
+    x_title = "training step"
+    draw.text(((left + width - right - draw.textlength(x_title)) / 2, height - 20), x_title, fill="black")
+    y_title = "loss (caption tokens, nats)"
+    title = Image.new("RGB", (int(draw.textlength(y_title)) + 2, 14), "white")
+    ImageDraw.Draw(title).text((1, 1), y_title, fill="black")
+    rotated = title.rotate(90, expand=True)
+    image.paste(rotated, (6, int(top + (height - top - bottom - rotated.height) / 2)))
     for (name, curve), color in zip(curves.items(), ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e")):
         if len(curve) > 1:
             draw.line([xy(*p) for p in curve], fill=color, width=2)
@@ -429,7 +451,8 @@ def plot_losses(curves: dict[str, list[tuple[int, float]]], path: Path, size: tu
 def reload_and_caption(folder: Path, image_paths: list[Path]) -> dict[str, Any]:
     """Run :mod:`.demo_reload` in a fresh, isolated interpreter (no project code importable but what the folder
     ships); returns its JSON output."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
     paths = [str(Path(p).resolve()) for p in (folder, *image_paths)]  # it runs in a temporary directory
     command = [sys.executable, "-I", demo_reload.__file__, paths[0], PROMPT, *paths[1:]]
     with tempfile.TemporaryDirectory() as cwd:
@@ -521,6 +544,47 @@ def _results_for_card(report: dict[str, Any], num_eval: int) -> dict[str, dict[s
         "captions identical to plain decoding": "yes" if dspark["captions_identical"] else "NO",
     }
     return results
+
+
+def _busy_cores(cores: set[int], seconds: float = 0.5) -> float | None:
+    """How many of ``cores`` other processes keep busy now: their non-idle share over ``seconds`` of
+    ``/proc/stat`` (this process sleeps meanwhile); None where there is no ``/proc/stat``."""
+
+    def sample() -> tuple[int, int]:
+        busy = total = 0
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *ticks = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                values = [int(t) for t in ticks[:8]]  # user nice system idle iowait irq softirq steal
+                total += sum(values)
+                busy += sum(values) - values[3] - values[4]
+        return busy, total
+
+    try:
+        busy, total = sample()
+        time.sleep(seconds)
+        busy_after, total_after = sample()
+    except OSError:
+        return None
+    return len(cores) * (busy_after - busy) / max(1, total_after - total)
+
+
+def choose_threads(print_fn=print) -> int:
+    """The threads this run computes with: torch's default (one per core), or as many as the cores other jobs leave
+    free now (at least one): two threads per process on two cores shared with another job thrash (the whole demo
+    took 8 times as long). ``OMP_NUM_THREADS``, when set, decides."""
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity"):
+        return threads
+    cores = os.sched_getaffinity(0)
+    busy = _busy_cores(cores)
+    free = threads if busy is None else max(1, round(len(cores) - busy))
+    if free < threads:
+        threads = free
+        torch.set_num_threads(threads)
+        print_fn(f"The CPU is busy (other jobs keep {busy:.1f} of its {len(cores)} cores busy): the demo computes "
+                 f"with {threads} thread{'s' * (threads != 1)} (set OMP_NUM_THREADS to choose)")
+    return threads
 
 
 def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..placement import is_engram_table_tensor, native_held_bytes
-from .activation_memory import activation_peak
+from .activation_memory import activation_peak, attended_slots
 
 RESERVE_BYTES = 3 * 2**30
 # the README's LoRA targets: attention Linears and shared experts (target_modules), routed experts (target_parameters)
@@ -40,8 +40,63 @@ LORA_EXPERTS = re.compile(r"(^|\.)layers\.\d+\.ffn\.experts$")
 _ADAPTER_BYTES_PER_PARAMETER = 4 * 4  # fp32 weight, gradient and two AdamW moments
 
 
+def layer_saved_bytes_per_token(config, layer_id: int, seq_len: int) -> float:
+    """Bytes per token that one decoder layer's forward saves for its backward (bf16 activations, fp32 where the model
+    computes in fp32), term by term as the eager attention path saved them (the routed experts' inputs are saved
+    whether or not they carry adapters: the input gradient flows through them). The full fine-tuning planner's
+    (:mod:`.full_planning`): an upper bound now that the sparse attention's backward recomputes its keys and
+    probabilities; the LoRA plan uses :mod:`.activation_memory`, the model measured against the new code."""
+    d, hc, heads, hd = config.hidden_size, config.hc_mult, config.num_attention_heads, config.head_dim
+    ratio = config.compress_ratios[layer_id]
+    k = attended_slots(config, ratio, seq_len)
+    top_k, inter = config.num_experts_per_tok, config.moe_intermediate_size
+    routed = top_k + config.n_shared_experts
+    terms = {
+        # sink attention: fp32 keys of every attended slot and the fp32 query, then per slot block the scores,
+        # masks and probabilities ([H, K] fp32, about five of them) and the fp32 accumulator
+        "attention keys": (k + heads) * hd * 4,
+        "attention scores": 5 * heads * k * 4 + heads * hd * 4,
+        # q_a, q (before and after rope), kv, the attention output and the grouped output projection
+        "attention projections": (2 * config.q_lora_rank + 3 * heads * hd + 3 * hd) * 2 + heads * hd * 4
+        + config.o_groups * config.o_lora_rank * 2,
+        # mHC: the flattened stream in fp32 for both sub-blocks' mixes, the collapse inputs, Sinkhorn's iterations
+        "mHC": hc * d * (2 * 4 + 2 * 2) + 2 * (config.hc_sinkhorn_iters + 4) * hc * hc * 4 * 2,
+        "norms": 6 * d * 4,
+        # SwiGLU in fp32 (five [I] tensors per routed and shared slot), the routed slots' inputs and outputs
+        "MoE": 5 * routed * inter * 4 + top_k * (d * 4 + d * 2 + 2 * inter * 2) + config.n_routed_experts * 4 * 2,
+    }
+    if ratio:
+        terms["compressor"] = 3 * d * 4 // max(ratio, 1) + 2 * hd * 4
+        terms["indexer"] = config.index_n_heads * config.index_head_dim * 2 // 2
+    if layer_id in config.engram_layer_ids:
+        rows = (config.engram_max_ngram_size - 1) * config.engram_n_heads * config.engram_head_dim
+        terms["Engram"] = rows * (4 + 2) + hc * d * 4 * 5
+    return float(sum(terms.values()))
+
+
+def checkpointed_input_bytes_per_token(config) -> float:
+    """What one decoder layer keeps until its backward under gradient checkpointing: its input stream [hc, D] in
+    bf16 and its pre-mix [hc] in fp32 (the compressed context it is handed is a fraction of a token's worth)."""
+    return config.hc_mult * config.hidden_size * 2 + config.hc_mult * 4 + config.head_dim * 2
+
+
+class PerDeviceTotal:
+    """For a plan's ``terms`` (bytes per device) and ``capacity``: their sum, and whether it fits."""
+
+    terms: dict[str, float]
+    capacity: int
+
+    @property
+    def per_device(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.per_device <= self.capacity
+
+
 @dataclass
-class LoraTrainingPlan:
+class LoraTrainingPlan(PerDeviceTotal):
     """Per-device bytes of a LoRA step under FSDP2 on ``num_devices`` ranks (see the module docstring)."""
 
     num_devices: int
@@ -57,14 +112,6 @@ class LoraTrainingPlan:
     terms: dict[str, float] = field(default_factory=dict)
     largest_unit: str = ""
     host_bytes: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def per_device(self) -> float:
-        return sum(self.terms.values())
-
-    @property
-    def fits(self) -> bool:
-        return self.per_device <= self.capacity
 
 
 def _fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
@@ -163,6 +210,9 @@ __all__ = [
     "LORA_LINEARS",
     "RESERVE_BYTES",
     "LoraTrainingPlan",
+    "PerDeviceTotal",
+    "checkpointed_input_bytes_per_token",
+    "layer_saved_bytes_per_token",
     "longest_sequence",
     "lora_parameters",
     "plan_lora_training",

@@ -217,7 +217,7 @@ def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
     lines += [
         "",
         f"DSpark speculative decoding (draft head trained {dspark['train_steps']} steps on the backbone's own "
-        f"predictions), greedy captions of {dspark['images']} held-out images, one at a time:",
+        f"predictions), greedy captions of {dspark['images']} held-out images in one batch:",
         f"  plain {dspark['plain_tokens_per_s']:.1f} tokens/s, DSpark {dspark['dspark_tokens_per_s']:.1f} tokens/s "
         f"({dspark['speedup']:.2f}x), {dspark['mean_accepted_length']:.2f} tokens per verification, captions "
         f"{'identical' if dspark['captions_identical'] else 'DIFFER'}",

@@ -29,11 +29,16 @@ class ScriptArguments:
     train_samples: int = field(default=200, metadata={"help": "Size of the synthetic captioning training set."})
 
 
-def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
-    parser = HfArgumentParser((ScriptArguments, DeepseekV41TrainingArguments))
+def parse_arguments(argv: list[str] | None, script_arguments: type = ScriptArguments) -> tuple:
+    """(script arguments, DeepseekV41TrainingArguments) from the command line."""
+    parser = HfArgumentParser((script_arguments, DeepseekV41TrainingArguments))
     parser.set_defaults(remove_unused_columns=False, report_to="none")  # the collator reads the raw samples
-    script, args = parser.parse_args_into_dataclasses(argv)
-    model = AutoModelForCausalLM.from_pretrained(script.model)
+    return parser.parse_args_into_dataclasses(argv)
+
+
+def fine_tune(model, script: ScriptArguments, args: DeepseekV41TrainingArguments) -> DeepseekV41Trainer:
+    """Train ``model`` on the captioning task with the processor of ``script.model``; ``--resume_from_checkpoint last``
+    resumes from the newest complete checkpoint."""
     processor = AutoProcessor.from_pretrained(script.model)
     trainer = DeepseekV41Trainer(
         model=model, args=args, train_dataset=ShapesDataset("train", script.train_samples),
@@ -42,6 +47,11 @@ def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
     resume = args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     return trainer
+
+
+def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
+    script, args = parse_arguments(argv)
+    return fine_tune(AutoModelForCausalLM.from_pretrained(script.model), script, args)
 
 
 if __name__ == "__main__":

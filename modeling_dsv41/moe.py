@@ -140,10 +140,12 @@ class DeepseekV41Experts(nn.Module):
         (:func:`routed_experts_forward`, one host sync reading how many each got)."""
         if top_k_index.numel() <= self.num_experts:
             return self._forward_per_slot(hidden_states, top_k_index, top_k_weights)
-        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # read once (a PEFT parametrization computes it)
+        # read once (a PEFT parametrization computes it); one unbind, whose backward stacks every expert's gradient
+        # once (indexing per expert would build a zero-padded [E, ...] gradient per expert)
+        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         return routed_experts_forward(
             hidden_states, top_k_index, top_k_weights, self.num_experts, self.swiglu_limit,
-            lambda expert: (gate_up_proj[expert], down_proj[expert]),
+            lambda expert: (gate_ups[expert], downs[expert]),
         )
 
     def _forward_per_slot(
@@ -202,26 +204,33 @@ def routed_experts_forward(
     experts. ``expert_weights(e)`` gives expert ``e``'s ``gate_up`` [2·I, D] and ``down`` [D, I] in the compute dtype,
     as tensors or as :class:`ProjectedWeight` (a frozen quantized weight applied without being kept); it is called
     only for experts with tokens, in expert order. Returns fp32 [N, D]; one host sync reads how many tokens each
-    expert got."""
+    expert got.
+
+    The slots are gathered once, grouped by expert: the input gradient is then one scatter-add in that order (a token
+    sums its experts' gradients in ascending expert order), as under expert parallelism, where the same gathered
+    slots travel to the ranks holding their experts (:mod:`~modeling_dsv41.training.expert_parallel`)."""
     num_tokens, top_k = top_k_index.shape
     expert_ids = top_k_index.flatten()
     order = expert_ids.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
     counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
-    tokens, weights = (order // top_k).split(counts), top_k_weights.flatten()[order].split(counts)
-    out = hidden_states.new_zeros(num_tokens, hidden_states.shape[-1], dtype=torch.float32)
     # expert parallelism routes other ranks' slots to id `num_experts` (local count), weight 0: sorted last, skipped
-    groups = zip(tokens[:num_experts], weights[:num_experts])
-    for expert, (token, weight) in enumerate(groups):  # fixed order: the fp32 sum is reproducible
+    counts = counts[:num_experts]
+    slot_tokens = order[: sum(counts)] // top_k
+    # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter
+    inputs = hidden_states.index_select(0, slot_tokens).split(counts)
+    tokens, weights = slot_tokens.split(counts), top_k_weights.flatten()[order[: sum(counts)]].split(counts)
+    out = hidden_states.new_zeros(num_tokens, hidden_states.shape[-1], dtype=torch.float32)
+    groups = zip(tokens, weights, inputs)
+    for expert, (token, weight, x) in enumerate(groups):  # fixed order: the fp32 sum is reproducible
         if token.numel() == 0:
             continue
         gate_up, down = expert_weights(expert)
         inter = gate_up.shape[0] // 2  # this rank's I/tp under tensor parallelism (`packed_colwise`)
-        # index_select: its backward is a plain index_add, far cheaper than advanced indexing's scatter
-        x = hidden_states.index_select(0, token)
         gate, up = _project(x, gate_up, slice(0, inter)), _project(x, gate_up, slice(inter, None))
         hidden = swiglu_hidden(gate, up, swiglu_limit, x.dtype, weight.unsqueeze(-1))
         add_rows(out, token, _project(hidden, down, slice(None)).float())
     return out
+
 
 def add_rows(out: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """``out.index_add_(0, index, source)`` (in place) whose backward keeps only ``index``: autograd's own keeps

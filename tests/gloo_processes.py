@@ -1,4 +1,4 @@
-"""Run a test function on 2 gloo processes spawned from pytest, bounded in time (CPU, no accelerator needed)."""
+"""Run a test function on gloo processes (2 unless told) spawned from pytest, bounded in time (CPU, no accelerator needed)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ WORLD = 2
 TIMEOUT_S = 120
 
 
-def _worker(rank: int, fn: Callable[..., None], port: int, tmp: str, args: tuple) -> None:
+def _worker(rank: int, fn: Callable[..., None], port: int, tmp: str, args: tuple, world_size: int = WORLD) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, Path(tmp), *args)
         dist.barrier()  # no rank tears gloo down while the other still communicates
@@ -40,11 +40,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn: Callable[..., None], tmp: Path, *args, timeout_s: float = TIMEOUT_S) -> None:
-    """Run ``fn(rank, tmp, *args)`` (a module-level function, picklable args) on 2 gloo processes; fail, not hang,
-    after ``timeout_s``."""
+def spawn(fn: Callable[..., None], tmp: Path, *args, timeout_s: float = TIMEOUT_S, world_size: int = WORLD) -> None:
+    """Run ``fn(rank, tmp, *args)`` (a module-level function, picklable args) on ``world_size`` gloo processes; fail,
+    not hang, after ``timeout_s``."""
     context = mp.start_processes(
-        _worker, args=(fn, free_port(), str(tmp), args), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(fn, free_port(), str(tmp), args, world_size), nprocs=world_size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout_s
     try:

@@ -147,30 +147,41 @@ def test_gpu_script_commands_parse_their_arguments(monkeypatch):
 
 
 def run_until_parsed(monkeypatch, script: str, args: list[str]) -> None:
-    """Run ``script`` with ``args`` in this process, stopping right after its ``parse_args`` succeeded."""
-    parse_args = argparse.ArgumentParser.parse_args
+    """Run ``script`` with ``args`` in this process, stopping right after its arguments parsed without error
+    (``argparse``'s ``parse_args`` or ``HfArgumentParser.parse_args_into_dataclasses``, unknown flags included)."""
+    from transformers import HfArgumentParser
 
-    def parse_then_stop(self, args=None, namespace=None):
-        parse_args(self, args, namespace)
-        raise ArgumentsParsed
+    def then_stop(parse):
+        def parse_then_stop(self, *args, **kwargs):
+            parse(self, *args, **kwargs)
+            raise ArgumentsParsed
+
+        return parse_then_stop
 
     with monkeypatch.context() as patch:
-        patch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        patch.setattr(argparse.ArgumentParser, "parse_args", then_stop(argparse.ArgumentParser.parse_args))
+        patch.setattr(HfArgumentParser, "parse_args_into_dataclasses", then_stop(HfArgumentParser.parse_args_into_dataclasses))
         patch.chdir(REPO_ROOT)
         patch.syspath_prepend(str(REPO_ROOT))
+        patch.syspath_prepend(str((REPO_ROOT / script).parent))  # as `python script` puts its folder first
         patch.setattr(sys, "argv", [str(REPO_ROOT / script), *args])
         with pytest.raises(ArgumentsParsed):
             runpy.run_path(str(REPO_ROOT / script), run_name="__main__")
 
 
 def test_torchrun_commands_parse_their_arguments(monkeypatch):
-    """The docs' ``torchrun ... --device cuda`` lines need 8 GPUs and the released weights: each runs here up to a
-    successful ``parse_args`` of its script, with the printed arguments."""
+    """The docs' ``torchrun`` lines need GPUs, several nodes or the released weights: each is parsed by torchrun's
+    own parser, and its script runs here up to a successful ``parse_args`` with the printed arguments."""
+    from torch.distributed.run import get_args_parser
+
+    node = {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}  # what the many-node lines ask each node to set
     commands = [shlex.split(line) for line in command_lines("torchrun ")]
     assert commands
-    for _, launcher_flag, script, *args in commands:
-        assert launcher_flag.startswith("--nproc_per_node=") and "cuda" in args, args
-        run_until_parsed(monkeypatch, script, args)
+    for _, *launch in commands:
+        launch = [node.get(word[1:], word) if word.startswith("$") else word for word in launch]
+        run = get_args_parser().parse_args(launch)
+        assert int(run.nproc_per_node) > 1, launch
+        run_until_parsed(monkeypatch, run.training_script, run.training_script_args)
 
 
 # the first words of each kind of command the pages print → the test that runs it as printed

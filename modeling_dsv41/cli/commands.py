@@ -52,13 +52,29 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2*
           "tib": 2**40}
 
 
+class Devices(dict):
+    """``{device index: bytes}``; ``per_node`` is the devices per node when given as ``NODESxGPUSxSIZE``."""
+
+    per_node: int | None = None
+
+
 def parse_devices(text: str) -> dict[int, int]:
-    """``"8x141GiB"`` (or ``"4x80GB,4x141GiB"``) → ``{0: bytes, 1: bytes, ...}`` (an argparse ``type``)."""
-    devices: dict[int, int] = {}
+    """``"8x141GiB"`` (or ``"4x80GB,4x141GiB"``) → ``{0: bytes, 1: bytes, ...}`` (an argparse ``type``);
+    ``"16x8x80GiB"`` → 128 devices, 8 per node."""
+    nodes = re.fullmatch(r"(\d+)[x×*](\d+)[x×*](.+)", text.replace(" ", "").lower())
+    if nodes is not None and int(nodes.group(1)) >= 1 and int(nodes.group(2)) >= 1:
+        node = parse_devices(f"{nodes.group(2)}x{nodes.group(3)}")
+        devices = Devices(dict.fromkeys(range(int(nodes.group(1)) * len(node)), node[0]))
+        devices.per_node = len(node)
+        return devices
+    devices: dict[int, int] = Devices()
     for part in text.replace(" ", "").split(","):
         match = re.fullmatch(r"(?:(\d+)[x×*])?(\d+(?:\.\d+)?)([kmgt]i?b|b)", part.lower())
         if match is None or int(match.group(1) or 1) < 1 or float(match.group(2)) <= 0:
-            raise argparse.ArgumentTypeError(f"expected COUNTxSIZE such as 8x141GiB (comma-separated), got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected COUNTxSIZE such as 8x141GiB (comma-separated) or NODESxGPUSxSIZE such as 16x8x80GiB, got "
+                f"{text!r}"
+            )
         for _ in range(int(match.group(1) or 1)):
             devices[len(devices)] = int(float(match.group(2)) * _UNITS[match.group(3)])
     return devices
@@ -102,10 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--ep", type=_int_at_least(2), default=None, metavar="N",
                          help="per-rank weights under expert parallelism on N ranks: DistributedConfig(tp_size=N, "
                          "ep_size=N), the experts split by the EP plan and the rest by the TP plan")
-    inspect.add_argument("--train", choices=("lora",), default=None,
+    inspect.add_argument("--train", choices=("lora", "full"), default=None,
                          help="with --devices: plan LoRA fine-tuning of the natively loaded weights, sharded with "
                          "FSDP2 over the devices (frozen shards, gathered units, adapters and AdamW, activations "
-                         "with gradient checkpointing, logits), resident and offloaded to host memory")
+                         "with gradient checkpointing, logits), resident and offloaded to host memory; or full "
+                         "fine-tuning with the mixed optimizer on the expert-parallel mesh (--devices "
+                         "NODESxGPUSxSIZE, --ep N: experts split over N devices, default one node's)")
     inspect.add_argument("--seq", type=_int_at_least(1), default=4096, metavar="S",
                          help="with --train: tokens per sequence (default: %(default)s)")
     inspect.add_argument("--batch", type=_int_at_least(1), default=1, metavar="B",
@@ -276,6 +294,8 @@ def _print_training_plan(config, args: argparse.Namespace) -> int:
     from ..training.planning import plan_lora_training
     from .inspection import build_meta_model, format_training_plan
 
+    if args.train == "full":
+        return _print_full_training_plan(config, args)
     if not args.devices:
         raise ValueError("--train lora plans a run on devices: give them with --devices (e.g. --devices 8x80GiB)")
     if args.tp or args.ep or args.storage != "released":
@@ -288,6 +308,25 @@ def _print_training_plan(config, args: argparse.Namespace) -> int:
     ]
     print()
     print(format_training_plan(*plans))
+    return 0
+
+
+def _print_full_training_plan(config, args: argparse.Namespace) -> int:
+    from ..training.full_planning import default_ep_size
+    from .inspection import build_meta_model, format_full_training_plan
+
+    if not args.devices or len(set(args.devices.values())) != 1:
+        raise ValueError("--train full plans a run on nodes of equal devices: give them with --devices "
+                         "NODESxGPUSxSIZE (e.g. --devices 16x8x80GiB)")
+    if args.tp or args.storage != "released":
+        raise ValueError("--train full plans the expert-parallel mesh of training.fsdp.shard_model: drop --tp and "
+                         "--storage (--ep N sets the expert-parallel size)")
+    per_node = getattr(args.devices, "per_node", None) or len(args.devices)
+    nodes, capacity = len(args.devices) // per_node, args.devices[0]
+    model = build_meta_model(config)
+    ep = args.ep or default_ep_size(model, nodes, per_node)
+    print()
+    print(format_full_training_plan(model, nodes, per_node, capacity, ep, args.seq, args.batch))
     return 0
 
 

@@ -194,5 +194,58 @@ def format_training_plan(resident: LoraTrainingPlan, offloaded: LoraTrainingPlan
     return "\n".join(lines)
 
 
+def format_full_training_plan(
+    model: torch.nn.Module, nodes: int, per_node: int, capacity: int, ep_size: int, seq_len: int, batch_size: int
+) -> str:
+    """The per-device table ``dsv41 inspect --devices NODESxGPUSxSIZE --train full`` prints: full fine-tuning with the
+    mixed optimizer on the expert-parallel mesh, in both precisions, per-device totals by EP size, and the smallest
+    number of 8×80 GiB and 8×141 GiB nodes that fits."""
+    from ..training.full_planning import PRECISIONS, _totals, ep_sizes, plan_full_training, smallest_fit
+
+    totals = {precision: _totals(model, precision) for precision in PRECISIONS}
+
+    def plan(precision: str, ep: int, nodes: int = nodes, per_node: int = per_node, capacity: int = capacity):
+        return plan_full_training(model, nodes, per_node, capacity, ep, precision, seq_len, batch_size, totals[precision])
+
+    plans = [plan(precision, ep_size) for precision in PRECISIONS]
+    first = plans[0]
+    experts = model.config.get_text_config().n_routed_experts
+    lines = [
+        (
+            f"Full fine-tuning ({_human(first.trainable_parameters)} trained parameters: all but the indexer, the DSpark "
+            f"draft head and the Engram tables) on {nodes} × {per_node} = {first.world} devices: the routed experts "
+            f"split over EP {ep_size} ({experts // ep_size} per layer on each) and FSDP2-sharded over the other "
+            f"{first.ep_shard}, everything else FSDP2 over all {first.world} (training.fsdp.shard_model("
+            f"expert_parallel_size={ep_size})); gradient checkpointing, micro-batch {batch_size} × {seq_len} tokens per "
+            "device. MixedOptimizer state: one momentum buffer per Muon, head-wise Muon and Sinkhorn tensor, two "
+            "moments per AdamW tensor, in the weights' dtype:"
+        ),
+        f"{'per device':<52}{PRECISIONS[0]:>14}{PRECISIONS[1]:>14}",
+    ]
+    for name in first.terms:
+        cells = [_bytes(p.terms[name]) if name in p.terms else "-" for p in plans]
+        lines.append(f"{name:<52}{cells[0]:>14}{cells[1]:>14}")
+    lines.append(f"{'total':<52}{_bytes(plans[0].per_device):>14}{_bytes(plans[1].per_device):>14}")
+    verdicts = ["fits" if p.fits else "does not fit" for p in plans]
+    lines.append(f"{'on ' + _bytes(capacity) + ' devices':<52}{verdicts[0]:>14}{verdicts[1]:>14}")
+    lines.append(f"largest layer gathered: {first.largest_layer} (and the next one, prefetched)")
+    for name, nbytes in first.host_bytes.items():
+        lines.append(f"host memory, {name}: {_bytes(nbytes)}")
+    by_ep = [f"EP {ep}: {_bytes(plan(PRECISIONS[0], ep).per_device)} / {_bytes(plan(PRECISIONS[1], ep).per_device)}"
+             for ep in ep_sizes(model, first.world) if ep > 1]
+    lines.append(f"per device by EP size ({' / '.join(PRECISIONS)}): " + ", ".join(by_ep))
+    lines.append("smallest node count that fits (the smallest EP size that fits on it):")
+    for node_capacity in (80 * 2**30, 141 * 2**30):
+        cells = []
+        for precision in PRECISIONS:
+            best = smallest_fit(model, 8, node_capacity, precision, seq_len, batch_size)
+            cells.append(f"{precision} {best.nodes} nodes (EP {best.ep_size}, {_bytes(best.per_device)})" if best
+                         else f"{precision}: more than 256 nodes")
+        lines.append(f"  8 × {_bytes(node_capacity)} nodes: " + "; ".join(cells))
+    lines.append("fp32 master = DeepseekV41Trainer under accelerate's mixed_precision: bf16 (fp32 weights, gradients and "
+                 "state; bf16 compute and reduction); bf16 = the model loaded in bf16, mixed_precision: no")
+    return "\n".join(lines)
+
+
 __all__ = ["COMPONENTS", "IMAGE_SIZES", "ModelInspection", "build_meta_model", "component_of", "format_inspection",
-           "format_parallel_plan", "format_training_plan", "inspect_config"]
+           "format_full_training_plan", "format_parallel_plan", "format_training_plan", "inspect_config"]

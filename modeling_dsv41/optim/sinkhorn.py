@@ -39,7 +39,9 @@ def sinkhorn_balance(
     ``row_groups``: when ``update`` is this rank's block of rows of a row-sharded matrix, the process groups
     across which the rows are split. Row scalings stay local; the statistics over rows (the largest row norm,
     the mean row norm, the column sums of every column normalization) are all-reduced over them, so every
-    rank gets its rows of the unsharded result. ``live_rows`` then index the local rows.
+    rank gets its rows of the unsharded result. ``live_rows`` then index the local rows. The sums are taken in
+    fp64 and rounded once: under :func:`~modeling_dsv41.numerics.reference_numerics` (which computes one process's
+    sums in fp64) a sharded table gets the same bits as a whole one, however its rows are split.
     """
     if update.ndim != 2:
         raise ValueError(f"the Sinkhorn-balanced update needs a matrix [rows, cols], got {tuple(update.shape)}")
@@ -50,20 +52,28 @@ def sinkhorn_balance(
     if not _SAFE_ROW_NORMS[0] < _all_reduce(_amax(row_norms), dist.ReduceOp.MAX, row_groups) < _SAFE_ROW_NORMS[1]:
         update = update / _all_reduce(_amax(update.abs()), dist.ReduceOp.MAX, row_groups).clamp_min(_FLOAT32_TINY)
         row_norms = torch.linalg.vector_norm(update, dim=1)
-    count = row_norms.new_tensor(float(len(row_norms)))
-    total, rows = _all_reduce(torch.stack([row_norms.sum(), count]), None, row_groups)  # mean over all rows
+    if row_groups:  # mean over all rows
+        count = row_norms.new_tensor(float(len(row_norms)), dtype=torch.float64)
+        total, rows = _all_reduce(torch.stack([row_norms.double().sum(), count]), None, row_groups).float()
+    else:
+        total, rows = row_norms.sum(), float(len(row_norms))
     live_rows = torch.nonzero(row_norms > row_mask_tau * (total / rows)).squeeze(1)
 
     direction = update.index_select(0, live_rows).div_(row_norms[live_rows, None])  # normalization 1: rows
     squares = direction.square()  # [L, n]
+    wide = squares.double() if row_groups else None  # the column sums' partial products, in fp64
     row_scale = torch.ones(len(live_rows), device=update.device)
     col_scale = torch.ones(update.shape[1], device=update.device)
     for step in range(1, iters):
         if step % 2:  # columns: c_j = 1 / ‖(r_i x_ij)_i‖
-            col_scale = _inverse_sqrt(_all_reduce(row_scale.square() @ squares, None, row_groups))
+            if row_groups:
+                sums = _all_reduce(row_scale.square().double() @ wide, None, row_groups).float()
+            else:
+                sums = row_scale.square() @ squares
+            col_scale = _inverse_sqrt(sums)
         else:  # rows: r_i = 1 / ‖(x_ij c_j)_j‖
             row_scale = _inverse_sqrt(squares @ col_scale.square())
-    del squares
+    del squares, wide
     direction.mul_(row_scale.mul_(math.sqrt(update.shape[1]))[:, None]).mul_(col_scale)
     return live_rows, direction
 

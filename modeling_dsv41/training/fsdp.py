@@ -31,6 +31,7 @@ would be all-gathered whole at every forward of its layer. A trainable table is 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,7 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     offload_policy: OffloadPolicy | None = None,
+    expert_parallel_size: int = 1,
     offload_activations: bool = False,
 ) -> nn.Module:
     """``fully_shard`` the decoder layers and ViT blocks, then the whole model, in place; returns ``model``.
@@ -94,6 +96,10 @@ def shard_model(
             nothing (see the module docstring). Frozen Engram tables are never sharded.
         reshard_after_forward, offload_policy: as in ``fully_shard`` (``CPUOffloadPolicy()`` keeps the shards,
             their gradients and the optimizer step on the CPU).
+        expert_parallel_size: above 1, the routed experts of every decoder layer are split by expert over that many
+            neighbouring ranks, tokens dispatched to them by all-to-all, and FSDP2-sharded over the rest of the world;
+            everything else is sharded over every rank (see :mod:`~.expert_parallel`). Full fine-tuning only: not
+            with ``mesh``, adapters or the natively loaded weights.
         offload_activations: keep the inputs of the checkpointed decoder layers in host memory until their backward
             (:func:`~.offload.offload_checkpointed_inputs`; gradient checkpointing must be enabled).
     """
@@ -102,9 +108,12 @@ def shard_model(
     if offload_activations:
         offload_checkpointed_inputs(model)
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    kwargs = {
-        "mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy(),
-    }
+    kwargs = {"reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy()}
+    training, expert_units = None, []
+    if expert_parallel_size > 1:
+        training, expert_units = _shard_experts(model, mesh, mp_policy, expert_parallel_size, kwargs)
+        mesh = training.data
+    kwargs["mesh"] = mesh
     tables = frozen_engram_tables(model)
     own_units, replicated = [], set()
     if mp_policy.param_dtype not in (None, torch.float32):
@@ -122,7 +131,118 @@ def shard_model(
     group = None if mesh is None else mesh.get_group()
     for param in (p for p in replicated if p.requires_grad):  # frozen ones have no gradient to average
         param.register_post_accumulate_grad_hook(lambda p: _average_over_ranks(p.grad, group))
+    if training is not None:
+        from .expert_parallel import EPGroupFirstReduceScatter
+
+        experts = {id(unit) for unit in expert_units}
+        for unit in model.modules():  # every unit sharded over all ranks sums its gradients EP group first
+            if isinstance(unit, FSDPModule) and id(unit) not in experts:
+                unit.set_custom_reduce_scatter(EPGroupFirstReduceScatter(training))
+                unit.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_size: int, kwargs: dict):
+    """Split the backbone's routed experts over the EP ranks and FSDP2-shard them over ``ep_shard``, each layer's
+    experts their own unit; returns the :class:`~.expert_parallel.TrainingMesh` and those units."""
+    from .expert_parallel import EP_SHARD, distribute_experts, training_mesh
+    from .router_balancing import is_adapter_model
+
+    if mesh is not None:
+        raise ValueError("shard_model builds the expert-parallel mesh itself: give expert_parallel_size or mesh, not both")
+    if is_adapter_model(model) or quantized_modules(model):
+        raise ValueError(
+            "expert_parallel_size trains every weight of a dequantized model (full fine-tuning); for LoRA adapters or "
+            "the natively loaded FP8/FP4 weights, shard with shard_model(model) (FSDP2 alone, expert_parallel_size=1)"
+        )
+    training = training_mesh(ep_size, _default_device().type)
+    # the experts' inputs arrive in the layer's compute dtype; their fp32 routing weights must stay fp32
+    policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
+    units = distribute_experts(model, training)
+    for experts in units:
+        fully_shard(experts, mesh=training.experts[EP_SHARD], mp_policy=policy, **kwargs)
+        experts.set_gradient_divide_factor(float(dist.get_world_size()))  # the mean over every rank's micro-batch
+        # gloo has no pre-multiplied sum: sum, then divide; not on a 1-rank ep_shard, where FSDP2 (torch 2.13) would
+        # divide its copy of the gradient and then divide again
+        experts.set_force_sum_reduction_for_comms(training.ep_shard_size > 1)
+    return training, units
+
+
+def load_sharded_weights(model: nn.Module, folder: str | Path, device: torch.device | str | None = None) -> None:
+    """Fill a model sharded by :func:`shard_model` while its parameters were on the meta device with a safetensors
+    checkpoint in our layout (``save_pretrained``, ``dsv41 convert``): each rank reads only its shards
+    (``torch.distributed.checkpoint`` with its Hugging Face reader), so no process ever holds the whole model.
+    Frozen Engram tables (left out of sharding) are memory-mapped from the folder instead, as
+    ``from_pretrained(..., engram_tables="mmap")`` maps them: a node's processes share one page cache.
+
+    Build the model with its parameters on the meta device and its buffers real (accelerate's
+    ``init_empty_weights()`` keeps buffers: the Engram hasher's are computed, not stored), shard it, then call this.
+    The persistent buffers (router biases, the Engram token map) are read from the checkpoint too.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from ..placement import is_engram_table_tensor, memory_map_engram_tables
+
+    if not any(p.is_meta for p in model.parameters()):
+        raise ValueError("load_sharded_weights fills a model sharded on the meta device; this one holds its weights")
+    device = torch.device(device) if device is not None else _default_device()
+    buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}  # computed in __init__ (hasher)
+    tables = frozen_engram_tables(model)
+    kept = {id(t) for t in tables}
+    # Module.to_empty, but a frozen table becomes a host placeholder of its shape holding one element (an empty table
+    # on the device would not fit) until it is mapped
+    model._apply(lambda t: _placeholder(t) if id(t) in kept else torch.empty_like(t, device=device))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+    if tables:
+        memory_map_engram_tables(model, folder)
+    state = {k: v for k, v in get_model_state_dict(model).items() if not (tables and is_engram_table_tensor(k))}
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=not tables))
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
+
+
+@torch.no_grad()
+def clip_sharded_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) for sharded gradients, with a norm that does not depend on how they
+    are sharded: each rank's sum of squares of its shards in fp64 (each square exact), summed over the ranks that
+    split them (a replicated gradient counted once), square-rooted and rounded once to fp32. A run on another mesh
+    (4 processes resumed on 2) then clips by the same factor, to the last bit. Returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_groups: dict[tuple, torch.Tensor] = {}
+    for grad in grads:
+        groups = ()
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            groups = tuple(mesh.get_group(i) for i, pl in enumerate(grad.placements) if not pl.is_replicate())
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        square = local.detach().double().square().sum()
+        by_groups[groups] = by_groups.get(groups, 0) + square
+    total = torch.zeros((), dtype=torch.float64)
+    for groups, squares in by_groups.items():
+        squares = torch.as_tensor(squares, dtype=torch.float64)
+        for group in groups:
+            dist.all_reduce(squares, group=group)
+        total = total + squares.cpu()
+    norm = total.sqrt().float()
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as clip_grads_with_norm_ computes it
+    for grad in grads:
+        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coefficient.to(grad.device))
+    return norm
 
 
 def quantized_modules(model: nn.Module) -> list[nn.Module]:
@@ -163,4 +283,4 @@ def _average_over_ranks(grad: torch.Tensor, group) -> None:
     grad.div_(dist.get_world_size(group))
 
 
-__all__ = ["QUANTIZED_DTYPES", "fp32_parameters", "frozen_engram_tables", "fsdp_units", "quantized_modules", "shard_model"]
+__all__ = ["QUANTIZED_DTYPES", "clip_sharded_grad_norm_", "fp32_parameters", "load_sharded_weights", "frozen_engram_tables", "fsdp_units", "quantized_modules", "shard_model"]

@@ -86,8 +86,23 @@ def checkpointed_input_bytes_per_token(config) -> float:
     return config.hc_mult * config.hidden_size * 2 + config.hc_mult * 4 + config.head_dim * 2
 
 
+class PerDeviceTotal:
+    """For a plan's ``terms`` (bytes per device) and ``capacity``: their sum, and whether it fits."""
+
+    terms: dict[str, float]
+    capacity: int
+
+    @property
+    def per_device(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.per_device <= self.capacity
+
+
 @dataclass
-class LoraTrainingPlan:
+class LoraTrainingPlan(PerDeviceTotal):
     """Per-device bytes of a LoRA step under FSDP2 on ``num_devices`` ranks (see the module docstring)."""
 
     num_devices: int
@@ -100,14 +115,6 @@ class LoraTrainingPlan:
     terms: dict[str, float] = field(default_factory=dict)
     largest_unit: str = ""
     host_bytes: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def per_device(self) -> float:
-        return sum(self.terms.values())
-
-    @property
-    def fits(self) -> bool:
-        return self.per_device <= self.capacity
 
 
 def _fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
@@ -185,6 +192,7 @@ __all__ = [
     "LORA_LINEARS",
     "RESERVE_BYTES",
     "LoraTrainingPlan",
+    "PerDeviceTotal",
     "attended_slots",
     "checkpointed_input_bytes_per_token",
     "layer_saved_bytes_per_token",

@@ -44,6 +44,7 @@ from transformers.training_args import OptimizerNames
 
 from ..released.native_precision import check_trainable
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
+from .expert_parallel import check_expert_parallel_arguments, check_expert_parallel_trainer
 from .launch import honour_launch_strategy, use_cpu_without_accelerator
 from .offload import offload_checkpointed_inputs
 from .router_balancing import RouterBiasBalancer, is_adapter_model
@@ -135,6 +136,13 @@ class DeepseekV41TrainingArguments(TrainingArguments):
             "(DeepseekV41ForCausalLM.dspark_loss); router balancing is off (the backbone is frozen)."
         },
     )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Under FSDP2: split the routed experts by expert over this many neighbouring processes (tokens "
+            "dispatched to them by all-to-all), everything else sharded over all (training.fsdp.shard_model)."
+        },
+    )
     logging_nan_inf_filter: bool = field(
         default=False,
         metadata={
@@ -172,6 +180,7 @@ class DeepseekV41TrainingArguments(TrainingArguments):
         if self.offload_activations and (self.activation_checkpointing_kwargs or {}).get("offload"):
             raise ValueError("offload_activations and activation_checkpointing_kwargs['offload'] both offload the "
                              "checkpointed inputs: keep one")
+        check_expert_parallel_arguments(self)
 
 
 def _freeze_default_parameters(model: nn.Module) -> None:
@@ -263,6 +272,7 @@ class DeepseekV41Trainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         honour_launch_strategy(self)  # FSDP2 on CPU processes too; a strategy accelerate dropped is an error
+        check_expert_parallel_trainer(self)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """One :class:`MixedOptimizer` for the whole model (docs/design.md §6 policy, see :mod:`.optim.policy`)."""
@@ -308,9 +318,10 @@ class DeepseekV41Trainer(Trainer):
 
         from .fsdp import shard_model
 
-        if isinstance(self.model, FSDPModule):
-            return
         plugin = self.accelerator.state.fsdp_plugin
+        if isinstance(self.model, FSDPModule):  # sharded already (shard_model, e.g. on the meta device and loaded)
+            plugin.auto_wrap_policy = None  # nothing for accelerate to wrap (it would look for the unsharded classes)
+            return
         if plugin.cpu_ram_efficient_loading:
             raise ValueError(
                 "DeepseekV41Trainer shards the model itself under FSDP2 and needs its weights on every process: "
@@ -338,8 +349,20 @@ class DeepseekV41Trainer(Trainer):
             mesh = mesh[tuple(self.accelerator.parallelism_config.fsdp_dim_names)]
         shard_model(
             self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=plugin.reshard_after_forward,
-            offload_policy=plugin.cpu_offload,
+            offload_policy=plugin.cpu_offload, expert_parallel_size=self.args.expert_parallel_size,
         )
+
+    def _clip_grad_norm(self, model: nn.Module):
+        """``Trainer._clip_grad_norm``; FSDP2's sharded gradients are clipped by a norm summed in fp64
+        (:func:`~.fsdp.clip_sharded_grad_norm_`), the same on any mesh, so a run resumed on another number of
+        processes clips as the original would have."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            from .fsdp import clip_sharded_grad_norm_
+
+            return clip_sharded_grad_norm_(model.parameters(), self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
 
     def compute_loss(
         self,

@@ -1,0 +1,302 @@
+"""Expert parallelism for training: the routed experts sharded by expert over an ``ep`` mesh dimension, tokens sent to
+the ranks that hold their experts and back with all-to-all, everything else FSDP2 over every rank.
+
+The mesh is 2-D, ``(ep_shard, ep)`` over all ``world = ep_shard × ep`` ranks, ``ep`` the inner (contiguous) one, so an
+EP group is a node's worth of neighbouring ranks (NeMo Automodel's layout):
+
+* every rank trains on its own micro-batch (data parallelism over all ranks);
+* the experts of every decoder layer are split by expert over ``ep``: EP rank ``c`` holds experts
+  ``[c·E/ep, (c+1)·E/ep)``, as a DTensor ``Shard(0)`` of the whole ``[E, ...]`` tensor, and FSDP2 shards those again
+  over ``ep_shard`` (the ranks that hold the same experts: NeMo's ``ep_shard``). Each rank keeps whole expert
+  matrices, so Muon orthogonalizes each of its experts where it lives, with no communication;
+* everything else (attention, shared experts, routers, mHC, embeddings, the ViT) is FSDP2-sharded over all ranks,
+  as :func:`~.fsdp.shard_model` shards it without expert parallelism.
+
+One MoE layer, on every rank (:class:`ExpertParallel`): the router chooses ``k`` experts per local token; the
+``N·k`` slots, grouped by expert, go to the EP ranks that hold their experts (one ``all_to_all`` of their counts,
+one of the token vectors, one of the routing weights); each rank runs its experts on what it received, one source
+rank after another; the fp32 outputs go back by the reverse ``all_to_all`` and every token sums its experts' outputs
+in ascending expert order. The all-to-alls are autograd functions (the backward is the reverse exchange), so the
+gradients come back the same way, under gradient checkpointing too (the recomputed forward exchanges again).
+
+Exactness. A rank runs each expert on each source's tokens separately, with the routing weight applied where the
+single-process loop applies it, so every product is the one a single process computes for that micro-batch, and
+its output, input gradient and weight gradient are the same bits. An expert's weight gradient is then the sum over
+the sources of its EP group (autograd sums them on the rank), then over ``ep_shard`` (FSDP2's reduce-scatter over the
+ranks that hold it). The gradients of everything else are reduced in the same order, EP group first
+(:class:`EPGroupFirstReduceScatter`), so that every gradient is ``Σ_groups (Σ_ranks of the group g)``; on a 2 × 2
+mesh each of those sums adds two terms, which floating point adds the same way in either order, and one process that
+accumulates the two EP groups' micro-batches separately and adds the two gets the same bits (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..moe import DeepseekV41Experts, add_rows, routed_experts_forward
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_custom_reduce_scatter's interface
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # torch built without distributed
+    CPUOffloadPolicy = DeviceMesh = init_device_mesh = DTensor = Shard = None
+    ReduceScatter = object
+
+EP, EP_SHARD = "ep", "ep_shard"
+
+
+@dataclass(frozen=True)
+class TrainingMesh:
+    """The meshes of expert-parallel training: ``experts`` is the 2-D ``(ep_shard, ep)`` mesh the routed experts
+    live on, ``data`` the 1-D mesh over every rank (same rank order) that shards everything else."""
+
+    experts: DeviceMesh
+    data: DeviceMesh
+
+    @property
+    def ep_size(self) -> int:
+        return self.experts[EP].size()
+
+    @property
+    def ep_shard_size(self) -> int:
+        return self.experts[EP_SHARD].size()
+
+
+def training_mesh(ep_size: int, device_type: str | None = None) -> TrainingMesh:
+    """The :class:`TrainingMesh` for ``ep_size``-way expert parallelism over every rank of the default group."""
+    if not dist.is_initialized():
+        raise ValueError("expert parallelism needs torch.distributed initialized (init_process_group) first")
+    world = dist.get_world_size()
+    if ep_size < 1 or world % ep_size:
+        sizes = [size for size in range(1, world + 1) if world % size == 0]
+        raise ValueError(f"expert_parallel_size={ep_size} must divide the world size {world}: use one of {sizes}")
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    experts = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=(EP_SHARD, EP))
+    data = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
+    return TrainingMesh(experts, data)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` along dim 0 whose backward is the reverse exchange (the gradients go back)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad, out_splits, in_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows ``in_splits[p]`` of ``x`` to rank ``p`` of ``group``, ``out_splits[p]`` rows from it; differentiable."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class ExpertParallel:
+    """Token dispatch and combine of one layer's routed experts over an EP process group (see the module docstring).
+
+    Installed on a :class:`~..moe.DeepseekV41Experts` by :func:`distribute_experts`, it replaces that module's forward:
+    same inputs (the local tokens and their global expert choices), same fp32 output, the experts computed on the
+    ranks that hold them. The local experts run the reference (eager) loop.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        if num_experts % self.size:
+            raise ValueError(f"expert parallelism over {self.size} ranks needs whole experts per rank: "
+                             f"{num_experts} experts do not split {self.size} ways")
+        self.num_experts = num_experts
+        self.num_local = num_experts // self.size
+
+    def __call__(
+        self, experts: DeepseekV41Experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden_states [N, D], top_k_index / top_k_weights [N, k] (global expert ids) → fp32 [N, D]."""
+        num_tokens, top_k = top_k_index.shape
+        expert_ids = top_k_index.flatten()
+        order = expert_ids.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
+        sent = torch.bincount(expert_ids, minlength=self.num_experts).view(self.size, self.num_local)
+        received = torch.empty_like(sent)  # [source rank, local expert]: slots each source sends each expert
+        dist.all_to_all_single(received, sent, group=self.group)
+        send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()  # one host sync
+        slot_tokens = order // top_k
+        x = all_to_all(hidden_states.index_select(0, slot_tokens), recv_splits, send_splits, self.group)
+        weights = all_to_all(top_k_weights.flatten()[order], recv_splits, send_splits, self.group)
+        out = self._local_experts(experts, x, weights, received)
+        out = all_to_all(out, send_splits, recv_splits, self.group)  # [N·k, D] fp32, in `order`
+        return add_rows(out.new_zeros(num_tokens, out.shape[-1]), slot_tokens, out)
+
+    def _local_experts(
+        self, experts: DeepseekV41Experts, x: torch.Tensor, weights: torch.Tensor, received: torch.Tensor
+    ) -> torch.Tensor:
+        """Each received slot's weighted expert output [M, D] fp32. The slots come grouped by (source, expert); each
+        (source, expert) group is its own product: a *virtual* expert ``source · E_local + expert`` of the loop."""
+        gate_ups = _local(experts.gate_up_proj).unbind(0)  # one unbind: its backward stacks the gradients once
+        downs = _local(experts.down_proj).unbind(0)
+        virtual = torch.repeat_interleave(torch.arange(received.numel(), device=x.device), received.flatten())
+        return routed_experts_forward(
+            x, virtual.unsqueeze(1), weights.unsqueeze(1), received.numel(), experts.swiglu_limit,
+            lambda v: (gate_ups[v % self.num_local], downs[v % self.num_local]),
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def expert_modules(model: nn.Module) -> Iterator[tuple[str, DeepseekV41Experts]]:
+    """The backbone's routed experts (``layers.N.ffn.experts``; the DSpark draft blocks' stay data parallel)."""
+    for name, module in model.named_modules():
+        if isinstance(module, DeepseekV41Experts) and ".mtp." not in f".{name}":
+            yield name, module
+
+
+def distribute_experts(model: nn.Module, mesh: TrainingMesh) -> list[DeepseekV41Experts]:
+    """Split every backbone layer's routed experts by expert over ``mesh``'s ``ep`` dimension, in place: each
+    parameter becomes a DTensor ``Shard(0)`` of the whole ``[E, ...]`` tensor (checkpoints hold the whole tensor, so
+    they load on any mesh), and the module's forward dispatches its tokens (:class:`ExpertParallel`). Returns them."""
+    modules = []
+    group = mesh.experts[EP].get_group()
+    for name, experts in expert_modules(model):
+        implementation = getattr(experts.config, "_experts_implementation", None) or "eager"
+        if implementation != "eager":
+            raise ValueError(
+                f"expert-parallel training runs the reference (eager) experts loop on each rank's experts; {name} "
+                f"uses experts_implementation={implementation!r}: load the model with experts_implementation='eager'"
+            )
+        parallel = ExpertParallel(group, experts.num_experts)
+        rank = mesh.experts[EP].get_local_rank()
+        for param_name, param in list(experts.named_parameters(recurse=False)):
+            # every rank holds the whole tensor (or a meta one, to load later): keep this rank's experts, no exchange
+            mine = param.data.chunk(parallel.size)[rank]
+            shard = DTensor.from_local(mine, mesh.experts[EP], [Shard(0)], shape=param.shape, stride=param.stride())
+            experts.register_parameter(param_name, nn.Parameter(shard, requires_grad=param.requires_grad))
+        experts.forward = _ParallelForward(parallel, experts)
+        modules.append(experts)
+    return modules
+
+
+class _ParallelForward:
+    """``experts.forward`` under expert parallelism (an instance attribute, so FSDP2's hooks still wrap the call)."""
+
+    def __init__(self, parallel: ExpertParallel, experts: DeepseekV41Experts):
+        self.parallel, self.experts = parallel, experts
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        return self.parallel(self.experts, hidden_states, top_k_index, top_k_weights)
+
+
+class EPGroupFirstReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter over every rank, summed EP group by EP group and then across the groups, the
+    order the experts' gradients take (see the module docstring). Two reduce-scatters: within the EP group (a node),
+    then over ``ep_shard``, on ``1/ep`` of the data; FSDP2 divides by the world size afterwards."""
+
+    def __init__(self, mesh: TrainingMesh):
+        self.ep_group = mesh.experts[EP].get_group()
+        self.ep_shard_group = mesh.experts[EP_SHARD].get_group()
+        self.ep, self.ep_shard = mesh.ep_size, mesh.ep_shard_size
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"EPGroupFirstReduceScatter sums (FSDP2 divides afterwards), got {op}")
+        # input: one chunk per rank r = i·ep + c; EP rank c first gets the chunks of ranks (·, c)
+        chunks = input_tensor.view(self.ep_shard, self.ep, -1).transpose(0, 1).contiguous()
+        partial = input_tensor.new_empty(chunks[0].numel())
+        dist.reduce_scatter_tensor(partial, chunks.view(-1), group=self.ep_group)
+        return dist.reduce_scatter_tensor(output_tensor, partial, group=self.ep_shard_group, async_op=async_op)
+
+
+def check_expert_parallel_arguments(args) -> None:
+    """``DeepseekV41TrainingArguments.expert_parallel_size``: at least 1; above 1, gradient accumulation
+    reduce-scatters every micro-batch (accelerate's ``sync_each_batch``): FSDP2's ``no_sync`` would hold every
+    layer's unsharded gradients until the last micro-batch, which full fine-tuning of the release has no room for,
+    and would sum the experts' and the other gradients in different orders."""
+    size = args.expert_parallel_size
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"expert_parallel_size must be an integer >= 1, got {size!r}")
+    if size == 1:
+        return
+    if args.train_dspark_head:
+        raise ValueError(
+            "train_dspark_head trains the DSpark draft head alone (its experts stay data parallel): train it with "
+            "FSDP2 or DDP and expert_parallel_size=1; expert_parallel_size is for training the backbone"
+        )
+    kwargs = dict(args.accelerator_config.gradient_accumulation_kwargs or {})
+    if kwargs.get("sync_each_batch") is False:
+        raise ValueError(
+            "expert_parallel_size reduce-scatters the gradients after every micro-batch: leave "
+            "accelerator_config.gradient_accumulation_kwargs.sync_each_batch unset (or true)"
+        )
+    args.accelerator_config.gradient_accumulation_kwargs = {**kwargs, "sync_each_batch": True}
+
+
+def check_expert_parallel_trainer(trainer) -> None:
+    """Refuse, once accelerate decided the strategy, what ``expert_parallel_size > 1`` cannot run with, naming what
+    it runs with: accelerate's FSDP2 plugin over a data-parallel world, full fine-tuning."""
+    from .router_balancing import is_adapter_model
+
+    size = trainer.args.expert_parallel_size
+    if size == 1:
+        return
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if not trainer.is_fsdp_enabled or getattr(plugin, "fsdp_version", 1) != 2:
+        raise ValueError(
+            f"expert_parallel_size={size} runs under FSDP2 (the experts sharded by expert, everything else by FSDP2); "
+            f"accelerate runs this as {trainer.accelerator.state.distributed_type.value}: launch with an FSDP2 config "
+            "(fsdp_version: 2, e.g. examples/accelerate/fsdp2_ep.yaml)"
+        )
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    others = {k: getattr(config, k, 1) or 1 for k in ("tp_size", "cp_size", "sp_size", "dp_replicate_size")}
+    if any(value > 1 for value in others.values()):
+        raise ValueError(
+            f"expert_parallel_size runs on a data-parallel world (every process its own micro-batch, dp_shard only); "
+            f"the parallelism config asks for {', '.join(f'{k}={v}' for k, v in others.items() if v > 1)}: leave "
+            "those at 1"
+        )
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        raise ValueError("expert_parallel_size keeps the experts on the devices: set fsdp_offload_params: false")
+    if is_adapter_model(trainer.model):
+        raise ValueError(
+            "expert_parallel_size trains every weight (full fine-tuning); LoRA adapters train under FSDP2 or DDP with "
+            "expert_parallel_size=1"
+        )
+    world, experts = trainer.args.world_size, trainer.model.config.get_text_config().n_routed_experts
+    if world % size or experts % size:
+        sizes = [n for n in range(2, world + 1) if world % n == 0 and experts % n == 0]
+        raise ValueError(
+            f"expert_parallel_size={size} must divide the {world} processes and the {experts} routed experts "
+            f"(whole experts per process): use one of {sizes or [1]}"
+        )
+
+
+__all__ = [
+    "EP",
+    "EP_SHARD",
+    "EPGroupFirstReduceScatter",
+    "ExpertParallel",
+    "TrainingMesh",
+    "all_to_all",
+    "check_expert_parallel_arguments",
+    "check_expert_parallel_trainer",
+    "distribute_experts",
+    "expert_modules",
+    "training_mesh",
+]

@@ -6,8 +6,12 @@ by the balancing::
 
     python examples/trl_dpo.py --model dsv41-demo/model --output_dir dsv41-dpo --max_steps 10
 
-Every ``DPOConfig`` field is a flag. ``DPOTrainer`` takes the optimizer ready-made (``optimizers``):
-``MixedOptimizer(model, ...)`` builds the policy's groups from the model.
+What to expect on the model ``dsv41 demo`` trains: ``rewards/margins`` grows from 0 to about 5 in the 10 steps,
+``rewards/accuracies`` reaches 1 after the first and the loss falls from 0.693 (log 2) towards 0.
+
+Every ``DPOConfig`` field is a flag; the defaults here suit the demo model (``learning_rate`` 1e-2, a log line per
+step) and pick the CPU when there is no accelerator. ``DPOTrainer`` takes the optimizer ready-made
+(``optimizers``): ``MixedOptimizer(model, ...)`` builds the policy's groups from the model.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 from trl import DPOConfig, DPOTrainer
@@ -47,7 +52,8 @@ def preference_pairs(n: int) -> Dataset:
 
 def main(argv: list[str] | None = None) -> DPOTrainer:
     parser = HfArgumentParser((ScriptArguments, DPOConfig))
-    parser.set_defaults(report_to="none", max_length=64)
+    parser.set_defaults(report_to="none", max_length=64, learning_rate=1e-2, logging_steps=1,
+                        use_cpu=not torch.accelerator.is_available())
     script, args = parser.parse_args_into_dataclasses(argv)
     model = AutoModelForCausalLM.from_pretrained(script.model)
     freeze_default_parameters(model)  # the indexer: its top-k passes no gradient

@@ -1,16 +1,22 @@
 """Supervised fine-tuning of DeepSeek-V4.1 with TRL's ``SFTTrainer``, the mixed optimizer and router balancing.
 
-Text (the default): chat conversations asking for the long wording of a caption, trained on the assistant's tokens
-only (``--assistant_only_loss``, which the chat template's ``{% generation %}`` markers make possible). Images
-(``--images``): the demo's captioning task as image + text conversations; TRL's vision collator runs our processor,
-which hands the model ``pixel_values``, ``image_grid_hw`` and ``image_token_types``::
+Text (the default): chat conversations asking for the sentence wording of a caption (``"red circle top left"`` ->
+``"a red circle in the top left"``), trained on the assistant's tokens only (``--assistant_only_loss``, which the
+chat template's ``{% generation %}`` markers make possible). Images (``--images``): the demo's images captioned in
+that sentence wording, a new one for the demo model; TRL's vision collator runs our processor, which hands the model
+``pixel_values``, ``image_grid_hw`` and ``image_token_types``::
 
-    python examples/trl_sft.py --model dsv41-demo/model --output_dir dsv41-sft --max_steps 20
-    python examples/trl_sft.py --model dsv41-demo/model --output_dir dsv41-sft-vl --max_steps 20 --images
+    python examples/trl_sft.py --model dsv41-demo/model --output_dir dsv41-sft --max_steps 10 --assistant_only_loss true
+    python examples/trl_sft.py --model dsv41-demo/model --output_dir dsv41-sft-vl --max_steps 10 --images true
 
-Every ``SFTConfig`` field is a flag. The optimizer is :class:`~modeling_dsv41.optim.MixedOptimizer` with the
-policy's groups (``optimizer_cls_and_kwargs``); :class:`RouterBiasBalancingCallback` moves the routers' biases
-after every step, counting the expert loads in the model's own training forward passes.
+What to expect on the model ``dsv41 demo`` trains: the logged ``loss`` falls by about half in the 10 steps (text:
+about 5.9 -> 2.8; images: about 9.5 -> 4.3) and ``mean_token_accuracy`` rises.
+
+Every ``SFTConfig`` field is a flag; the defaults here suit the demo model (``learning_rate`` 1e-2 as in the demo's
+fine-tuning, a log line per step) and pick the CPU when there is no accelerator. The optimizer is
+:class:`~modeling_dsv41.optim.MixedOptimizer` with the policy's groups (``optimizer_cls_and_kwargs``);
+:class:`RouterBiasBalancingCallback` moves the routers' biases after every step, counting the expert loads in the
+model's own training forward passes.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+import torch
 from datasets import Dataset
 from transformers import AutoModelForImageTextToText, AutoProcessor, HfArgumentParser
 from trl import SFTConfig, SFTTrainer
@@ -50,7 +57,7 @@ def text_conversations(n: int) -> Dataset:
 
 
 def image_conversations(n: int) -> Dataset:
-    """``messages`` with an image block, and ``images``: the demo's captioning task."""
+    """``messages`` with an image block, and ``images``: the demo's images, captioned in the sentence wording."""
     rows = [
         {
             "messages": [
@@ -59,14 +66,15 @@ def image_conversations(n: int) -> Dataset:
             ],
             "images": [sample.image],
         }
-        for sample in ShapesDataset("train", n)
+        for sample in ShapesDataset("train", n, style="sentence")
     ]
     return Dataset.from_list(rows)
 
 
 def main(argv: list[str] | None = None) -> SFTTrainer:
     parser = HfArgumentParser((ScriptArguments, SFTConfig))
-    parser.set_defaults(report_to="none", max_length=128)
+    parser.set_defaults(report_to="none", max_length=128, learning_rate=1e-2, logging_steps=1,
+                        use_cpu=not torch.accelerator.is_available())
     script, args = parser.parse_args_into_dataclasses(argv)
     model = AutoModelForImageTextToText.from_pretrained(script.model)
     processor = AutoProcessor.from_pretrained(script.model)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 14, 15, 21 and 22 in one run, about 10 minutes on one H200, from the repository root:
+# The GPU checks of issues 14, 15, 21, 22 and 28 in one run, about 10 minutes on one H200 (issue 28's step, bounded to
+# 120 s, has not run on a GPU yet), from the repository root:
 #
 #     bash benchmarks/gpu.sh
 #
@@ -71,6 +72,9 @@ EOF
         --batch 16 --steps 16 --reps 2 --greedy-only
     # issue 15: does the S=131072 forward of the ~505M model fit one H200 (chunked queries vs the whole sequence)
     step 90 "$PYTHON" benchmarks/memory.py --size medium --device cuda --dtype bfloat16 --seqs 8192 131072
+    # issue 28: a training step of the released-format stand-in, recomputing sparse-attention backward vs autograd
+    # (attention saved memory, layer and step peak memory and time), and the step with its activations offloaded
+    step 120 "$PYTHON" benchmarks/memory.py --train --device cuda --seqs 4096 16384 --reps 2
     # issue 14: the released-format stand-in loaded natively on the GPU, logits against the dequantized load
     step 100 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100
     # issue 21: one LoRA step on the stand-in, native (FP8/FP4 kept) vs dequantized: peak memory, time, gradients

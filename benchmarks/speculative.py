@@ -1,27 +1,34 @@
-"""DSpark speculative decoding (``generate(use_mtp=True)``) vs plain cached greedy decoding, in the same run.
+"""DSpark speculative decoding (``generate(use_mtp=True)``) vs plain cached greedy decoding, in the same run, at one
+or more batch sizes.
 
 The model:
 
 - ``--size tiny`` (the tiny preset) or ``medium`` (issue 15's ~510M configuration, see benchmarks/forward.py): random
   backbone weights and a DSpark head (``--block-size`` tokens per draft, ``--stages`` blocks), trained for
-  ``--train-steps`` on the frozen backbone's own greedy continuations of random prompts
+  ``--train-steps`` on the frozen backbone's greedy continuations of ``--train-sequences`` random prompts
   (``DeepseekV41Trainer(train_dspark_head=True)``), as after fine-tuning; the prompts are random ids;
 - ``--size demo``: the model ``dsv41 demo`` exported (``--demo-dir``, default ``dsv41-demo/model``: run the demo
   first): its fine-tuned backbone and the draft head the demo trained (``--train-steps`` more on the training
-  captions, if > 0); the prompts are the caption chat prompts of ``--batch`` held-out images, decoded until EOS or
+  captions, if > 0); the prompts are the caption chat prompts of the first held-out images, decoded until EOS or
   ``--new-tokens``.
 
-Reported, for ``--batch`` prompts:
+For each of ``--batch`` (comma-separated sizes) three decodings of the same prompts, timed in round robin (median of
+``--reps``):
 
-- tokens/s of plain greedy ``generate`` and of DSpark (median of ``--reps`` round-robin runs), end to end (prefill
-  included) and decode only (the median prefill time, ``max_new_tokens=1``, subtracted), and their ratios (the
-  baseline: plain cached greedy decoding of the same model on the same prompts);
-- DSpark's mean accepted length: tokens decoded per verification forward after the prefill (1.0 = no gain possible);
-- whether both give the same tokens (they must).
+- plain greedy ``generate`` (the baseline);
+- DSpark, each row advancing by its own accepted length (what ``use_mtp=True`` does);
+- DSpark with the rule it replaced: every row keeps the prefix all rows accepted (the shortest), rows in step.
+
+Reported: tokens/s end to end (prefill included) and decode only (the median prefill time, ``max_new_tokens=1``,
+subtracted) and the ratios to plain; the verification forwards and the accepted tokens per verification (the tokens
+a row decodes, up to its EOS, per verification forward it takes part in still decoding); whether the tokens
+are plain greedy's (they must be); and, for the per-row decoding, where its time goes (prefill, verification
+forwards, draft passes, the draft head's ring writes, the cache's per-row rollbacks, the rest: acceptance, logits
+processors, stopping criteria, bookkeeping), from one more run.
 
 Usage: ``python benchmarks/speculative.py [--size tiny|medium|demo] [--demo-dir DIR] [--device cpu|cuda]
-[--dtype float32|bfloat16] [--batch 1] [--new-tokens 64] [--block-size 5] [--stages 2] [--train-steps 200] [--train-sequences 32]
-[--reps 3] [--threads 2] [--clock wall|process]``
+[--dtype float32|bfloat16] [--batch 1,8,72] [--new-tokens 64] [--block-size 5] [--stages 2] [--train-steps 200]
+[--train-sequences 32] [--reps 3] [--threads 2] [--clock wall|process]``
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,7 +47,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling forward.py
 from forward import SIZES, build_ours  # noqa: E402
 
+from modeling_dsv41.generation import speculative  # noqa: E402
+from modeling_dsv41.generation.cache import DeepseekV41Cache  # noqa: E402
 from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments  # noqa: E402
+
 
 
 def build(size: str, block_size: int, stages: int):
@@ -64,9 +76,9 @@ class Sequences(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i]}
 
 
-def load_demo(folder: Path, batch: int, train_steps: int):
-    """The exported demo model and the inputs of ``batch`` held-out caption prompts (the head further trained on the
-    training captions for ``train_steps``, as ``dsv41 demo`` trains it)."""
+def load_demo(folder: Path, train_steps: int):
+    """The exported demo model and a function giving the inputs of the first ``n`` held-out caption prompts (the head
+    further trained on the training captions for ``train_steps``, as ``dsv41 demo`` trains it)."""
     from modeling_dsv41 import DeepseekV41ForCausalLM
     from modeling_dsv41.cli import demo, demo_reload
     from modeling_dsv41.cli.demo_data import PROMPT, ShapesDataset
@@ -81,14 +93,22 @@ def load_demo(folder: Path, batch: int, train_steps: int):
             settings = demo.DemoSettings(output=Path(out), steps=train_steps)
             demo.fine_tune(model, processor, settings, stage="dspark", style="short", steps=train_steps,
                            train_dspark_head=True)
-    images = [sample.image for sample in ShapesDataset("eval", batch, seed=1)]
-    return model, dict(demo_reload.caption_inputs(processor, images, PROMPT))
+
+    def inputs(n: int) -> dict[str, torch.Tensor]:
+        images = [sample.image for sample in ShapesDataset("eval", n, seed=1)]
+        return dict(demo_reload.caption_inputs(processor, images, PROMPT))
+
+    return model, inputs
 
 
 def train_head(model, steps: int, device: str, vocab: int, sequences: int = 32) -> None:
     prompts = torch.randint(3, min(vocab, 500), (sequences, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    # the random backbone may continue with the image placeholder, which a full (training) forward refuses without an
+    # image: the continuations leave it out
+    no_image = dict(suppress_tokens=[model.config.image_token_id]) if model.config.has_vision else {}
     with torch.no_grad():
-        sequences = model.generate(prompts, max_new_tokens=56, do_sample=False).cpu()
+        sequences = torch.cat([model.generate(chunk, max_new_tokens=56, do_sample=False, **no_image).cpu()
+                               for chunk in prompts.split(64)])
     with tempfile.TemporaryDirectory() as out:
         args = DeepseekV41TrainingArguments(
             output_dir=out, train_dspark_head=True, max_steps=steps, per_device_train_batch_size=8,
@@ -121,13 +141,164 @@ def decoded_tokens(new: torch.Tensor, eos_token_id: int | None) -> int:
     return int(torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 1, new.shape[1]).sum())
 
 
+@contextmanager
+def patched(owner, name: str, wrap):
+    """``owner.name`` replaced by ``wrap(owner.name)`` for the duration (a class's method, or an instance's)."""
+    own = name in vars(owner)
+    original = getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)  # the instance attribute over the class's method
+
+
+@contextmanager
+def shortest_prefix():
+    """Greedy DSpark with the rule per-row acceptance replaced: every row still decoding keeps the draft prefix all of
+    them accepted (the shortest; a row that is done, or has no room left, has a limit of 0 and does not count)."""
+
+    def wrap(accept):
+        def in_step(draft, target_logits, limit):
+            tokens, accepted = accept(draft, target_logits, limit)
+            live = limit > 0
+            if bool(live.any()):
+                tokens, accepted = accept(draft, target_logits, torch.minimum(limit, accepted[live].min()))
+            return tokens, accepted
+
+        return in_step
+
+    with patched(speculative, "accept_greedy", wrap):
+        yield
+
+
+def per_row():
+    return patched(speculative, "accept_greedy", lambda accept: accept)  # use_mtp=True as it is
+
+
+METHODS = {"per row": per_row, "shortest prefix": shortest_prefix}
+
+
+@contextmanager
+def kept_tokens(model):
+    """Records, for every verification, the tokens each row still decoding kept: the forward's width less what the
+    cache's per-row rollback removed (a row that is done drops the whole forward)."""
+    kept: list[torch.Tensor] = []
+    width = {}
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: width.update(n=kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+
+    def wrap(crop_rows):
+        def record(cache, tokens):
+            kept.append(width["n"] - tokens.cpu())
+            return crop_rows(cache, tokens)
+
+        return record
+
+    try:
+        with patched(DeepseekV41Cache, "crop_rows", wrap):
+            yield kept
+    finally:
+        hook.remove()
+
+
+def accepted_per_verification(kept: list[torch.Tensor], decoded: int, batch: int) -> float:
+    """The tokens a row decodes per verification it takes part in still decoding: the decoded tokens (up to each row's
+    EOS) after the prefill's, over those verifications (a verification that ends a row may keep tokens past its EOS,
+    which do not count)."""
+    return (decoded - batch) / int((torch.cat(kept) > 0).sum())
+
+
+@contextmanager
+def time_split(model, clock):
+    """Seconds spent in the prefill, the verification forwards, the draft passes, the ring writes and the cache's
+    rollbacks of one generate call (``split["total"]`` is set by the caller)."""
+    split: dict[str, float] = defaultdict(float)
+    start = {}
+
+    def before(module, args, kwargs):
+        start["forward"] = clock()
+
+    def after(module, args, kwargs, output):
+        split["verification forwards" if "prefill" in split else "prefill"] += clock() - start["forward"]
+
+    def timing(name):
+        def wrap(fn):
+            def call(*args, **kwargs):
+                begin = clock()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    split[name] += clock() - begin
+
+            return call
+
+        return wrap
+
+    hooks = [model.model.register_forward_pre_hook(before, with_kwargs=True),
+             model.model.register_forward_hook(after, with_kwargs=True)]
+    try:
+        with patched(model.mtp, "draft", timing("draft passes")), \
+                patched(model.mtp, "write_ring", timing("ring writes")), \
+                patched(DeepseekV41Cache, "crop_rows", timing("cache rollbacks")):
+            yield split
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def bench_batch(model, inputs, args, clock) -> None:
+    device, batch = args.device, inputs["input_ids"].shape[0]
+    greedy = dict(max_new_tokens=args.new_tokens, do_sample=False)
+
+    def dspark(rule):
+        with rule():
+            return model.generate(**inputs, use_mtp=True, **greedy)
+
+    runs = {"plain": lambda: model.generate(**inputs, **greedy)}
+    runs.update({name: (lambda rule=rule: dspark(rule)) for name, rule in METHODS.items()})
+    prefill_times, seconds, outputs = [], defaultdict(list), {}
+    for _ in range(args.reps):
+        prefill_times.append(timed(device, lambda: model.generate(**inputs, max_new_tokens=1, do_sample=False), clock)[0])
+        for name, run in runs.items():
+            elapsed, outputs[name] = timed(device, run, clock)
+            seconds[name].append(elapsed)
+    prompt_len = inputs["input_ids"].shape[1]
+    tokens = decoded_tokens(outputs["plain"][:, prompt_len:], model.generation_config.eos_token_id)
+    prefill = statistics.median(prefill_times)
+    median = {name: statistics.median(times) for name, times in seconds.items()}
+    print(f"\nbatch {batch}: {tokens} decoded tokens (at most {args.new_tokens} per row), prefill {prefill * 1e3:.0f} ms")
+    decode = tokens - batch  # the prefill's token of each row is not decoding
+    for name, elapsed in median.items():
+        line = (f"  {name:15s}  end to end {tokens / elapsed:8.1f} tokens/s ({median['plain'] / elapsed:.2f}x)   "
+                f"decode only {decode / (elapsed - prefill):8.1f} tokens/s "
+                f"({(median['plain'] - prefill) / (elapsed - prefill):.2f}x)")
+        if name != "plain":
+            with kept_tokens(model) as kept:
+                runs[name]()
+            line += (f"   {len(kept)} verifications, {accepted_per_verification(kept, tokens, batch):.2f} accepted "
+                     f"tokens per verification   identical tokens: "
+                     f"{bool(torch.equal(outputs[name], outputs['plain']))}")
+        print(line)
+    with time_split(model, clock) as split:
+        split["total"] = timed(device, runs["per row"], clock)[0]
+    parts = ("prefill", "verification forwards", "draft passes", "ring writes", "cache rollbacks")
+    rest = split["total"] - sum(split[part] for part in parts)
+    parts = ", ".join(f"{part} {split[part] * 1e3:.0f} ms" for part in parts)
+    print(f"  per row, where the time goes ({split['total'] * 1e3:.0f} ms): {parts}, the rest {rest * 1e3:.0f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES) + ["demo"], default="tiny")
     parser.add_argument("--demo-dir", type=Path, default=Path("dsv41-demo/model"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", default="1", help="batch sizes, comma-separated (e.g. 1,8,72)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=5)
     parser.add_argument("--stages", type=int, default=2)
@@ -140,48 +311,28 @@ def main() -> None:
                         help="process: this process's CPU time (all its threads), steadier on a machine shared with "
                              "other jobs; use it with --threads 1 (idle OpenMP threads spin)")
     args = parser.parse_args()
+    batches = [int(size) for size in args.batch.split(",")]
     torch.set_num_threads(args.threads)
     if args.size == "demo":
-        model, inputs = load_demo(args.demo_dir, args.batch, args.train_steps)
+        model, demo_inputs = load_demo(args.demo_dir, args.train_steps)
     else:
         model = build(args.size, args.block_size, args.stages).to(args.device)
         vocab = model.config.text_config.vocab_size
         train_head(model, args.train_steps, args.device, vocab, args.train_sequences)
-        inputs = {"input_ids": torch.randint(3, min(vocab, 500), (args.batch, 8), generator=torch.Generator().manual_seed(2))}
     model = model.eval().to(args.device).to(getattr(torch, args.dtype))
-    inputs = {k: v.to(args.device) for k, v in inputs.items()}
-    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype) if "pixel_values" in inputs else None
-    inputs = {k: v for k, v in inputs.items() if v is not None}
-    forwards = []
-    model.model.register_forward_hook(lambda *a: forwards.append(1))
-    kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False)
-    prefill_times, plain_times, spec_times, steps = [], [], [], []
-    for _ in range(args.reps):
-        clock = CLOCKS[args.clock]
-        prefill_times.append(
-            timed(args.device, lambda: model.generate(**inputs, max_new_tokens=1, do_sample=False), clock)[0]
-        )
-        seconds, plain = timed(args.device, lambda: model.generate(**inputs, **kwargs), clock)
-        plain_times.append(seconds)
-        forwards.clear()
-        seconds, spec = timed(args.device, lambda: model.generate(**inputs, use_mtp=True, **kwargs), clock)
-        spec_times.append(seconds)
-        steps.append(len(forwards) - 1)
-    prompt_len = inputs["input_ids"].shape[1]
-    tokens = decoded_tokens(plain[:, prompt_len:], model.generation_config.eos_token_id)
-    prefill, plain_s, spec_s = (statistics.median(t) for t in (prefill_times, plain_times, spec_times))
     text = model.config.text_config
-    print(f"size {args.size}, {args.device} {args.dtype}, {args.threads} threads, {args.clock} clock, batch {args.batch}, {tokens} decoded tokens (at most "
-          f"{args.new_tokens} per row), block {text.dspark_block_size}, {text.num_nextn_predict_layers} stages")
-    print(f"end to end:  plain greedy {tokens / plain_s:.1f} tokens/s   DSpark {tokens / spec_s:.1f} tokens/s   "
-          f"ratio {plain_s / spec_s:.2f}x")
-    decode = tokens - args.batch  # the prefill's token of each row is not decoding
-    print(f"decode only: plain greedy {decode / (plain_s - prefill):.1f} tokens/s   DSpark "
-          f"{decode / (spec_s - prefill):.1f} tokens/s   ratio {(plain_s - prefill) / (spec_s - prefill):.2f}x   "
-          f"(prefill {prefill * 1e3:.0f} ms)")
-    accepted = (spec.shape[1] - prompt_len - 1) / statistics.median(steps)
-    print(f"mean accepted length: {accepted:.2f} tokens per verification")
-    print(f"identical tokens: {bool(torch.equal(plain, spec))}")
+    print(f"size {args.size}, {args.device} {args.dtype}, {args.threads} threads, {args.clock} clock, "
+          f"block {text.dspark_block_size}, {text.num_nextn_predict_layers} stages, batches {batches}")
+    for batch in batches:
+        if args.size == "demo":
+            inputs = demo_inputs(batch)
+        else:
+            generator = torch.Generator().manual_seed(2)
+            inputs = {"input_ids": torch.randint(3, min(vocab, 500), (batch, 8), generator=generator)}
+        inputs = {k: v.to(args.device) for k, v in inputs.items() if v is not None}
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+        bench_batch(model, inputs, args, CLOCKS[args.clock])
 
 
 if __name__ == "__main__":

@@ -133,14 +133,23 @@ def greedy_choice(logits: torch.Tensor, column: int) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def block_plan(backbone_plan: dict[str, str] | None) -> dict[str, str]:
+    """The backbone layers' rules of a TP / EP plan (``layers.*.X``) as the draft blocks' (``*.X``, under ``mtp``):
+    a draft block's experts and Linears are split as a backbone layer's."""
+    return {key.removeprefix("layers."): style for key, style in (backbone_plan or {}).items() if key.startswith("layers.")}
+
+
 class DeepseekV41DSpark(nn.ModuleList):
     """The draft head: the blocks ``mtp.0 … mtp.{n-1}`` (a ``ModuleList``, so the names are the release's). The
     backbone's ``embed`` and LM head are shared, passed in by the caller rather than registered twice. ``config`` is
-    the model's (its ``reference_numerics`` applies here as in the backbone)."""
+    the model's (its ``reference_numerics`` applies here as in the backbone). Under tensor and expert parallelism the
+    blocks follow the backbone layers' plans (transformers reads a child's ``_tp_plan`` / ``_ep_plan``)."""
 
     def __init__(self, config):
         text = config.get_text_config()
         super().__init__(DeepseekV41DSparkBlock(text, k) for k in range(text.num_nextn_predict_layers))
+        self._tp_plan = block_plan(config.base_model_tp_plan)
+        self._ep_plan = block_plan(config.base_model_ep_plan)
         self.config = config
         self.block_size = text.dspark_block_size
         self.noise_token_id = text.dspark_noise_token_id

@@ -814,7 +814,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     ) -> None:
         """``generate`` decodes with a :class:`DeepseekV41Cache` (the caller's, or a new one), or with a
         :class:`DeepseekV41StaticCache` for ``cache_implementation="static"`` (sized as transformers sizes its
-        ``StaticCache``: this call's maximum length, or ``max_cache_len`` if larger)."""
+        ``StaticCache``: this call's maximum length, or ``max_cache_len`` if larger; with ``use_mtp``, a
+        verification block more)."""
         cache = model_kwargs.get("cache")
         if cache is not None and not isinstance(cache, DeepseekV41Cache):
             raise ValueError(f"DeepSeek-V4.1 generates with a DeepseekV41Cache, got {type(cache).__name__}")
@@ -830,6 +831,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
             )
         else:
             if implementation == "static":
+                if generation_config.use_mtp:  # a row one token short of max_length verifies a whole block
+                    max_cache_length += self.config.get_text_config().dspark_block_size + 1
                 max_cache_length = max(max_cache_length, generation_config.max_cache_len or 0)
                 model_kwargs["cache"] = DeepseekV41StaticCache(self.config, max_cache_len=max_cache_length)
             else:

@@ -13,7 +13,7 @@ transformers runs the config's plans (``base_model_tp_plan`` / ``base_model_ep_p
 * transformers' load-time FSDP (``DistributedConfig(fsdp_size=N)``) cannot shard the natively loaded weights (FP8
   values, E8M0 scales and FP4 bytes side by side, cast to one dtype); :func:`~.training.fsdp.shard_model` shards a
   loaded native model (LoRA training) instead;
-* expert parallelism needs whole experts per rank.
+* expert parallelism needs whole experts per rank, the DSpark draft blocks' too (their MoE has its own count).
 """
 
 from __future__ import annotations
@@ -87,12 +87,16 @@ def check_parallel_load(config: DeepseekV41Config, parallel, native: bool, relea
             f"tp_size={tp} splits moe_intermediate_size={text.moe_intermediate_size} of the released storage into "
             f"{text.moe_intermediate_size / tp:g} per rank, which cuts its {RELEASED_BLOCK_SIZE}-wide E8M0 scale blocks: {instead}"
         )
-    if ep > 1 and text.n_routed_experts % ep:
-        sizes = [size for size in range(2, world + 1) if text.n_routed_experts % size == 0 and world % size == 0]
-        raise ValueError(
-            f"ep_size={ep} does not divide n_routed_experts={text.n_routed_experts} (whole experts per rank): use "
-            f"ep_size in {sizes}"
-        )
+    counts = {"n_routed_experts": text.n_routed_experts}
+    if text.has_dspark:  # the draft blocks' experts follow the same EP plan
+        counts["dspark_n_routed_experts"] = text.dspark_num_routed_experts
+    for name, count in counts.items():
+        if ep > 1 and count % ep:
+            sizes = [size for size in range(2, world + 1)
+                     if all(n % size == 0 for n in counts.values()) and world % size == 0]
+            raise ValueError(
+                f"ep_size={ep} does not divide {name}={count} (whole experts per rank): use ep_size in {sizes}"
+            )
 
 
 __all__ = ["check_parallel_load", "distributed_config", "requested_parallelism", "working_tp_sizes"]

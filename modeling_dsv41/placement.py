@@ -52,9 +52,10 @@ PLANNED_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 # Dense Linears: FP8 e4m3 + one E8M0 byte per 32x32 block. Routed experts: packed FP4 (half a byte) + one E8M0 byte
 # per row and 32 columns. Engram tables: FP8 + one E8M0 byte per row and 32 columns.
 _FP8_BLOCK_LINEARS = re.compile(
-    r"(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight$"
+    r"(^|\.)(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
+    r"|main_proj)\.weight$"
 )
-_FP4_EXPERTS = re.compile(r"(^|\.)layers\.\d+\.ffn\.experts\.(gate_up_proj|down_proj)$")
+_FP4_EXPERTS = re.compile(r"(^|\.)(layers|mtp)\.\d+\.ffn\.experts\.(gate_up_proj|down_proj)$")
 _FP8_TABLE_PARTS = re.compile(r"(^|\.)layers\.\d+\.engram\.embed\.(weight|scale)$")
 
 
@@ -75,7 +76,7 @@ def released_storage_bytes(name: str, param: torch.Tensor) -> float:
 
 
 # stored FP8 but dequantized by native loading: the block-diagonal `wo_a` and Engram `wkv` (released/native_precision.py)
-_DEQUANTIZED_ON_LOAD = re.compile(r"(^|\.)layers\.\d+\.(attn\.wo_a|engram\.wkv)\.weight$")
+_DEQUANTIZED_ON_LOAD = re.compile(r"(^|\.)(layers|mtp)\.\d+\.(attn\.wo_a|engram\.wkv)\.weight$")
 
 
 def native_held_bytes(name: str, param: torch.Tensor) -> float:

@@ -28,6 +28,7 @@ from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.generation.cache import DeepseekV41Cache, DeepseekV41DSparkCache
 from modeling_dsv41.released.codec import dequantize_released_weight
 from modeling_dsv41.released.convert import convert_released_checkpoint
+from modeling_dsv41.released.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
 from modeling_dsv41.released.writing import released_state_dict, save_released_checkpoint
 from reference_fixture import stub_tokenizer
 
@@ -243,8 +244,10 @@ def draft_parameters(model) -> dict[str, torch.Tensor]:
 
 
 def test_released_storage_of_the_head_loads_natively_and_dequantized(fixtures_dir, tmp_path):
-    """save_released_checkpoint writes the head as the release stores it (FP8 Linears incl. main_proj, FP4 experts);
-    both a native load (the default) and a dequantizing one give the stored values back."""
+    """save_released_checkpoint writes the head as the release stores it (FP8 Linears incl. main_proj, FP4 experts).
+    A dequantizing load gives the stored values back; a native load (the default) keeps them as stored, as for the
+    backbone (FP8 Linears, the FP4 experts of the draft MoE's own count) and drafts what the dequantized head drafts
+    (the weight-only modules dequantize exactly as the dequantizing load does)."""
     model = random_dspark_model(fixtures_dir)
     state = released_state_dict(model)
     assert state["mtp.0.main_proj.weight"].dtype == torch.float8_e4m3fn and "mtp.0.main_proj.scale" in state
@@ -254,16 +257,24 @@ def test_released_storage_of_the_head_loads_natively_and_dequantized(fixtures_di
     stub_tokenizer().save(str(tmp_path / "tokenizer.json"))
     dequantized = DeepseekV41ForCausalLM.from_pretrained(
         tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
-    )
-    native = DeepseekV41ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ).eval()
+    native = DeepseekV41ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     expected = dequantize_released_weight(state["mtp.0.attn.wq_b.weight"], state["mtp.0.attn.wq_b.scale"], 32, torch.bfloat16)
-    for loaded in (dequantized, native):
-        torch.testing.assert_close(loaded.mtp[0].attn.wq_b.weight, expected, rtol=0, atol=0)
-        assert loaded.mtp[1].ffn.experts.gate_up_proj.shape[0] == 2
-        ours = draft_parameters(loaded)
-        assert ours.keys() == draft_parameters(dequantized).keys()
-        for name, tensor in draft_parameters(dequantized).items():
-            torch.testing.assert_close(ours[name], tensor, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(dequantized.mtp[0].attn.wq_b.weight, expected, rtol=0, atol=0)
+    assert dequantized.mtp[1].ffn.experts.gate_up_proj.shape[0] == 2
+    for linear in (native.mtp[0].attn.wq_b, native.mtp[0].main_proj, native.mtp[1].ffn.shared_experts.w2):
+        assert isinstance(linear, WeightOnlyFP8Linear) and linear.weight.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(native.mtp[0].attn.wq_b.weight, state["mtp.0.attn.wq_b.weight"], rtol=0, atol=0)
+    experts = native.mtp[1].ffn.experts
+    assert isinstance(experts, WeightOnlyFP4Experts) and experts.num_experts == 2 and experts.gate_up_proj.shape[0] == 2
+    plain = {n: t for n, t in draft_parameters(native).items() if t.dtype not in (torch.float8_e4m3fn, torch.int8)}
+    for name, tensor in plain.items():  # what the release stores unquantized (norms, mHC, heads, routers)
+        if not name.endswith("_scale_inv"):
+            torch.testing.assert_close(tensor, draft_parameters(dequantized)[name], rtol=0, atol=0, msg=name)
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        losses = [m.dspark_loss(ids) for m in (dequantized, native)]
+    torch.testing.assert_close(losses[1].loss, losses[0].loss, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("save_original_format", [False, True])

@@ -2,8 +2,8 @@
 pytest, bounded in time): :func:`shard_model` with ``expert_parallel_size``, the mixed optimizer and router balancing,
 against one process.
 
-Models are the tiny preset cut to 4 decoder layers (4 routed experts, top 2: each EP rank holds 2, each rank 1),
-QDQ emulation off, gradient checkpointing on. Every step takes 4 micro-batches, one per rank, each of a text row and
+Models are the tiny preset cut to 2 decoder layers (4 routed experts, top 2: each EP rank holds 2, each rank 1),
+QDQ emulation off, gradient checkpointing on (its inputs offloaded, as ``offload_activations`` asks). Every step takes 4 micro-batches, one per rank, each of a text row and
 a row with an image (real pixels through the ViT). One process runs the same micro-batches and sums their gradients
 in the order the mesh does, EP group by EP group: (g0 + g1) + (g2 + g3) (see modeling_dsv41/training/expert_parallel.py;
 summed in another order the gradients differ in their last bits, and so would the parameters).
@@ -11,6 +11,11 @@ summed in another order the gradients differ in their last bits, and so would th
 Then DeepseekV41Trainer on the mesh (``expert_parallel_size=2``, as accelerate's FSDP2 launch sets it up): sharded
 checkpoints that resume on 4, 2 (and from 2 on 4) processes bit-identical to the uninterrupted run, a process killed
 while saving, ``accelerate merge-weights``; docs/training.md's launches; what does not combine.
+
+Process groups are expensive (each process imports torch and transformers): the checks share four spawns. 4
+processes: the mesh against one process, the uninterrupted Trainer run, then a run killed while saving. 2 processes:
+a run on 2, the 4-process checkpoint resumed on 2, the refusals of ``shard_model``. 4 processes: the 2-process
+checkpoint resumed on 4 and the rerun of the killed run. 4 processes: docs/training.md's launch as printed.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ IMAGE_TOKEN_ID = 510
 
 
 def tiny_model(seed: int = 0):
-    model = tiny_training_model(num_hidden_layers=4, seed=seed)
+    model = tiny_training_model(num_hidden_layers=2, seed=seed)
     freeze_default_parameters(model)
     model.gradient_checkpointing_enable()
     return model
@@ -103,7 +108,7 @@ def assert_experts_step_without_communication(model) -> None:
         if members:
             groups.append({**group, "param_names": [n for n, _ in members], "params": [p for _, p in members]})
     assert {g["kind"] for g in groups} == {"muon", "muon_headwise"}  # down_proj, gate_up_proj (w1 | w3 head-wise)
-    assert sum(len(g["params"]) for g in groups) == len(names) == 8
+    assert sum(len(g["params"]) for g in groups) == len(names) == 4  # 2 layers × (gate_up_proj, down_proj)
     optimizer = MixedOptimizer(groups)
     for group in groups:
         for param in group["params"]:
@@ -130,7 +135,8 @@ def _mesh_matches_one_process(rank: int, tmp: Path) -> None:
     from modeling_dsv41.training.fsdp import shard_model
 
     steps = step_batches()
-    model = shard_model(tiny_model(), expert_parallel_size=EP_SIZE)
+    model = shard_model(tiny_model(), expert_parallel_size=EP_SIZE, offload_activations=True)
+    assert all(layer._gradient_checkpointing_func.offloads_to_host for layer in model.model.layers)
     experts = model.model.layers[0].ffn.experts
     assert tuple(experts.gate_up_proj.shape) == (4, 64, 64)  # the whole tensor, as checkpoints hold it
     assert tuple(experts.gate_up_proj.to_local().shape) == (1, 64, 64)  # this rank's expert, whole
@@ -180,12 +186,12 @@ def one_process_reference(path: Path) -> None:
     }, path)
 
 
-def test_2x2_mesh_three_steps_equal_one_process_bit_for_bit(tmp_path):
+def test_2x2_mesh_three_steps_equal_one_process_bit_for_bit(uninterrupted):
     """Relative difference 0 per optimizer kind (every parameter equal), biases identical everywhere and to one
-    process's, on text and image batches, with gradient checkpointing."""
-    one_process_reference(tmp_path / "single.pt")
-    spawn(_mesh_matches_one_process, tmp_path, world_size=WORLD, timeout_s=300)
-    print((tmp_path / "errors.txt").read_text())
+    process's, on text and image batches, with gradient checkpointing (and activation offloading)."""
+    failures = sorted(uninterrupted.glob("mesh_failure_*.txt"))
+    assert not failures, "\n".join(f.read_text() for f in failures)
+    print((uninterrupted / "errors.txt").read_text())
 
 
 # ----------------------------------------------------------------------------- DeepseekV41Trainer: checkpoints that reshard
@@ -232,16 +238,16 @@ def launch_environment(rank: int, world: int) -> None:
     )
 
 
-def trainer_run(rank: int, world: int, output: Path, resume: Path | bool | None = None):
+def trainer_run(rank: int, world: int, output: Path, resume: Path | bool | None = None, offload: bool = False):
     """DeepseekV41Trainer on the (world / 2) × 2 mesh: 4 steps of 8 rows, checkpoints every 2 steps; on 2 processes
     two micro-batches per step (accumulated), so that every step sees the same 8 rows in the same micro-batches. The
-    gradients are clipped (max_grad_norm 1; their norm is about 2)."""
+    gradients are clipped (max_grad_norm 1; their norm is about 2). ``offload``: ``offload_activations``."""
     launch_environment(rank, world)
     args = DeepseekV41TrainingArguments(
         output_dir=str(output), max_steps=TRAIN_STEPS, save_steps=SAVE_STEPS, per_device_train_batch_size=2,
         gradient_accumulation_steps=WORLD // world, learning_rate=LR, expert_parallel_size=EP_SIZE,
         gradient_checkpointing=True, bias_update_speed=TRAINER_SPEED, logging_steps=1, report_to="none",
-        remove_unused_columns=False, dataloader_num_workers=0, seed=0,
+        remove_unused_columns=False, dataloader_num_workers=0, seed=0, offload_activations=offload,
     )
     model = tiny_training_model(num_hidden_layers=2, seed=0)
     trainer = ReferenceStepTrainer(model=model, args=args, train_dataset=ImageRows(), data_collator=collate_rows)
@@ -266,15 +272,33 @@ class ReferenceStepTrainer(DeepseekV41Trainer):
         return optimizer
 
 
-def _train_on_4(rank: int, tmp: Path) -> None:
+def _mesh_then_train_on_4_then_killed(rank: int, tmp: Path) -> None:
+    """The mesh against one process (its failures recorded for its test), the uninterrupted Trainer run, then the
+    killed run (from a copy of its checkpoint-2)."""
+    import shutil
+    import traceback
+
+    try:
+        _mesh_matches_one_process(rank, tmp)
+    except AssertionError:  # raised after the mesh's last collective: the other ranks go on to the Trainer run
+        (tmp / f"mesh_failure_{rank}.txt").write_text(traceback.format_exc())
     trainer = trainer_run(rank, WORLD, tmp / "four")
     experts = trainer.model.model.layers[0].ffn.experts
     assert tuple(experts.gate_up_proj.to_local().shape) == (1, 64, 64)  # expert parallel: one whole expert each
+    if rank == 0:
+        shutil.copytree(tmp / "four" / f"checkpoint-{SAVE_STEPS}", tmp / "killed" / f"checkpoint-{SAVE_STEPS}")
+    dist.barrier()
+    _killed_while_saving(rank, tmp)
 
 
-def _train_on_2_and_resume_4_on_2(rank: int, tmp: Path) -> None:
-    trainer_run(rank, 2, tmp / "two")
+def _on_2(rank: int, tmp: Path) -> None:
+    """A run on 2 processes (its activations offloaded), the 4-process checkpoint-2 resumed on 2, the refusals of
+    ``shard_model``."""
+    trainer = trainer_run(rank, 2, tmp / "two", offload=True)
+    assert all(layer._gradient_checkpointing_func.offloads_to_host for layer in trainer.model.model.layers)
     trainer_run(rank, 2, tmp / "four-on-two", resume=tmp / "four" / f"checkpoint-{SAVE_STEPS}")
+    _shard_model_refusals(rank, tmp)
+    (tmp / f"refusals_{rank}.ok").touch()
 
 
 def _resume_2_on_4_and_rerun_the_killed_save(rank: int, tmp: Path) -> None:
@@ -314,9 +338,12 @@ def spawn_until_killed(fn, tmp: Path, world_size: int, timeout_s: float) -> None
     deadline = time.monotonic() + timeout_s
     try:
         with pytest.raises(mp.ProcessExitedException, match="exit code 1"):
-            while not context.join(timeout=1):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{fn.__name__} did not die within {timeout_s} s")
+            try:
+                while not context.join(timeout=1):
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"{fn.__name__} did not die within {timeout_s} s")
+            except mp.ProcessRaisedException:  # failed before it was killed
+                pytest.fail("\n".join(f.read_text() for f in sorted(tmp.glob("failure_*.txt"))) or "a worker failed")
     finally:
         for process in context.processes:
             if process.is_alive():
@@ -363,18 +390,27 @@ def equal(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """A run on 4 processes, checkpoints at steps 2 and 4."""
+    """One process's reference, then 4 processes: the mesh against it, a Trainer run with checkpoints at steps 2 and
+    4, and the run killed while saving (in killed/, from a copy of checkpoint-2; process 1 dies)."""
     tmp = tmp_path_factory.mktemp("ep-trainer")
-    spawn(_train_on_4, tmp, world_size=WORLD, timeout_s=400)
+    one_process_reference(tmp / "single.pt")
+    spawn_until_killed(_mesh_then_train_on_4_then_killed, tmp, world_size=WORLD, timeout_s=900)
     return tmp
 
 
-def test_trainer_checkpoint_of_4_processes_resumes_on_2_exactly(uninterrupted, tmp_path):
+@pytest.fixture(scope="module")
+def on_two(uninterrupted) -> Path:
+    """2 processes: a run, the resumed 4-process checkpoint-2, the refusals."""
+    spawn(_on_2, uninterrupted, world_size=2, timeout_s=600)
+    return uninterrupted
+
+
+def test_trainer_checkpoint_of_4_processes_resumes_on_2_exactly(on_two, tmp_path):
     """The Trainer's sharded checkpoint (weights, Muon and Sinkhorn momentum, AdamW moments, balancing biases,
     scheduler) saved on 4 processes resumes on 2 and ends at step 4 bit-identical to the uninterrupted run; a run on
-    2 processes (two micro-batches per step) equals the run on 4 step for step. (4 → 4 and 2 → 4: the next test.)"""
-    tmp = uninterrupted
-    spawn(_train_on_2_and_resume_4_on_2, tmp, world_size=2, timeout_s=400)
+    2 processes (two micro-batches per step, activations offloaded) equals the run on 4 step for step. (4 → 4 and
+    2 → 4: the next test.)"""
+    tmp = on_two
     four, two = tmp / "four", tmp / "two"
     for checkpoint in (four / "checkpoint-2", four / "checkpoint-4"):
         assert len(list((checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))) == WORLD
@@ -390,26 +426,21 @@ def test_trainer_checkpoint_of_4_processes_resumes_on_2_exactly(uninterrupted, t
 
 
 def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_the_rerun_resumes_and_2_resume_on_4(
-    uninterrupted, tmp_path
+    on_two, tmp_path
 ):
     """A process killed while the Trainer writes checkpoint-4 on 4 processes leaves checkpoint-2 whole; the rerun
     (``resume_from_checkpoint=True``, 4 → 4) resumes from it, and the 2-process checkpoint-2 resumes on 4: both end
     bit-identical to the uninterrupted run."""
-    import shutil
-
     from modeling_dsv41.training.trainer import is_complete_checkpoint
 
-    tmp = uninterrupted
+    tmp = on_two
     killed = tmp / "killed"
-    killed.mkdir()
-    shutil.copytree(tmp / "four" / "checkpoint-2", killed / "checkpoint-2")
-    spawn_until_killed(_killed_while_saving, tmp, world_size=WORLD, timeout_s=400)
     assert is_complete_checkpoint(killed / "checkpoint-2")
     assert not (killed / "checkpoint-4").exists()
     assert [path.name for path in killed.glob("tmp-*")] == ["tmp-checkpoint-4"]  # the interrupted save, set aside
     assert_same_state(killed / "checkpoint-2", tmp / "four" / "checkpoint-2", tmp_path)  # whole, untouched
 
-    spawn(_resume_2_on_4_and_rerun_the_killed_save, tmp, world_size=WORLD, timeout_s=400)
+    spawn(_resume_2_on_4_and_rerun_the_killed_save, tmp, world_size=WORLD, timeout_s=600)
     assert_same_state(tmp / "two-on-four" / "checkpoint-4", tmp / "four" / "checkpoint-4", tmp_path)
     assert_same_state(killed / "checkpoint-4", tmp / "four" / "checkpoint-4", tmp_path)
     assert not list(killed.glob("tmp-*"))
@@ -552,5 +583,6 @@ def _shard_model_refusals(rank: int, tmp: Path) -> None:
         shard_model(DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)), expert_parallel_size=2)
 
 
-def test_shard_model_refuses_what_expert_parallelism_cannot_shard(tmp_path):
-    spawn(_shard_model_refusals, tmp_path, world_size=2, timeout_s=200)
+def test_shard_model_refuses_what_expert_parallelism_cannot_shard(on_two):
+    """The refusals ran on the 2 processes of ``on_two`` (:func:`_shard_model_refusals`)."""
+    assert sorted(path.name for path in on_two.glob("refusals_*.ok")) == ["refusals_0.ok", "refusals_1.ok"]

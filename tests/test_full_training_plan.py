@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from documentation import DOCS
+from documentation import DOCS, REPO_ROOT
 
 from configuration import DeepseekV41Config
 from modeling_dsv41.cli import main
@@ -88,7 +88,8 @@ def test_the_command_prints_the_plan_and_refuses_uneven_devices(capsys):
 
 
 def test_docs_figures_are_the_planners(release):
-    """docs/released-model.md's tables, cell by cell, from the planner (16 × 8 × 80 GiB, EP 64, 4096 tokens)."""
+    """docs/released-model.md's tables, cell by cell, and the totals it and README quote, from the planner (16 × 8 ×
+    80 GiB, EP 64 and 8, 4096 tokens)."""
     text = (DOCS / "released-model.md").read_text()
     table = text[text.index("| 16 × 8 devices, EP 64") :].split("\n\n")[0]
     plans = [plan_full_training(release, 16, 8, 80 * GIB, 64, precision) for precision in PRECISIONS]
@@ -100,6 +101,12 @@ def test_docs_figures_are_the_planners(release):
         assert documented[key] == expected, term
     totals = re.search(r"\*\*per device\*\* \| \*\*([\d.]+ GiB)\*\*[^|]*\| \*\*([\d.]+ GiB)\*\*", table).groups()
     assert totals == tuple(_bytes(p.per_device) for p in plans)
+    readme = " ".join((REPO_ROOT / "README.md").read_text().split())
+    assert (f"128 H100 with EP 64, plans {_bytes(plans[1].per_device)} per GPU in bf16 and {_bytes(plans[0].per_device)} "
+            "with fp32 masters, where NeMo reports 58.4 GiB") in readme
+    one_node_ep = " / ".join(_bytes(plan_full_training(release, 16, 8, 80 * GIB, 8, precision).per_device)
+                             for precision in PRECISIONS)
+    assert f"With one node's EP (8: 48 experts per device, the all-to-all on NVLink) the same devices need {one_node_ep}" in " ".join(text.split())
     for capacity in (80, 141):
         cells = [f"{b.nodes} nodes (EP {b.ep_size}, {_bytes(b.per_device)})"
                  for b in (smallest_fit(release, 8, capacity * GIB, precision) for precision in PRECISIONS)]

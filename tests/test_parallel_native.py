@@ -1,8 +1,9 @@
 """The released storage loaded natively (FP8 Linears, FP4 experts kept as stored) under transformers' tensor- and
 expert-parallel plans, on 2 gloo CPU processes: each rank loads only its shard (FP8 rows or columns with their
-32x32 scale blocks, its experts' FP4 bytes and scales) and gives the logits and greedy tokens of one process's native
-load, for a text and an image prompt; the Engram tables stay where ``engram_tables=`` puts them; the combinations we
-do not support are refused before loading, naming one that works.
+32x32 scale blocks, its experts' FP4 bytes and scales; the DSpark draft head's split as the backbone's) and gives the
+logits and greedy tokens of one process's native load, for a text and an image prompt, plain and speculative
+(``use_mtp=True``); the Engram tables stay where ``engram_tables=`` puts them; the combinations we do not support are
+refused before loading, naming one that works.
 
 The reference runs in the pytest process on the same released folder (``save_released_checkpoint``).
 """
@@ -40,10 +41,16 @@ PROMPT_LEN, NEW_TOKENS = 12, 6
 ATOL = RTOL = 1e-3
 
 
+# a DSpark draft head of one block, its MoE with 2 experts of its own (1 per rank under EP)
+DSPARK = dict(num_nextn_predict_layers=1, dspark_block_size=3, dspark_target_layer_ids=[0, 1], dspark_markov_rank=16,
+              dspark_noise_token_id=7, dspark_n_routed_experts=2, dspark_n_activated_experts=1)
+
+
 def _config() -> DeepseekV41Config:
-    """I = 128 (64 per rank: two 32-wide scale blocks), 4 experts (2 per rank), a tiny ViT."""
+    """I = 128 (64 per rank: two 32-wide scale blocks), 4 experts (2 per rank), a tiny ViT, the DSpark head."""
     vocab = QUANT_FORMAT_TEXT["vocab_size"]
-    return DeepseekV41Config(text_config=QUANT_FORMAT_TEXT, vision_config=TINY_VISION_CONFIG, image_token_id=vocab - 1)
+    return DeepseekV41Config(text_config={**QUANT_FORMAT_TEXT, **DSPARK}, vision_config=TINY_VISION_CONFIG,
+                             image_token_id=vocab - 1)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +72,8 @@ def released(tmp_path_factory) -> Path:
         with torch.no_grad():
             logits = model(**inputs).logits
             tokens = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+            drafted = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True)
+        assert torch.equal(drafted, tokens)
         reference[prompt] = {"inputs": inputs, "logits": logits, "tokens": tokens}
     torch.save(reference, folder / "reference.pt")
     return folder
@@ -101,18 +110,21 @@ def _load_and_compare(rank: int, tmp: Path, folder: str, kind: str) -> None:
             engram_tables="cpu",
         )
     model.eval()
-    text, layer = model.config.text_config, model.model.layers[1]
-    inter, hidden, experts = text.moe_intermediate_size, text.hidden_size, text.n_routed_experts
-    routed, shared = layer.ffn.experts, layer.ffn.shared_experts
-    assert isinstance(routed, WeightOnlyFP4Experts) and isinstance(shared.w1, WeightOnlyFP8Linear)
-    local = {name: tuple(p.to_local().shape) for name, p in routed.named_parameters()}
-    if kind == "tp":  # every expert, this rank's I/2 of gate, of up and of down (FP4: two values a byte)
-        assert local == {"gate_up_proj": (experts, inter, hidden // 2), "gate_up_proj_scale_inv": (experts, inter, hidden // 32),
-                         "down_proj": (experts, hidden, inter // 4), "down_proj_scale_inv": (experts, hidden, inter // 64)}, local
-    else:  # whole experts, half of them
-        assert local == {"gate_up_proj": (experts // 2, 2 * inter, hidden // 2),
-                         "gate_up_proj_scale_inv": (experts // 2, 2 * inter, hidden // 32),
-                         "down_proj": (experts // 2, hidden, inter // 2), "down_proj_scale_inv": (experts // 2, hidden, inter // 32)}, local
+    text = model.config.text_config
+    inter, hidden = text.moe_intermediate_size, text.hidden_size
+    # the backbone's MoE and the DSpark draft block's (its own expert count), split by the same plans
+    for layer, experts in ((model.model.layers[1], text.n_routed_experts), (model.mtp[0], text.dspark_num_routed_experts)):
+        routed, shared = layer.ffn.experts, layer.ffn.shared_experts
+        assert isinstance(routed, WeightOnlyFP4Experts) and isinstance(shared.w1, WeightOnlyFP8Linear)
+        local = {name: tuple(p.to_local().shape) for name, p in routed.named_parameters()}
+        if kind == "tp":  # every expert, this rank's I/2 of gate, of up and of down (FP4: two values a byte)
+            assert local == {"gate_up_proj": (experts, inter, hidden // 2), "gate_up_proj_scale_inv": (experts, inter, hidden // 32),
+                             "down_proj": (experts, hidden, inter // 4), "down_proj_scale_inv": (experts, hidden, inter // 64)}, local
+        else:  # whole experts, half of them
+            assert local == {"gate_up_proj": (experts // 2, 2 * inter, hidden // 2),
+                             "gate_up_proj_scale_inv": (experts // 2, 2 * inter, hidden // 32),
+                             "down_proj": (experts // 2, hidden, inter // 2), "down_proj_scale_inv": (experts // 2, hidden, inter // 32)}, local
+    shared = model.model.layers[1].ffn.shared_experts
     # the shared expert's FP8 Linears: I/2 rows (w1, w3) or columns (w2) with their 32x32 scale blocks (both plans
     # keep the TP plan for the dense part)
     assert tuple(shared.w1.weight.to_local().shape) == (inter // 2, hidden)
@@ -148,8 +160,10 @@ def _load_and_compare(rank: int, tmp: Path, folder: str, kind: str) -> None:
         with torch.no_grad():
             logits = model(**expected["inputs"]).logits
             tokens = model.generate(**expected["inputs"], max_new_tokens=NEW_TOKENS, do_sample=False)
+            drafted = model.generate(**expected["inputs"], max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True)
         torch.testing.assert_close(logits, expected["logits"], atol=ATOL, rtol=RTOL)
         assert torch.equal(tokens, expected["tokens"]), (prompt, tokens, expected["tokens"])
+        assert torch.equal(drafted, expected["tokens"]), (prompt, drafted, expected["tokens"])  # DSpark: the same
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")

@@ -305,12 +305,17 @@ def test_inspect_plans_the_released_model_on_8x141GiB(capsys):
 @pytest.mark.parametrize("flag", ["--tp", "--ep"])
 def test_inspect_prints_the_per_rank_weights_of_the_released_model(flag, capsys):
     """``--tp 8`` (``tp_plan="auto"``) and ``--ep 8`` (``DistributedConfig(tp_size=8, ep_size=8)``) both split the
-    routed experts 8 ways: their FP4 bytes and E8M0 scales per rank, from the released sizes, independent of the model
-    code (40 layers × 384 experts × 3 matrices of 5120 × 2304, half a byte a value plus a byte per 32)."""
+    routed experts 8 ways, the backbone's and the draft head's: their FP4 bytes and E8M0 scales per rank, from the
+    released sizes, independent of the model code (40 layers × 384 experts × 3 matrices of 5120 × 2304, half a byte a
+    value plus a byte per 32)."""
     assert main(["inspect", "deepseek-v4.1-flash", "--devices", "8x141GiB", flag, "8"]) == 0
     out = capsys.readouterr().out
     experts = 40 * 384 * 3 * 5120 * 2304 * (0.5 + 1 / 32) / 8
     assert re.search(rf"MoE: routed experts\s+{experts / GiB:.1f} GiB\s+its part", out), out
+    # the DSpark draft head's 3 blocks of 128 experts are split by the same plans (and its shared experts: ~1.5%)
+    head = 3 * 128 * 3 * 5120 * 2304 * (0.5 + 1 / 32) / 8
+    split_head = float(re.search(r"DSpark draft head\s+([\d.]+) MiB\s+its part", out).group(1))
+    assert head / 2**20 < split_head < 1.02 * head / 2**20, (split_head, head / 2**20)
     assert re.search(r"attention\s+[\d.]+ GiB\s+whole", out)
     per_rank = float(re.search(r"weights per rank\s+([\d.]+) GiB of 141\.0 GiB", out).group(1))
     assert experts / GiB < per_rank < 141

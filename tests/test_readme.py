@@ -41,7 +41,9 @@ def workspace(tmp_path_factory) -> Path:
     model = build_demo_model(config, tokenizer, seed=0)
     export_for_hub(model, root / "dsv41-demo" / "model", build_demo_processor(config, tokenizer))
     (root / "dsv41-demo" / "samples").mkdir()
-    ShapesDataset("eval", 1)[0].image.save(root / "dsv41-demo" / "samples" / "eval-0.png")
+    samples = ShapesDataset("eval", 4)  # README captions eval-0.png, then a batch of four
+    for i in range(len(samples)):
+        samples[i].image.save(root / "dsv41-demo" / "samples" / f"eval-{i}.png")
 
     released = root / "released-tiny"
     save_released_checkpoint(model.to(torch.bfloat16), released, max_shard_bytes=500_000)

@@ -171,3 +171,37 @@ def test_dpo_trainer_starts_from_a_save_pretrained_path(folders, tmp_path):
                          processing_class=AutoTokenizer.from_pretrained(folders["saved"]))
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_grpo_rollouts_with_dspark_are_the_plain_ones(folders, tmp_path, monkeypatch):
+    """``use_mtp=True`` in GRPO's ``generation_kwargs`` (TRL's transformers-generate path, no vLLM): under greedy
+    decoding its rollouts, a batch of left-padded chat prompts each decoded until EOS or ``max_completion_length``,
+    every row at its own accepted length, are the completions plain decoding gives."""
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from modeling_dsv41 import modeling_dsv41
+
+    prompts = runpy.run_path(str(EXAMPLES / "trl_grpo.py"))["caption_prompts"](4)
+    speculative = []  # DSpark decoding loops run
+    decoding = modeling_dsv41.dspark_decoding
+    monkeypatch.setattr(modeling_dsv41, "dspark_decoding", lambda *a, **k: (speculative.append(1), decoding(*a, **k))[1])
+    completions = {}
+    for use_mtp in (False, True):
+        seen: list[str] = []
+
+        def record(completions, **kwargs):  # the reward function sees every rollout
+            seen.extend(completion[0]["content"] for completion in completions)
+            return [0.0] * len(completions)
+
+        args = GRPOConfig(
+            output_dir=str(tmp_path / str(use_mtp)), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+            max_completion_length=12, generation_kwargs={"do_sample": False, "use_mtp": use_mtp}, use_cpu=True,
+            report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
+        )
+        trainer = GRPOTrainer(model=str(folders["saved"]), reward_funcs=record, args=args, train_dataset=prompts,
+                              processing_class=AutoTokenizer.from_pretrained(folders["saved"]))
+        trainer.train()
+        completions[use_mtp] = seen
+    assert speculative  # the use_mtp run decoded speculatively
+    assert len(completions[True]) == 4 and completions[True] == completions[False]

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--train", choices=("lora", "full"), default=None,
                          help="with --devices: plan LoRA fine-tuning of the natively loaded weights, sharded with "
                          "FSDP2 over the devices (frozen shards, gathered units, adapters and AdamW, activations "
-                         "with gradient checkpointing, logits), resident and offloaded to host memory; or full "
+                         "with gradient checkpointing, logits), resident and offloaded to host memory, and the "
+                         "longest sequence per device that fits; or full "
                          "fine-tuning with the mixed optimizer on the expert-parallel mesh (--devices "
                          "NODESxGPUSxSIZE, --ep N: experts split over N devices, default one node's)")
     inspect.add_argument("--seq", type=_int_at_least(1), default=4096, metavar="S",
@@ -216,7 +217,7 @@ def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
     lines += [
         "",
         f"DSpark speculative decoding (draft head trained {dspark['train_steps']} steps on the backbone's own "
-        f"predictions), greedy captions of {dspark['images']} held-out images, one at a time:",
+        f"predictions), greedy captions of {dspark['images']} held-out images in one batch:",
         f"  plain {dspark['plain_tokens_per_s']:.1f} tokens/s, DSpark {dspark['dspark_tokens_per_s']:.1f} tokens/s "
         f"({dspark['speedup']:.2f}x), {dspark['mean_accepted_length']:.2f} tokens per verification, captions "
         f"{'identical' if dspark['captions_identical'] else 'DIFFER'}",
@@ -291,8 +292,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _print_training_plan(config, args: argparse.Namespace) -> int:
-    from ..training.planning import plan_lora_training
-    from .inspection import build_meta_model, format_training_plan
+    from ..training.planning import longest_sequence, plan_lora_training
+    from .inspection import TRAINING_CASES, build_meta_model, format_training_plan
 
     if args.train == "full":
         return _print_full_training_plan(config, args)
@@ -302,12 +303,14 @@ def _print_training_plan(config, args: argparse.Namespace) -> int:
         raise ValueError("--train lora plans FSDP2 over the natively loaded (released) weights: drop --tp, --ep and "
                          "--storage")
     model = build_meta_model(config)
-    plans = [
-        plan_lora_training(model, args.devices, seq_len=args.seq, batch_size=args.batch, rank=args.rank, offload=offload)
-        for offload in (False, True)
-    ]
+    cases = {name: dict(offload=weights, offload_activations=activations) for name, (weights, activations) in
+             TRAINING_CASES.items()}
+    plans = {name: plan_lora_training(model, args.devices, seq_len=args.seq, batch_size=args.batch, rank=args.rank,
+                                      **case) for name, case in cases.items()}
+    longest = {name: longest_sequence(model, args.devices, batch_size=args.batch, rank=args.rank, **case)
+               for name, case in cases.items()}
     print()
-    print(format_training_plan(*plans))
+    print(format_training_plan(plans, longest))
     return 0
 
 

@@ -167,30 +167,72 @@ def format_parallel_plan(plan: ParallelPlan, max_memory: dict[int | str, int] | 
     return "\n".join(lines)
 
 
-def format_training_plan(resident: LoraTrainingPlan, offloaded: LoraTrainingPlan) -> str:
-    """The per-device table ``dsv41 inspect --devices NxSIZE --train lora`` prints: the same run with the frozen
-    shards resident on the devices and with them (and the adapters' optimizer state) offloaded to host memory."""
+def _grouped(values: dict[str, str]) -> dict[str, str]:
+    """value → the names that have it (comma-separated, or "every case")."""
+    groups: dict[str, list[str]] = {}
+    for name, value in values.items():
+        groups.setdefault(value, []).append(name)
+    return {value: "every case" if len(names) == len(values) else ", ".join(names) for value, names in groups.items()}
+
+
+# the columns of `dsv41 inspect --train lora`: (frozen shards and optimizer state offloaded, activations offloaded)
+TRAINING_CASES = {
+    "resident": (False, False),
+    "activations offloaded": (False, True),
+    "all offloaded": (True, True),
+}
+
+
+def format_training_plan(plans: dict[str, LoraTrainingPlan], longest: dict[str, int]) -> str:
+    """The per-device table ``dsv41 inspect --devices NxSIZE --train lora`` prints: the same run with everything
+    resident on the devices, with the checkpointed activations in host memory, and with the frozen shards and the
+    adapters' optimizer state there too (:data:`TRAINING_CASES`); the longest sequence per device each fits."""
+    first = next(iter(plans.values()))
     lines = [
         (
-            f"LoRA fine-tuning (rank {resident.rank}, attention + shared and routed experts: "
-            f"{_human(resident.adapter_parameters)} adapter parameters) on the natively loaded weights, FSDP2 over "
-            f"{resident.num_devices} devices (training.fsdp.shard_model), gradient checkpointing, micro-batch "
-            f"{resident.batch_size} × {resident.seq_len} tokens per device:"
+            f"LoRA fine-tuning (rank {first.rank}, attention + shared and routed experts: "
+            f"{_human(first.adapter_parameters)} adapter parameters) on the natively loaded weights, FSDP2 over "
+            f"{first.num_devices} devices (training.fsdp.shard_model), gradient checkpointing, micro-batch "
+            f"{first.batch_size} × {first.seq_len} tokens per device:"
         ),
-        f"{'per device':<44}{'resident':>14}{'offloaded':>14}",
+        f"{'per device':<38}" + "".join(f"{name:>24}" for name in plans),
     ]
-    for name in resident.terms:
-        cells = [_bytes(plan.terms[name]) if name in plan.terms else "host" for plan in (resident, offloaded)]
-        lines.append(f"{name:<44}{cells[0]:>14}{cells[1]:>14}")
-    totals = [_bytes(plan.per_device) for plan in (resident, offloaded)]
-    verdicts = ["fits" if plan.fits else "does not fit" for plan in (resident, offloaded)]
-    lines.append(f"{'total':<44}{totals[0]:>14}{totals[1]:>14}")
-    lines.append(f"{'on ' + _bytes(resident.capacity) + ' devices':<44}{verdicts[0]:>14}{verdicts[1]:>14}")
-    lines.append(f"largest unit gathered: {resident.largest_unit} (and the next one, prefetched)")
-    for name, nbytes in offloaded.host_bytes.items():
-        lines.append(f"host memory, {name}: {_bytes(nbytes)}")
-    lines.append("offloaded = shard_model(..., offload_policy=CPUOffloadPolicy()): frozen shards, adapters and their "
-                 "optimizer step in host memory")
+    offloaded = {"frozen shards": "offload", "adapters + grads + AdamW": "offload",
+                 "checkpointed layer inputs": "offload_activations"}
+    for term in first.terms:
+        cells = []
+        for plan in plans.values():
+            if term not in plan.terms:
+                cells.append("host")
+            elif term in offloaded and getattr(plan, offloaded[term]):
+                cells.append("host")
+            elif plan.terms[term] == 0 and term in ("recomputed layer", "logits + loss"):
+                cells.append("-")  # the other moment: not at the peak
+            else:
+                cells.append(_bytes(plan.terms[term]))
+        lines.append(f"{term:<38}" + "".join(f"{cell:>24}" for cell in cells))
+    lines.append(f"{'total':<38}" + "".join(f"{_bytes(plan.per_device):>24}" for plan in plans.values()))
+    verdicts = ["fits" if plan.fits else "does not fit" for plan in plans.values()]
+    lines.append(f"{'on ' + _bytes(first.capacity) + ' devices':<38}" + "".join(f"{v:>24}" for v in verdicts))
+    cells = [f"{tokens} tokens" if tokens else "none" for tokens in longest.values()]
+    lines.append(f"{'longest sequence per device that fits':<38}" + "".join(f"{cell:>24}" for cell in cells))
+    activations = ("checkpointed layer inputs", "recomputed layer", "logits + loss")
+    moments = {
+        name: f"{plan.peak_moment}: {_bytes(sum(plan.terms[term] for term in activations))}; at "
+        f"{plan.other_moment[0]}: {_bytes(plan.other_moment[1])}" for name, plan in plans.items()
+    }
+    for moment, names in _grouped(moments).items():
+        lines.append(f"activations ({names}) peak at {moment}")
+    lines.append(f"largest unit gathered: {first.largest_unit} (and the next one, prefetched)")
+    held = {(what, _bytes(nbytes)): [] for plan in plans.values() for what, nbytes in plan.host_bytes.items()}
+    for name, plan in plans.items():
+        for what, nbytes in plan.host_bytes.items():
+            held[what, _bytes(nbytes)].append(name)
+    for (what, size), names in held.items():
+        lines.append(f"host memory, {what}: {size} ({'every case' if len(names) == len(plans) else ', '.join(names)})")
+    lines.append("activations offloaded = shard_model(..., offload_activations=True) or the Trainer's "
+                 "offload_activations=True; all offloaded = also offload_policy=CPUOffloadPolicy(): frozen shards, "
+                 "adapters and their optimizer step in host memory")
     return "\n".join(lines)
 
 
@@ -248,4 +290,5 @@ def format_full_training_plan(
 
 
 __all__ = ["COMPONENTS", "IMAGE_SIZES", "ModelInspection", "build_meta_model", "component_of", "format_inspection",
-           "format_full_training_plan", "format_parallel_plan", "format_training_plan", "inspect_config"]
+           "format_full_training_plan", "format_parallel_plan", "format_training_plan", "inspect_config",
+           "TRAINING_CASES"]

@@ -15,9 +15,10 @@ handed to consumer layers through that step's :class:`~.attention.CompressedCont
 
 :class:`DeepseekV41StaticCache` holds the same state in buffers sized once (for ``max_cache_len`` columns) and
 updated in place, for ``generate(cache_implementation="static")`` and compiled decode steps. Both roll back over
-their last tokens (``crop``: assisted generation, DSpark speculative decoding) once ``activate_past_recording()``
-has made them keep what a rollback needs: the dynamic cache any number of tokens, the static one up to the
-``max_rewind`` it was given, in its fixed buffers.
+their last tokens once ``activate_past_recording()`` has made them keep what a rollback needs (the dynamic cache
+any number of tokens, the static one up to the ``max_rewind`` it was given, in its fixed buffers): all rows alike
+(``crop``: transformers' assisted generation), or each row by its own count (``crop_rows``: DSpark speculative
+decoding, whose rows keep different numbers of drafted tokens).
 
 Rows count positions from their own first real token (a left-padded prompt is aligned to start at 0), so rows
 of one batch sit at different positions and complete their compression groups at different steps:
@@ -66,6 +67,19 @@ def last_columns(t: torch.Tensor, width: int) -> torch.Tensor:
     """The newest ``width`` columns of t [B, T, ...], left-padded with zeros when T is shorter."""
     kept = t[:, max(t.shape[1] - width, 0) :]
     return F.pad(kept, (0, 0) * (t.ndim - 2) + (width - kept.shape[1], 0))
+
+
+def shift_right(t: torch.Tensor, shifts: torch.Tensor, width: int, fill: float | int = 0) -> torch.Tensor:
+    """t [B, T, ...] → [B, width, ...] whose row b is t's row b moved ``shifts[b]`` columns to the right (its
+    newest ones out, ``fill`` in front; negative shifts move left): a per-row rollback of right-aligned state."""
+    index = torch.arange(width, device=t.device) - shifts.unsqueeze(1) + (t.shape[1] - width)
+    return gather_rows(t, index, fill)
+
+
+def _count(tokens: torch.Tensor) -> int | list[int]:
+    """Tokens a crop removes, for messages: one count, or one per row where they differ."""
+    counts = tokens.tolist()
+    return counts[0] if len(set(counts)) == 1 else counts
 
 
 def append_rows(
@@ -216,9 +230,10 @@ class DeepseekV41LayerCache:
             sequence = torch.cat([recorded, new], dim=1)
             self._write(name, last_columns(sequence, self._projection_width(sequence.shape[1])))
 
-    def rewind(self, tokens: int, lengths: torch.Tensor) -> None:
-        """Forget each row's last ``tokens`` tokens (all rows decode in step, so they are the same columns), leaving
-        ``lengths`` [B] real tokens per row: the state as it was after the earlier of them, from what was recorded."""
+    def rewind(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Forget the newest ``tokens[b]`` tokens of each row b (rows of a speculative batch keep different
+        numbers), leaving ``lengths`` [B] real tokens per row: the state as it was after the earlier of them, from
+        what was recorded."""
         if not self.record_past:
             raise ValueError("a DeepSeek-V4.1 cache can be cropped only after activate_past_recording()")
         self._check_rewind(tokens, lengths)
@@ -231,7 +246,7 @@ class DeepseekV41LayerCache:
             held = lengths % r  # [B] tokens of the open group after the rewind; slot i at column:
             column = (recorded - tokens - held).unsqueeze(1) + torch.arange(r, device=lengths.device)
             if bool(((column[:, 0] < 0) & (held > 0)).any()):
-                raise ValueError(f"cannot rewind {tokens} tokens: not enough of them were recorded")
+                raise ValueError(f"cannot rewind {_count(tokens)} tokens: not enough of them were recorded")
             if self.projections_kv is not None:  # else no row has an open group left: the pending slots go unread
                 column = column.masked_fill(torch.arange(r, device=lengths.device) >= held.unsqueeze(1), -1)
                 self._write("pending_kv", gather_rows(self.projections_kv, column))
@@ -239,14 +254,19 @@ class DeepseekV41LayerCache:
                 self._write("projections_kv", self._without_newest(self.projections_kv, tokens, 0))
                 self._write("projections_score", self._without_newest(self.projections_score, tokens, 0))
 
-    def _check_rewind(self, tokens: int, lengths: torch.Tensor) -> None:
-        if self.window_kv.shape[1] - tokens < min(self.window, int(lengths.max())):
-            raise ValueError(f"cannot rewind {tokens} tokens: only {self.window_kv.shape[1] - self.window} were recorded")
+    def _check_rewind(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        # each row keeps the window of its own last min(W, length) tokens
+        short = self.window_kv.shape[1] - tokens < lengths.clamp_max(self.window)
+        if bool(short.any()):
+            recorded = self.window_kv.shape[1] - self.window
+            raise ValueError(f"cannot rewind {_count(tokens)} tokens: only {recorded} were recorded")
 
-    def _without_newest(self, value: torch.Tensor, tokens: int, min_width: int) -> torch.Tensor:
-        """``value`` [B, T, ...] without its newest ``tokens`` columns, left-padded with zeros to ``min_width``."""
-        kept = value[:, : max(value.shape[1] - tokens, 0)]
-        return F.pad(kept, (0, 0) * (value.ndim - 2) + (max(min_width - kept.shape[1], 0), 0))
+    def _without_newest(self, value: torch.Tensor, tokens: torch.Tensor, min_width: int) -> torch.Tensor:
+        """``value`` [B, T, ...] (each row's newest column last) without each row's newest ``tokens[b]`` columns:
+        every row shifted right by its own count, as wide as the row keeping most (at least ``min_width``), zeros
+        in front."""
+        width = max(value.shape[1] - int(tokens.min()), min_width)
+        return shift_right(value, tokens, width)
 
     def _forget_compressed(self, lengths: torch.Tensor) -> None:
         """Drop the compressed rows past each row's ``lengths // r`` (as wide as a cache that never held them)."""
@@ -304,9 +324,10 @@ class DeepseekV41Cache(Cache):
 
     ``get_seq_length()`` counts the input columns consumed so far, prompt padding included (what ``generate``
     slices the next inputs by); ``lengths`` counts each row's real tokens. ``reorder_cache`` (beam search) and
-    batch repeat/select are supported, and so is ``crop`` (assisted generation) of tokens decoded after
-    ``activate_past_recording()``: while recording, the cache also keeps every window K=V, open-group projection
-    and Engram id since then (memory growing with the decoded tokens, as a per-token cache does).
+    batch repeat/select are supported, and so are ``crop`` (assisted generation) and ``crop_rows`` (per row) of
+    tokens decoded after ``activate_past_recording()``: while recording, the cache also keeps every window K=V,
+    open-group projection and Engram id since then (memory growing with the decoded tokens, as a per-token cache
+    does). After ``crop_rows`` the rows hold different column counts: ``get_seq_length()`` is the longest row's.
     """
 
     def __init__(self, config):
@@ -317,6 +338,7 @@ class DeepseekV41Cache(Cache):
         self.seen_tokens = 0
         self.lengths: torch.Tensor | None = None  # [B] real tokens per row
         self.engram_history: torch.Tensor | None = None  # [B, max_ngram - 1] compressed ids, DEAD where none
+        self.behind: torch.Tensor | None = None  # [B] columns each row holds fewer than the longest (crop_rows)
         self.record_past = False
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -333,26 +355,37 @@ class DeepseekV41Cache(Cache):
         :meth:`activate_past_recording`. ``crop(0)`` keeps everything."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes minus the number of tokens to remove, got {tokens_to_remove}")
-        tokens = -tokens_to_remove
-        if tokens == 0:
+        if tokens_to_remove == 0:
             return
-        if tokens > self.get_seq_length():
-            raise ValueError(f"cannot remove {tokens} tokens from a cache holding {self.get_seq_length()}")
+        if -tokens_to_remove > self.get_seq_length():
+            raise ValueError(f"cannot remove {-tokens_to_remove} tokens from a cache holding {self.get_seq_length()}")
+        self.crop_rows(torch.full_like(self.lengths, -tokens_to_remove))
+
+    def crop_rows(self, tokens: torch.Tensor) -> None:
+        """Forget the newest ``tokens[b]`` tokens of each row b (a [B] tensor, ≥ 0), decoded since
+        :meth:`activate_past_recording`: speculative decoding keeps a different number of each row's drafted tokens,
+        so that rows advance by their own accepted lengths. ``get_seq_length()`` then counts the columns of the row
+        holding most."""
+        tokens = tokens.to(self.lengths.device)
         lengths = self.lengths - tokens
-        if bool((lengths < 0).any()):
-            raise ValueError(f"cannot remove {tokens} tokens from rows holding {self.lengths.tolist()} real tokens")
+        if bool(((tokens < 0) | (lengths < 0)).any()):
+            raise ValueError(f"cannot remove {_count(tokens)} tokens from rows holding {self.lengths.tolist()} real tokens")
         for layer in self.layers:
             layer.rewind(tokens, lengths)
         if self.engram_history is not None:
             self._rewind_engram_history(tokens)
         self._store("lengths", lengths)
-        self._count_columns(-tokens)
+        behind = tokens if self.behind is None else self.behind + tokens
+        caught_up = int(behind.min())  # columns the longest row lost
+        self.behind = behind - caught_up
+        self._count_columns(-caught_up)
 
-    def _rewind_engram_history(self, tokens: int) -> None:
-        size = self.engram_history.shape[1] - tokens
-        if size < 1:
-            raise ValueError(f"cannot rewind {tokens} tokens: not enough Engram ids were recorded")
-        self.engram_history = self.engram_history[:, :size]
+    def _rewind_engram_history(self, tokens: torch.Tensor) -> None:
+        history = self.engram_history
+        if int(tokens.max()) >= history.shape[1]:
+            raise ValueError(f"cannot rewind {_count(tokens)} tokens: not enough Engram ids were recorded")
+        width = history.shape[1] - int(tokens.min())
+        self.engram_history = shift_right(history, tokens, width, DEAD)
 
     def _count_columns(self, columns: int) -> None:
         """Add ``columns`` (negative: remove them) to the input columns consumed."""
@@ -414,6 +447,8 @@ class DeepseekV41Cache(Cache):
         for name in ("lengths", "engram_history"):
             if getattr(self, name) is not None:
                 self._store(name, fn(getattr(self, name)))
+        if self.behind is not None:
+            self.behind = fn(self.behind)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -429,7 +464,7 @@ class DeepseekV41Cache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.seen_tokens, self.lengths, self.engram_history = 0, None, None
+        self.seen_tokens, self.lengths, self.engram_history, self.behind = 0, None, None, None
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, summed over layers per kind of state (``window_kv``, ``compressed_kv``, …, ``engram``)."""
@@ -485,11 +520,11 @@ class DeepseekV41StaticLayerCache(DeepseekV41LayerCache):
     def _projection_width(self, available: int) -> int:
         return self.ratio + self.max_rewind
 
-    def _check_rewind(self, tokens: int, lengths: torch.Tensor) -> None:
-        pass  # the cache counts what its fixed buffers can still undo (DeepseekV41StaticCache.crop)
+    def _check_rewind(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        pass  # the cache counts what its fixed buffers can still undo (DeepseekV41StaticCache.crop_rows)
 
-    def _without_newest(self, value: torch.Tensor, tokens: int, min_width: int) -> torch.Tensor:
-        return super()._without_newest(value, tokens, value.shape[1])  # fixed width: shifted right
+    def _without_newest(self, value: torch.Tensor, tokens: torch.Tensor, min_width: int) -> torch.Tensor:
+        return shift_right(value, tokens, value.shape[1])  # fixed width: each row shifted right in place
 
     def _forget_compressed(self, lengths: torch.Tensor) -> None:
         pass  # rows past each row's length are never attended (see the class docstring)
@@ -543,8 +578,9 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         self.max_cache_len = max_cache_len
         self.record_past = False
         self.max_rewind = 0  # tokens a crop may remove while recording (see activate_past_recording)
-        self.rewindable = 0  # of those, how many the buffers can undo now
+        self._undoable: tuple[int, int] = (0, 0)  # (tokens undoable, at this column count): see rewindable
         self.seen: torch.Tensor | None = None  # 0-d long: columns consumed
+        self.behind: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.engram_history: torch.Tensor | None = None
         self._empty = True
@@ -565,23 +601,32 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
             layer.activate_past_recording(max_rewind)
         self.record_past, self.max_rewind = True, max_rewind
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """As :meth:`DeepseekV41Cache.crop`, for at most the newest tokens the fixed buffers still hold the state
-        before (``max_rewind``, less what earlier crops since then took)."""
-        tokens = -tokens_to_remove
-        if not self.record_past and tokens > 0:
+    def crop_rows(self, tokens: torch.Tensor) -> None:
+        """As :meth:`DeepseekV41Cache.crop_rows` (and so :meth:`~DeepseekV41Cache.crop`), in place, for at most the
+        newest tokens the fixed buffers still hold the state before (``max_rewind``, less what earlier crops since
+        then took)."""
+        if not self.record_past:
             raise ValueError("the static cache can be cropped only after activate_past_recording(max_rewind)")
-        if tokens > self.rewindable:
+        most, rewindable = int(tokens.max()), self.rewindable
+        if most > rewindable:
             raise ValueError(
-                f"cannot remove {tokens} tokens: the static cache can undo only its newest {self.rewindable} now "
+                f"cannot remove {most} tokens: the static cache can undo only its newest {rewindable} now "
                 f"(activate_past_recording(max_rewind={self.max_rewind}))"
             )
-        super().crop(tokens_to_remove)
-        self.rewindable -= max(tokens, 0)
+        super().crop_rows(tokens)
+        self._undoable = (rewindable - most, int(self.seen))  # what every row can still undo
 
-    def _rewind_engram_history(self, tokens: int) -> None:
-        history = self.engram_history
-        self._store("engram_history", F.pad(history[:, : history.shape[1] - tokens], (tokens, 0), value=DEAD))
+    @property
+    def rewindable(self) -> int:
+        """Tokens the buffers can undo now: ``max_rewind`` at most, less what crops took, plus the columns forwarded
+        since (counted from ``seen`` here, so that a forward, compiled, updates no Python state)."""
+        if self._empty:
+            return 0
+        undoable, at = self._undoable
+        return min(self.max_rewind, undoable + int(self.seen) - at)
+
+    def _rewind_engram_history(self, tokens: torch.Tensor) -> None:
+        self._store("engram_history", shift_right(self.engram_history, tokens, self.engram_history.shape[1], DEAD))
 
     def _engram_width(self, size: int, available: int) -> int:
         return size + self.max_rewind if self.record_past else size
@@ -614,10 +659,9 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         self._store("lengths", step.lengths)
         if self._empty:
             self.seen = _static_buffer(torch.tensor(seq_len, device=step.lengths.device))
-            self.rewindable = self.max_rewind  # the prefill keeps each row's last tokens (zeros before its first)
+            self._undoable = (self.max_rewind, seq_len)  # the prefill keeps each row's last tokens (zeros before its first)
         else:
             self.seen.add_(seq_len)
-            self.rewindable = min(self.rewindable + seq_len, self.max_rewind)
         self._empty = False
 
     def _store(self, name: str, value: torch.Tensor) -> None:
@@ -635,7 +679,7 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
                 value.zero_()
         if self.engram_history is not None:
             self.engram_history.fill_(DEAD)  # as if there were none: the next prefill starts a sequence
-        self._empty, self.rewindable = True, 0
+        self._empty, self._undoable, self.behind = True, (0, 0), None
 
 
 class DeepseekV41DSparkCache:

@@ -37,6 +37,7 @@ The config saves as transformers' own ``quant_method: "fp8"``.
 
 from __future__ import annotations
 
+import copy
 import re
 import weakref
 from collections.abc import Callable, Mapping
@@ -52,13 +53,16 @@ from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQu
 from transformers.utils.import_utils import is_kernels_available
 
 from ..hub.registration import register_quantization_config, register_quantizer
-from ..moe import routed_experts_forward
+from ..moe import DeepseekV41Experts, routed_experts_forward
 from .codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
 
 QUANT_METHOD = "deepseek_v41_fp8"
-# our Linears the release stores FP8 and that compute through their forward (a `Linear` the model reads `.weight`
-# of, `engram.wkv`, and the block-diagonal `wo_a` are dequantized on load instead)
-_NATIVE_FP8_LINEAR = re.compile(r"(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$")
+# our Linears the release stores FP8 and that compute through their forward, in the backbone's layers and the DSpark
+# draft blocks (a `Linear` the model reads `.weight` of, `engram.wkv`, and the block-diagonal `wo_a` are dequantized on
+# load instead)
+_NATIVE_FP8_LINEAR = re.compile(
+    r"(^|\.)(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|main_proj)$"
+)
 
 
 def _fp8_kernels_usable() -> bool:
@@ -82,10 +86,6 @@ def modules_kept_in_high_precision(model: nn.Module) -> list[str]:
             pattern = r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in name.split("."))
             if pattern not in patterns:
                 patterns.append(pattern)
-    if getattr(model, "mtp", None) is not None:
-        # the DSpark draft head loads dequantized: transformers builds FP8Experts from the config's expert count,
-        # the backbone's, and the draft blocks have their own
-        patterns.append("mtp")
     return patterns
 
 
@@ -328,22 +328,30 @@ class FP4KernelExperts(FP8Experts):
         return _KernelExpertsFunction.apply(self, hidden_states, top_k_index, top_k_weights)
 
 
-def _with_exact_gradient(module: nn.Module, config) -> nn.Module:
+def _with_exact_gradient(module: nn.Module, config, num_experts: int | None = None) -> nn.Module:
     """The kernel-path module with our backward (same parameters, same kernels)."""
-    return _replacement(module, config, FP4KernelExperts, FP8KernelLinear)
+    return _replacement(module, config, FP4KernelExperts, FP8KernelLinear, num_experts)
 
 
-def _weight_only(module: nn.Module, config) -> nn.Module:
-    return _replacement(module, config, WeightOnlyFP4Experts, WeightOnlyFP8Linear)
+def _weight_only(module: nn.Module, config, num_experts: int | None = None) -> nn.Module:
+    return _replacement(module, config, WeightOnlyFP4Experts, WeightOnlyFP8Linear, num_experts)
 
 
-def _replacement(module: nn.Module, config, experts_class: type, linear_class: type) -> nn.Module:
+def _replacement(
+    module: nn.Module, config, experts_class: type, linear_class: type, num_experts: int | None = None
+) -> nn.Module:
+    """The module natively loaded in place of transformers' ``FP8Linear`` / ``FP8Experts`` ``module``; experts with
+    ``num_experts`` of them (the DSpark draft blocks' count: transformers sizes them by the backbone's)."""
     with torch.device("meta"):
         if isinstance(module, FP8Experts):
+            sized = module.config
+            if num_experts is not None and num_experts != module.num_experts:
+                sized = copy.copy(module.config)
+                sized.n_routed_experts = num_experts
             new = experts_class(
-                module.config, block_size=config.weight_block_size, scale_fmt=config.scale_fmt,
-                expert_dtype=config.expert_dtype,
+                sized, block_size=config.weight_block_size, scale_fmt=config.scale_fmt, expert_dtype=config.expert_dtype,
             )
+            new.config = module.config  # the model's: what experts_implementation dispatches on
         else:
             new = linear_class(
                 module.in_features, module.out_features, block_size=config.weight_block_size,
@@ -370,11 +378,12 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
             raise ValueError("the released storage has FP4 experts and E8M0 (ue8m0) scales")
 
     def _process_model_before_weight_loading(self, model, **kwargs):
+        expert_counts = {name: m.num_experts for name, m in model.named_modules() if isinstance(m, DeepseekV41Experts)}
         super()._process_model_before_weight_loading(model, **kwargs)
         replace = _weight_only if self.weight_only else _with_exact_gradient
         for name, module in list(model.named_modules()):
             if type(module) is FP8Linear or isinstance(module, FP8Experts):
-                model.set_submodule(name, replace(module, self.quantization_config))
+                model.set_submodule(name, replace(module, self.quantization_config, expert_counts.get(name)))
 
     def get_new_dtype(self, converter, param, dtype):
         """Quantized checkpoint tensors (FP8 weights, E8M0 scales, FP4 bytes) load as stored: the conversions read

@@ -5,16 +5,16 @@ The step is the planner's: LoRA of the README's targets (attention ``wq_a``/``wq
 experts) on the natively loaded frozen weights, bf16 activations, fp32 adapters (PEFT casts each adapted input to
 fp32), every decoder layer checkpointed (transformers' gradient checkpointing). Its peak is the larger of two moments:
 
-* **the loss**: every layer's checkpointed input is held, and the fp32 logits, their log-softmax and its gradient
-  (``3 × tokens × vocab × 4`` bytes);
+* **the loss**: every layer's checkpointed input is held (:func:`checkpointed_input_terms`), and the fp32 logits,
+  their log-softmax and its gradient (``3 × tokens × vocab × 4`` bytes);
 * **a layer's backward**: the layer runs its forward again and keeps what it saves for its backward
-  (:func:`layer_saved_terms`) on top of the inputs of the layers below it, plus its largest transient: mHC's expand
-  forms its [hc, hc, D] fp32 products at once (the reference's arithmetic), the sparse attention's backward recomputes
-  a query chunk's keys and probabilities block by block, the indexer scores a query chunk against every compressed
-  row (:func:`layer_transients`).
+  (:func:`layer_saved_terms`) on top of the inputs of the layers below it, plus its largest transient
+  (:func:`layer_peak_bytes`): mHC's expand forms its [hc, hc, D] fp32 products at once (the reference's
+  arithmetic), the sparse attention's backward recomputes a query chunk's keys and probabilities block by block, the
+  indexer quantizes its queries and scores a query chunk against every compressed row.
 
-With ``offload_activations`` the checkpointed inputs live in host memory (``torch.autograd.graph.save_on_cpu``) and only
-the layer running its backward has its inputs back on the device.
+With ``offload_activations`` (:mod:`.offload`) the checkpointed inputs live in host memory and only the layer running
+its backward has its inputs back on the device.
 """
 
 from __future__ import annotations
@@ -110,8 +110,9 @@ def layer_peak_bytes(config, layer_id: int, seq_len: int, batch_size: int = 1, r
       the stream, and one query chunk's recomputation: fp32 q and output gradient (and the pair, one product), q's
       gradient, a block's keys and their gradients, the block's [H, k] probabilities and gradients, the fp32 K=V rows
       and their gradient;
-    * its indexer (index sources): its queries, and one query chunk's scores against every compressed row
-      [C, heads, T] in fp32 while they are rounded to bf16.
+    * its indexer (index sources): its queries, and the larger of their FP4 QDQ (emulated quantization: fp32
+      temporaries of all the queries) and one query chunk's scores against every compressed row [C, heads, T] in
+      fp32 while they are rounded to bf16.
     """
     a, hc, d, heads, hd = ACTIVATION_BYTES, config.hc_mult, config.hidden_size, config.num_attention_heads, config.head_dim
     tokens = seq_len * batch_size
@@ -130,16 +131,20 @@ def layer_peak_bytes(config, layer_id: int, seq_len: int, batch_size: int = 1, r
         + 2 * FP32 * hd * (seq_len + compressed) * batch_size,
     }
     if _is_index_source(config, layer_id) and compressed:
-        index_q = a * config.index_n_heads * (config.index_head_dim + 1)  # its queries and head weights
+        index_heads, index_dim = config.index_n_heads, config.index_head_dim
+        index_q = a * index_heads * (index_dim + 1)  # its queries and head weights
+        scores = 6 * chunk * index_heads * compressed
+        # the FP4 QDQ of all its queries at once: seven fp32 / int32 temporaries of their shape (codec.py)
+        qdq = 7 * FP32 * tokens * index_heads * index_dim if config.emulate_quantization else 0
         moments["its indexer"] = (sum(terms.get(k, 0) for k in BEFORE_INDEXER) + a * heads * hd + index_q
-                                  + stream_grad) * tokens + 6 * chunk * config.index_n_heads * compressed
+                                  + stream_grad) * tokens + max(scores, qdq)
     return max(moments.items(), key=lambda item: item[1])
 
 
 def checkpointed_input_terms(config, seq_len: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Bytes per token the checkpointed layers' inputs hold: (per decoder layer, shared by the layers: the compressed
-    context, the Engram rows, the rotations). Each layer keeps its input stream [hc, D] and pre-mix [hc]; its router keeps the
-    chosen experts (read by the bias balancing); Engram layers their table rows."""
+    """Bytes per token the checkpointed layers' inputs hold: (per decoder layer, shared by the layers). Each layer
+    keeps its input stream [hc, D] and pre-mix [hc], and its router the experts it chose (read by the bias
+    balancing); the layers share the compressed context, the Engram rows and the rotations."""
     a, hc, d = ACTIVATION_BYTES, config.hc_mult, config.hidden_size
     per_layer = {"stream": a * hc * d + FP32 * hc, "routed expert ids": INDEX * config.num_experts_per_tok}
     columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads * len(config.engram_layer_ids)

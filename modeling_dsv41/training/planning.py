@@ -11,16 +11,16 @@ Every rank holds (bytes per device):
   head, final norms) stay gathered from the forward to the end of the backward;
 * **adapters**: LoRA weights, their gradients and two AdamW moments, all fp32 (PEFT keeps adapters in fp32; the
   Trainer puts them in the AdamW group), sharded 1/N;
-* **checkpointed inputs**: with gradient checkpointing each decoder layer keeps only its input (the mHC stream and the
-  context it is handed) until its backward;
-* **recomputed layer**: during its backward one layer's forward is run again and its saved tensors live until its
-  gradients are done: :func:`layer_saved_bytes_per_token`, the eager attention path's (fp32 keys of every attended
-  slot dominate at long sequences);
-* **logits**: the fp32 logits, their log-softmax and its gradient, ``3 × tokens × vocab × 4`` bytes;
+* **activations at the step's peak** (:mod:`.activation_memory`, within 10% of measured steps): the checkpointed
+  layers' inputs (each decoder layer keeps only its input until its backward) and the larger of the loss (the fp32
+  logits, their log-softmax and its gradient) and the worst layer's backward (the layer's forward run again, what it
+  saves for its backward and its largest transient);
 * **reserve**: CUDA context, NCCL buffers and allocator slack, a fixed :data:`RESERVE_BYTES`.
 
 With ``offload=True`` (``shard_model(..., offload_policy=CPUOffloadPolicy())``) the frozen shards and the adapters'
-optimizer state live in host memory instead; only gathered units, activations and logits stay on the device.
+optimizer state live in host memory instead; with ``offload_activations=True`` (``shard_model(...,
+offload_activations=True)``, :mod:`.offload`) the checkpointed inputs do. :func:`longest_sequence` finds the longest
+micro-batch sequence that fits.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..placement import is_engram_table_tensor, native_held_bytes
+from .activation_memory import activation_peak, attended_slots
 
 RESERVE_BYTES = 3 * 2**30
 # the README's LoRA targets: attention Linears and shared experts (target_modules), routed experts (target_parameters)
@@ -39,19 +40,12 @@ LORA_EXPERTS = re.compile(r"(^|\.)layers\.\d+\.ffn\.experts$")
 _ADAPTER_BYTES_PER_PARAMETER = 4 * 4  # fp32 weight, gradient and two AdamW moments
 
 
-def attended_slots(config, ratio: int, seq_len: int) -> int:
-    """K=V slots a query of a layer with compression ratio ``ratio`` attends to at ``seq_len`` (the longest query
-    attends to most): the window, plus for compressed layers the top-k compressed rows."""
-    window = min(config.sliding_window, seq_len)
-    if ratio == 0:
-        return window
-    return window + min(config.index_topk, seq_len // ratio)
-
-
 def layer_saved_bytes_per_token(config, layer_id: int, seq_len: int) -> float:
     """Bytes per token that one decoder layer's forward saves for its backward (bf16 activations, fp32 where the model
-    computes in fp32), term by term as the eager path saves them (the routed experts' inputs are saved whether or not
-    they carry adapters: the input gradient flows through them)."""
+    computes in fp32), term by term as the eager attention path saved them (the routed experts' inputs are saved
+    whether or not they carry adapters: the input gradient flows through them). The full fine-tuning planner's
+    (:mod:`.full_planning`): an upper bound now that the sparse attention's backward recomputes its keys and
+    probabilities; the LoRA plan uses :mod:`.activation_memory`, the model measured against the new code."""
     d, hc, heads, hd = config.hidden_size, config.hc_mult, config.num_attention_heads, config.head_dim
     ratio = config.compress_ratios[layer_id]
     k = attended_slots(config, ratio, seq_len)
@@ -111,7 +105,10 @@ class LoraTrainingPlan(PerDeviceTotal):
     batch_size: int
     rank: int
     offload: bool
+    offload_activations: bool = False
     adapter_parameters: int = 0
+    peak_moment: str = ""
+    other_moment: tuple[str, float] = ("", 0.0)
     terms: dict[str, float] = field(default_factory=dict)
     largest_unit: str = ""
     host_bytes: dict[str, float] = field(default_factory=dict)
@@ -153,13 +150,13 @@ def lora_parameters(model: nn.Module, rank: int) -> int:
 
 def plan_lora_training(
     model: nn.Module, devices: dict[int, int], seq_len: int = 4096, batch_size: int = 1, rank: int = 16,
-    offload: bool = False,
+    offload: bool = False, offload_activations: bool = False,
 ) -> LoraTrainingPlan:
     """Plan LoRA training of ``model`` (the causal LM, meta or not, in bf16) on ``devices`` (index → bytes, one rank
     each), micro-batches of ``batch_size`` × ``seq_len`` tokens per rank, adapters of rank ``rank``."""
     config = model.config.get_text_config()
     n = len(devices)
-    plan = LoraTrainingPlan(n, min(devices.values()), seq_len, batch_size, rank, offload)
+    plan = LoraTrainingPlan(n, min(devices.values()), seq_len, batch_size, rank, offload, offload_activations)
     units = _fsdp_units(model)
     sizes = {name: (_frozen_bytes(unit, f"{name}."), lora_parameters(unit, rank)) for name, unit in units.items()}
     total = _frozen_bytes(model)
@@ -167,9 +164,6 @@ def plan_lora_training(
     running = {name: size for name, size in sizes.items() if _runs_in_training(units[name])}
     plan.largest_unit, (frozen, adapted) = max(running.items(), key=lambda item: item[1][0] + 8 * item[1][1])
     plan.adapter_parameters = lora_parameters(model, rank)
-    tokens = seq_len * batch_size
-    layers = range(config.num_hidden_layers)
-    saved = max(layer_saved_bytes_per_token(config, i, seq_len) for i in layers) * tokens
     tables = sum(native_held_bytes(name, p) for name, p in model.named_parameters() if is_engram_table_tensor(name))
     plan.host_bytes["Engram tables"] = tables
     adapter_state = plan.adapter_parameters * _ADAPTER_BYTES_PER_PARAMETER
@@ -180,11 +174,35 @@ def plan_lora_training(
         plan.terms["adapters + grads + AdamW"] = adapter_state / n
     plan.terms["gathered units (one + prefetch)"] = 2 * (frozen + 4 * adapted) + 4 * adapted
     plan.terms["root weights (gathered all step)"] = total - sum(f for f, _ in sizes.values())
-    plan.terms["checkpointed layer inputs"] = checkpointed_input_bytes_per_token(config) * tokens * len(layers)
-    plan.terms["recomputed layer"] = saved
-    plan.terms["logits + loss"] = 3 * tokens * config.vocab_size * 4
+    peak = activation_peak(config, seq_len, batch_size, rank, offload_activations)
+    plan.peak_moment, plan.other_moment = peak.moment, peak.other
+    plan.terms["checkpointed layer inputs"] = peak.terms["checkpointed layer inputs"]
+    plan.terms["recomputed layer"] = peak.terms.get("recomputed layer", 0.0)
+    plan.terms["logits + loss"] = peak.terms.get("logits + loss", 0.0)
+    if offload_activations:
+        plan.host_bytes["checkpointed layer inputs (this rank)"] = peak.host_bytes
     plan.terms["reserve"] = RESERVE_BYTES
     return plan
+
+
+def longest_sequence(
+    model: nn.Module, devices: dict[int, int], batch_size: int = 1, rank: int = 16, offload: bool = False,
+    offload_activations: bool = False, step: int = 1024,
+) -> int:
+    """The longest sequence per device (a multiple of ``step`` tokens, at most the model's
+    ``max_position_embeddings``) whose :func:`plan_lora_training` fits; 0 if not even ``step`` tokens do."""
+    def fits(seq_len: int) -> bool:
+        return plan_lora_training(model, devices, seq_len, batch_size, rank, offload, offload_activations).fits
+
+    limit = model.config.get_text_config().max_position_embeddings // step
+    low, high = 0, 1  # low fits (or is 0), high is the next multiple to try
+    while high <= limit and fits(high * step):
+        low, high = high, 2 * high
+    high = min(high, limit + 1)
+    while high - low > 1:  # fits(low * step), not fits(high * step)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle * step) else (low, middle)
+    return low * step
 
 
 __all__ = [
@@ -193,9 +211,9 @@ __all__ = [
     "RESERVE_BYTES",
     "LoraTrainingPlan",
     "PerDeviceTotal",
-    "attended_slots",
     "checkpointed_input_bytes_per_token",
     "layer_saved_bytes_per_token",
+    "longest_sequence",
     "lora_parameters",
     "plan_lora_training",
 ]

@@ -115,7 +115,7 @@ def assert_mixed_optimizer_and_balancing(trainer, demo: Path, image_tokens: bool
 def test_printed_sft_on_chat_text_lowers_the_loss(untrained, tmp_path, monkeypatch):
     trainer, log = run_printed("dsv41-sft", untrained, tmp_path, monkeypatch)
     losses = [entry["loss"] for entry in log]
-    assert losses[-1] < 0.8 * losses[0], losses  # untrained: 6.2 -> 4.7 in our run (the demo's model: 5.9 -> 2.8)
+    assert losses[-1] < 0.8 * losses[0], losses  # untrained: 6.2 -> 4.7 in our run (the demo's model: 8.9 -> 2.9)
     assert_mixed_optimizer_and_balancing(trainer, untrained)
     row = trainer.train_dataset[0]  # labels: the assistant's reply and EOS (the template's generation markers)
     ids, labels = row["input_ids"], row["labels"]

@@ -15,8 +15,9 @@ handed to consumer layers through that step's :class:`~.attention.CompressedCont
 
 :class:`DeepseekV41StaticCache` holds the same state in buffers sized once (for ``max_cache_len`` columns) and
 updated in place, for ``generate(cache_implementation="static")`` and compiled decode steps. Both roll back over
-their last tokens once ``activate_past_recording()`` has made them keep what a rollback needs (the dynamic cache
-any number of tokens, the static one up to the ``max_rewind`` it was given, in its fixed buffers): all rows alike
+their last tokens once ``activate_past_recording()`` has made them keep what a rollback needs (any number of tokens,
+or up to a ``max_rewind`` given there: the static cache needs it for its fixed buffers, and DSpark gives it, so
+that the dynamic cache keeps a fixed amount rather than every token since): all rows alike
 (``crop``: transformers' assisted generation), or each row by its own count (``crop_rows``: DSpark speculative
 decoding, whose rows keep different numbers of drafted tokens).
 
@@ -122,6 +123,7 @@ class DeepseekV41LayerCache:
     def __init__(self, window: int, ratio: int):
         self.window, self.ratio = window, ratio
         self.record_past = False
+        self.max_rewind: int | None = None  # while recording: None keeps every token's state, else enough for this
         self.projections_kv: torch.Tensor | None = None
         self.projections_score: torch.Tensor | None = None
         self.window_kv: torch.Tensor | None = None
@@ -199,17 +201,20 @@ class DeepseekV41LayerCache:
     def is_croppable(self) -> bool:
         return self.record_past
 
-    def activate_past_recording(self) -> None:
-        """Keep what a :meth:`rewind` needs: every window K=V and open-group projection from now on."""
-        self.record_past = True
+    def activate_past_recording(self, max_rewind: int | None = None) -> None:
+        """Keep what a :meth:`rewind` needs from now on: every window K=V and open-group projection, or with
+        ``max_rewind`` M those of the last W + M and r + M tokens (a rewind of at most M tokens)."""
+        self.record_past, self.max_rewind = True, max_rewind
 
     def _window_width(self, available: int) -> int:
-        """Window columns kept of ``available``: W, or all while recording (the dynamic cache rewinds any number)."""
-        return available if self.record_past else self.window
+        """Window columns kept of ``available``: W; while recording, all of them or at most W + ``max_rewind``."""
+        if not self.record_past:
+            return self.window
+        return available if self.max_rewind is None else min(available, self.window + self.max_rewind)
 
     def _projection_width(self, available: int) -> int:
-        """Recorded projection columns kept of ``available`` (only while recording): all."""
-        return available
+        """Recorded projection columns kept of ``available`` (only while recording): all, or at most r + M."""
+        return available if self.max_rewind is None else min(available, self.ratio + self.max_rewind)
 
     def record_prefill_projections(self, kv: torch.Tensor, score: torch.Tensor, lengths: torch.Tensor) -> None:
         """While recording: the projections [B, S, D] of a full pass's tokens, ``lengths[b]`` real in row b."""
@@ -340,15 +345,22 @@ class DeepseekV41Cache(Cache):
         self.engram_history: torch.Tensor | None = None  # [B, max_ngram - 1] compressed ids, DEAD where none
         self.behind: torch.Tensor | None = None  # [B] columns each row holds fewer than the longest (crop_rows)
         self.record_past = False
+        self.max_rewind: int | None = None  # tokens a crop may remove while recording (None: any number)
+        self._undoable: tuple[int, int] = (0, 0)  # (tokens undoable, at this column count): see rewindable
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
     def activate_past_recording(self, max_rewind: int | None = None) -> None:
-        """Make :meth:`crop` possible from now on. This cache keeps every token's state, so it rolls back any
-        number of tokens; ``max_rewind`` (what the static cache needs to size its buffers) bounds nothing here."""
-        super().activate_past_recording()
-        self.record_past = True
+        """Make :meth:`crop` possible from now on: of any number of tokens (the cache then keeps every token's
+        state since), or with ``max_rewind`` of at most that many at a time (DSpark: a draft block and its first
+        token), keeping a fixed amount (the window's and open groups' last ``max_rewind`` tokens more)."""
+        if max_rewind is not None and max_rewind < 1:
+            raise ValueError(f"max_rewind must be a positive number of tokens, got {max_rewind}")
+        for layer in self.layers:
+            layer.activate_past_recording(max_rewind)
+        self.record_past, self.max_rewind = True, max_rewind
+        self._undoable = (0, self.get_seq_length())
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` columns (transformers' convention: a negative count), decoded since
@@ -366,10 +378,18 @@ class DeepseekV41Cache(Cache):
         :meth:`activate_past_recording`: speculative decoding keeps a different number of each row's drafted tokens,
         so that rows advance by their own accepted lengths. ``get_seq_length()`` then counts the columns of the row
         holding most."""
+        if not self.record_past:
+            raise ValueError("a DeepSeek-V4.1 cache can be cropped only after activate_past_recording()")
         tokens = tokens.to(self.lengths.device)
         lengths = self.lengths - tokens
         if bool(((tokens < 0) | (lengths < 0)).any()):
             raise ValueError(f"cannot remove {_count(tokens)} tokens from rows holding {self.lengths.tolist()} real tokens")
+        most, rewindable = int(tokens.max()), self.rewindable
+        if most > rewindable:  # (without a max_rewind, each layer says what it did not record)
+            raise ValueError(
+                f"cannot remove {most} tokens: the cache can undo only its newest {rewindable} now "
+                f"(activate_past_recording(max_rewind={self.max_rewind}))"
+            )
         for layer in self.layers:
             layer.rewind(tokens, lengths)
         if self.engram_history is not None:
@@ -379,6 +399,18 @@ class DeepseekV41Cache(Cache):
         caught_up = int(behind.min())  # columns the longest row lost
         self.behind = behind - caught_up
         self._count_columns(-caught_up)
+        if self.max_rewind is not None:
+            self._undoable = (rewindable - most, self.get_seq_length())  # what every row can still undo
+
+    @property
+    def rewindable(self) -> int:
+        """The tokens every row can undo now: with a ``max_rewind``, that at most, less what crops took, plus the
+        columns forwarded since (counted from the column count, so that a forward, compiled, updates no Python
+        state); without, any number (each layer refuses what it did not record)."""
+        if self.max_rewind is None:
+            return self.get_seq_length()
+        undoable, at = self._undoable
+        return min(self.max_rewind, undoable + self.get_seq_length() - at)
 
     def _rewind_engram_history(self, tokens: torch.Tensor) -> None:
         history = self.engram_history
@@ -440,8 +472,11 @@ class DeepseekV41Cache(Cache):
         self._store("engram_history", gather_rows(sequence, start.unsqueeze(1) + torch.arange(keep, device=compressed.device), DEAD))
 
     def _engram_width(self, size: int, available: int) -> int:
-        """Compressed ids kept of ``available``: every one while recording, else the ``size`` the next call reads."""
-        return available if self.record_past else size
+        """Compressed ids kept of ``available``: the ``size`` the next call reads; while recording, every one or at
+        most ``max_rewind`` more."""
+        if not self.record_past:
+            return size
+        return available if self.max_rewind is None else min(available, size + self.max_rewind)
 
     def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in ("lengths", "engram_history"):
@@ -457,6 +492,12 @@ class DeepseekV41Cache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self._map_rows(lambda t: t[indices])
+        if self.behind is not None and self.behind.numel():  # the longest row kept holds every column counted
+            caught_up = int(self.behind.min())
+            self.behind = self.behind - caught_up
+            self._count_columns(-caught_up)
+            undoable, at = self._undoable
+            self._undoable = (undoable, at - caught_up)  # the rows kept can undo what they could
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
@@ -465,6 +506,7 @@ class DeepseekV41Cache(Cache):
     def reset(self) -> None:
         super().reset()
         self.seen_tokens, self.lengths, self.engram_history, self.behind = 0, None, None, None
+        self._undoable = (0, 0)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, summed over layers per kind of state (``window_kv``, ``compressed_kv``, …, ``engram``)."""
@@ -508,11 +550,6 @@ class DeepseekV41StaticLayerCache(DeepseekV41LayerCache):
     def __init__(self, window: int, ratio: int, max_cache_len: int):
         super().__init__(window, ratio)
         self.max_rows = max_cache_len // ratio if ratio else 0
-        self.max_rewind = 0
-
-    def activate_past_recording(self, max_rewind: int) -> None:
-        """Keep what rewinding up to ``max_rewind`` tokens needs (in buffers of fixed size)."""
-        self.record_past, self.max_rewind = True, max_rewind
 
     def _window_width(self, available: int) -> int:
         return self.window + self.max_rewind if self.record_past else self.window
@@ -521,7 +558,7 @@ class DeepseekV41StaticLayerCache(DeepseekV41LayerCache):
         return self.ratio + self.max_rewind
 
     def _check_rewind(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-        pass  # the cache counts what its fixed buffers can still undo (DeepseekV41StaticCache.crop_rows)
+        pass  # the cache counts what its fixed buffers can still undo (DeepseekV41Cache.rewindable)
 
     def _without_newest(self, value: torch.Tensor, tokens: torch.Tensor, min_width: int) -> torch.Tensor:
         return shift_right(value, tokens, value.shape[1])  # fixed width: each row shifted right in place
@@ -577,7 +614,7 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         )
         self.max_cache_len = max_cache_len
         self.record_past = False
-        self.max_rewind = 0  # tokens a crop may remove while recording (see activate_past_recording)
+        self.max_rewind: int | None = None  # tokens a crop may remove while recording (see activate_past_recording)
         self._undoable: tuple[int, int] = (0, 0)  # (tokens undoable, at this column count): see rewindable
         self.seen: torch.Tensor | None = None  # 0-d long: columns consumed
         self.behind: torch.Tensor | None = None
@@ -597,33 +634,7 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
             )
         if not self._empty:
             raise ValueError("activate the static cache's past recording before the prefill (it sizes the buffers)")
-        for layer in self.layers:
-            layer.activate_past_recording(max_rewind)
-        self.record_past, self.max_rewind = True, max_rewind
-
-    def crop_rows(self, tokens: torch.Tensor) -> None:
-        """As :meth:`DeepseekV41Cache.crop_rows` (and so :meth:`~DeepseekV41Cache.crop`), in place, for at most the
-        newest tokens the fixed buffers still hold the state before (``max_rewind``, less what earlier crops since
-        then took)."""
-        if not self.record_past:
-            raise ValueError("the static cache can be cropped only after activate_past_recording(max_rewind)")
-        most, rewindable = int(tokens.max()), self.rewindable
-        if most > rewindable:
-            raise ValueError(
-                f"cannot remove {most} tokens: the static cache can undo only its newest {rewindable} now "
-                f"(activate_past_recording(max_rewind={self.max_rewind}))"
-            )
-        super().crop_rows(tokens)
-        self._undoable = (rewindable - most, int(self.seen))  # what every row can still undo
-
-    @property
-    def rewindable(self) -> int:
-        """Tokens the buffers can undo now: ``max_rewind`` at most, less what crops took, plus the columns forwarded
-        since (counted from ``seen`` here, so that a forward, compiled, updates no Python state)."""
-        if self._empty:
-            return 0
-        undoable, at = self._undoable
-        return min(self.max_rewind, undoable + int(self.seen) - at)
+        super().activate_past_recording(max_rewind)
 
     def _rewind_engram_history(self, tokens: torch.Tensor) -> None:
         self._store("engram_history", shift_right(self.engram_history, tokens, self.engram_history.shape[1], DEAD))
@@ -715,6 +726,11 @@ class DeepseekV41DSparkCache:
         if block == len(self.rings) - 1:
             written = (newest.squeeze(1) + 1).clamp_min(0)
             self.lengths = written if self.lengths is None else torch.maximum(self.lengths, written)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (rows that are done leave a speculative batch)."""
+        self.rings = [None if ring is None else ring[indices] for ring in self.rings]
+        self.lengths = None if self.lengths is None else self.lengths[indices]
 
 
 __all__ = [

@@ -55,31 +55,31 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
     @torch.no_grad()
     def get_candidates(
         self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], model_outputs, is_first_iteration: bool,
-        n_last_matches: torch.Tensor, lengths: torch.Tensor, **kwargs,
+        n_last_matches: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
-        """One draft block per row.
+        """One draft block for each of the batch's ``rows`` [R] (those the last forward and the rings hold).
 
         input_ids [B, T]: each row's sequence in its first ``lengths[b]`` columns (prompt columns shared, the last
-        one the main model's newest token, not yet forwarded). ``n_last_matches`` [B]: the main positions each row
-        kept of the last forward (all real prompt positions after the prefill; 0 for a row that is done).
+        one the main model's newest token, not yet forwarded). ``n_last_matches`` [R]: the main positions each of
+        the rows kept of the last forward (all real prompt positions after the prefill; 0 for a row that is done).
 
-        Returns the block [B, nb], its processed logits [B, nb, V] and each row's confident length [B] (``nb``
+        Returns the block [R, nb], its processed logits [R, nb, V] and each row's confident length [R] (``nb``
         without a threshold); on the first iteration (the main model's prefill comes first: the draft needs its
         taps) nothing."""
         if is_first_iteration:
-            return input_ids[:, :0], None, lengths.new_zeros(lengths.shape)
+            return input_ids[rows, :0], None, lengths.new_zeros(rows.shape)
         taps = model_outputs.dspark_hidden_states
         if taps is None:
             raise ValueError("the main model's outputs carry no dspark_hidden_states: was it called with the overrides?")
         self._write_accepted(taps, model_kwargs.get("attention_mask"), n_last_matches)
         sequence = _with_columns(input_ids, lengths, input_ids.new_zeros(input_ids.shape[0], self.head.block_size))
-        first = sequence.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+        first = sequence[rows].gather(1, (lengths[rows] - 1).unsqueeze(1)).squeeze(1)
         processed: list[torch.Tensor] = []
         ids, _, confidence = self.head.draft(
             self.rings, first, self.rings.lengths - 1, self.model.model.embed, self.model.lm_head,
-            choose=self._chooser(sequence, lengths, processed),
+            choose=self._chooser(sequence, lengths, rows, processed),
         )
-        confident = torch.full_like(lengths, self.head.block_size)
+        confident = torch.full_like(first, self.head.block_size)
         if self.threshold is not None:  # each row's draft up to (not including) its first unconfident token
             confident = (torch.sigmoid(confidence) >= self.threshold).long().cumprod(dim=1).sum(dim=1)
         return ids[:, 1:], torch.stack(processed, dim=1), confident
@@ -98,17 +98,19 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         positions = self.rings.lengths.unsqueeze(1) + column
         self.head.write_ring(self.rings, taps, positions, column < kept.unsqueeze(1))
 
-    def _chooser(self, sequence: torch.LongTensor, lengths: torch.Tensor, processed: list[torch.Tensor]):
-        """The token choice for each draft column: the logits processors on each row's sequence drafted so far (as
-        the main model's logits are processed), then argmax or a sample, written into ``sequence``; the processed
-        logits are appended to ``processed`` (the acceptance rule compares the main model's against them)."""
-        rows = torch.arange(sequence.shape[0], device=sequence.device)
+    def _chooser(
+        self, sequence: torch.LongTensor, lengths: torch.Tensor, rows: torch.Tensor, processed: list[torch.Tensor]
+    ):
+        """The token choice for each draft column of ``rows``: the logits processors on each row's sequence drafted
+        so far (as the main model's logits are processed), then argmax or a sample, written into ``sequence``; the
+        processed logits are appended to ``processed`` (the acceptance rule compares the main model's against
+        them)."""
 
         def choose(logits: torch.Tensor, column: int) -> torch.Tensor:
-            logits = process_columns(self.logits_processor, sequence, lengths + column, logits.unsqueeze(1))[:, 0]
+            logits = process_rows(self.logits_processor, sequence, lengths + column, logits.unsqueeze(1), rows)[:, 0]
             processed.append(logits)
             token = _choose(logits, self.do_sample)
-            sequence[rows, lengths + column] = token
+            sequence[rows, lengths[rows] + column] = token
             return token
 
         return choose
@@ -119,6 +121,13 @@ def _choose(logits: torch.Tensor, do_sample: bool) -> torch.Tensor:
     if do_sample:
         return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(1)
     return logits.argmax(dim=-1)
+
+
+def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """values [R, ...] of the batch's ``rows`` [R] → [batch, ...], zeros in the other rows."""
+    out = values.new_zeros(batch, *values.shape[1:])
+    out[rows] = values
+    return out
 
 
 def _with_columns(sequences: torch.Tensor, lengths: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -151,6 +160,19 @@ def process_columns(
         scores = logits_processor(sequences[:, :length], scores)
         out[rows, column[rows]] = scores[rows]
     return out
+
+
+def process_rows(
+    logits_processor, sequences: torch.Tensor, starts: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """:func:`process_columns` for logits [R, n, V] of the batch's ``rows`` [R] only (``sequences`` [B, T] and
+    ``starts`` [B]: the whole batch's). The processors still see the whole batch, as plain decoding calls them (a
+    processor may keep per-row state or read a row's index); the other rows' logits are zeros there, and dropped."""
+    if logits_processor is None or len(logits_processor) == 0:
+        return logits.float()
+    full = logits.new_zeros(sequences.shape[0], *logits.shape[1:])
+    full[rows] = logits
+    return process_columns(logits_processor, sequences, starts, full)[rows]
 
 
 def accept_greedy(
@@ -302,6 +324,9 @@ def dspark_decoding(
         if model._valid_auto_compile_criteria(model_kwargs, generation_config) else model.__call__
     )
     rows = _Rows(input_ids, stopping_criteria, generation_config, streamer, extra=block + 1)
+    # the batch's rows that the cache, the draft head's rings and the forwards hold: a row that is done leaves them
+    # (with the dynamic cache; the static one keeps its shapes, so that one compiled graph serves every step)
+    live = torch.arange(input_ids.shape[0], device=input_ids.device)
 
     model_inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
     outputs = model(**model_inputs, output_dspark_hidden_states=True, return_dict=True)
@@ -312,23 +337,29 @@ def dspark_decoding(
     while not bool(done.all()):
         draft, draft_logits, confident = generator.get_candidates(
             rows.sequences, model_kwargs=model_kwargs, model_outputs=outputs, is_first_iteration=False,
-            n_last_matches=kept, lengths=rows.lengths,
+            n_last_matches=kept, lengths=rows.lengths, rows=live,
         )
+        if not fixed_shape and bool(done[live].any()):
+            going_on = (~done[live]).nonzero().squeeze(1)
+            cache.batch_select_indices(going_on)
+            generator.rings.batch_select_indices(going_on)
+            live, draft, draft_logits, confident = (t[going_on] for t in (live, draft, draft_logits, confident))
+        lengths, live_done = rows.lengths[live], done[live]
         # each row keeps at most what it is still to decode after the main model's own next token
-        limit = torch.minimum(confident, rows.max_length - rows.lengths - 1).clamp_min(0).masked_fill(done, 0)
+        limit = torch.minimum(confident, rows.max_length - lengths - 1).clamp_min(0).masked_fill(live_done, 0)
         length = block if fixed_shape else int(limit.max())
         draft, draft_logits = draft[:, :length], draft_logits[:, :length]
-        outputs = model_forward(input_ids=torch.cat([rows.last_tokens().unsqueeze(1), draft], dim=1), cache=cache,
-                                output_dspark_hidden_states=True, return_dict=True)
-        candidates = _with_columns(rows.sequences, rows.lengths, draft)
-        target = process_columns(logits_processor, candidates, rows.lengths, outputs.logits)
+        outputs = model_forward(input_ids=torch.cat([rows.last_tokens()[live].unsqueeze(1), draft], dim=1),
+                                cache=cache, output_dspark_hidden_states=True, return_dict=True)
+        candidates = _with_columns(rows.sequences, rows.lengths, _scatter_rows(draft, live, rows.lengths.shape[0]))
+        target = process_rows(logits_processor, candidates, rows.lengths, outputs.logits, live)
         if length == 0:
             tokens, accepted = _choose(target[:, 0], do_sample).unsqueeze(1), torch.zeros_like(limit)
         else:
             tokens, accepted = accept(draft, draft_logits, target, limit) if do_sample else accept(draft, target, limit)
-        kept = (accepted + 1).masked_fill(done, 0)
+        kept = (accepted + 1).masked_fill(live_done, 0)
         cache.crop_rows(length + 1 - kept)
-        rows.append(tokens, kept)
+        rows.append(_scatter_rows(tokens, live, len(done)), _scatter_rows(kept, live, len(done)))
         done = rows.done()
     if streamer is not None:
         streamer.end()

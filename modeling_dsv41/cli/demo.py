@@ -342,18 +342,25 @@ def dspark_speed(model: DeepseekV41ForCausalLM, processor: DeepseekV41Processor,
 
 
 def _row_verifications(model: DeepseekV41ForCausalLM, inputs: dict, greedy: dict) -> int:
-    """Verification forwards summed over the rows that took part in them still decoding (a row that is done stays in
-    the batch but keeps nothing): from the decode cache's per-row lengths before each forward and after the last."""
-    cache, lengths = DeepseekV41Cache(model.config), []
+    """Verification forwards summed over the rows in them that kept tokens (a row that is done leaves the batch):
+    from each forward's width and what the decode cache's per-row rollback after it removed."""
+    cache, widths, rows = DeepseekV41Cache(model.config), [], []
+    crop_rows = cache.crop_rows
+
+    def count_rows(tokens: torch.Tensor) -> None:
+        rows.append(int((widths[-1] - tokens > 0).sum()))
+        crop_rows(tokens)
+
+    cache.crop_rows = count_rows
     hook = model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: lengths.append(cache.lengths.clone()) if cache.lengths is not None else None,
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]) if "input_ids" in kwargs else None,
         with_kwargs=True,
     )
     try:
         model.generate(**inputs, use_mtp=True, cache=cache, **greedy)
     finally:
         hook.remove()
-    return int((torch.stack(lengths + [cache.lengths]).diff(dim=0) > 0).sum())
+    return sum(rows)
 
 
 def train_draft_head(

@@ -332,7 +332,8 @@ class DeepseekV41Cache(Cache):
     batch repeat/select are supported, and so are ``crop`` (assisted generation) and ``crop_rows`` (per row) of
     tokens decoded after ``activate_past_recording()``: while recording, the cache also keeps every window K=V,
     open-group projection and Engram id since then (memory growing with the decoded tokens, as a per-token cache
-    does). After ``crop_rows`` the rows hold different column counts: ``get_seq_length()`` is the longest row's.
+    does), or with a ``max_rewind`` M the last M more of each. After ``crop_rows`` the rows hold different column
+    counts: ``get_seq_length()`` is the longest row's.
     """
 
     def __init__(self, config):

@@ -14,7 +14,9 @@ speculative-sampling rule, so the main model's distribution is kept), and the ma
 rejected tokens (:meth:`~.cache.DeepseekV41Cache.crop_rows`): rows fall out of step, each at its own position.
 The stopping criteria see each new column of a row as plain decoding would (the sequences up to it), and the
 streamer gets the columns in order once every row has decoded them. A row that is done (finished, or as long as
-plain decoding would make it) still sits in the batch's forwards, and drops what they add.
+plain decoding would make it) leaves the dynamic cache, the rings and the later forwards (the logits processors and
+stopping criteria still see the whole batch, as plain decoding calls them); with the static cache it stays in the
+forwards, so that the shapes never change, and drops what they add.
 
 ``dspark_confidence_threshold`` (a generation-config attribute, or a ``generate`` argument) cuts each row's draft
 before its first token whose confidence-head probability is below it.

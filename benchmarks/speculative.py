@@ -219,15 +219,17 @@ def accepted_per_verification(kept: list[torch.Tensor], decoded: int, batch: int
 @contextmanager
 def time_split(model, clock):
     """Seconds spent in the prefill, the verification forwards, the draft passes, the ring writes and the cache's
-    rollbacks of one generate call (``split["total"]`` is set by the caller)."""
+    rollbacks of the generate calls inside (``split["total"]`` is set by the caller)."""
     split: dict[str, float] = defaultdict(float)
     start = {}
 
     def before(module, args, kwargs):
+        cache = kwargs.get("cache")
+        start["kind"] = "prefill" if cache is None or cache.is_empty else "verification forwards"
         start["forward"] = clock()
 
     def after(module, args, kwargs, output):
-        split["verification forwards" if "prefill" in split else "prefill"] += clock() - start["forward"]
+        split[start["kind"]] += clock() - start["forward"]
 
     def timing(name):
         def wrap(fn):

@@ -112,7 +112,7 @@ def train_head(model, steps: int, device: str, vocab: int, sequences: int = 32) 
                                for chunk in prompts.split(64)])
     with tempfile.TemporaryDirectory() as out:
         # 3e-2: of 3e-3, 1e-2, 3e-2 and 1e-1 (which diverged) over 400 steps on 512 continuations, the most tokens
-        # accepted per verification on the benchmark's prompts (1.44, 1.53, 1.65)
+        # accepted per verification on the benchmark's 72 prompts (1.44, 1.53, 1.65; docs/benchmarks.md)
         args = DeepseekV41TrainingArguments(
             output_dir=out, train_dspark_head=True, max_steps=steps, per_device_train_batch_size=8,
             learning_rate=3e-2, report_to=[], save_strategy="no", logging_steps=max(steps // 4, 1),

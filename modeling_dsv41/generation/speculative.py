@@ -341,7 +341,7 @@ def dspark_decoding(
             rows.sequences, model_kwargs=model_kwargs, model_outputs=outputs, is_first_iteration=False,
             n_last_matches=kept, lengths=rows.lengths, rows=live,
         )
-        if not fixed_shape and bool(done[live].any()):
+        if not fixed_shape and bool(done[live].any()):  # (after the rings took the last forward's accepted taps)
             going_on = (~done[live]).nonzero().squeeze(1)
             cache.batch_select_indices(going_on)
             generator.rings.batch_select_indices(going_on)

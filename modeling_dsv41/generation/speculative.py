@@ -56,9 +56,9 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
 
     @torch.no_grad()
     def get_candidates(
-        self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], model_outputs, is_first_iteration: bool,
-        n_last_matches: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor, **kwargs,
-    ) -> tuple[torch.LongTensor, torch.Tensor | None, torch.Tensor]:
+        self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], model_outputs, n_last_matches: torch.Tensor,
+        lengths: torch.Tensor, rows: torch.Tensor,
+    ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]:
         """One draft block for each of the batch's ``rows`` [R] (those the last forward and the rings hold).
 
         input_ids [B, T]: each row's sequence in its first ``lengths[b]`` columns (prompt columns shared, the last
@@ -66,10 +66,7 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         the rows kept of the last forward (all real prompt positions after the prefill; 0 for a row that is done).
 
         Returns the block [R, nb], its processed logits [R, nb, V] and each row's confident length [R] (``nb``
-        without a threshold); on the first iteration (the main model's prefill comes first: the draft needs its
-        taps) nothing."""
-        if is_first_iteration:
-            return input_ids[rows, :0], None, lengths.new_zeros(rows.shape)
+        without a threshold). The main model's prefill comes first: the draft needs its taps."""
         taps = model_outputs.dspark_hidden_states
         if taps is None:
             raise ValueError("the main model's outputs carry no dspark_hidden_states: was it called with the overrides?")
@@ -338,8 +335,8 @@ def dspark_decoding(
     done = rows.done()
     while not bool(done.all()):
         draft, draft_logits, confident = generator.get_candidates(
-            rows.sequences, model_kwargs=model_kwargs, model_outputs=outputs, is_first_iteration=False,
-            n_last_matches=kept, lengths=rows.lengths, rows=live,
+            rows.sequences, model_kwargs=model_kwargs, model_outputs=outputs, n_last_matches=kept, lengths=rows.lengths,
+            rows=live,
         )
         if not fixed_shape and bool(done[live].any()):  # (after the rings took the last forward's accepted taps)
             going_on = (~done[live]).nonzero().squeeze(1)

@@ -25,7 +25,9 @@ a row decodes, up to its EOS, per verification forward it takes part in still de
 are plain greedy's (they must be); for the per-row decoding, where its time goes (prefill, verification forwards,
 draft passes, the draft head's ring writes, the cache's per-row rollbacks, the rest: acceptance, logits processors,
 stopping criteria, bookkeeping), from the last repetition; and, with batch 1 among the sizes, per row's accepted
-tokens per verification at each batch against batch 1's (the same prompts one at a time).
+tokens per verification at each batch against batch 1's (the same prompts one at a time). Before the timing, for tiny
+and medium: the head's accuracy on the benchmark prompts' greedy continuations (which it was not trained on) and how
+sharp the backbone's next-token distribution is there (what bounds the acceptance; docs/benchmarks.md).
 
 Usage: ``python benchmarks/speculative.py [--size tiny|medium|demo] [--demo-dir DIR] [--device cpu|cuda]
 [--dtype float32|bfloat16] [--batch 1,8,72] [--prompts N] [--new-tokens 64] [--block-size 5] [--stages 2] [--train-steps 200]
@@ -121,6 +123,22 @@ def train_head(model, steps: int, device: str, vocab: int, sequences: int = 32) 
         DeepseekV41Trainer(model=model, args=args, train_dataset=Sequences(sequences)).train()
     with torch.no_grad():
         print(f"draft head accuracy on its training sequences: {float(model.dspark_loss(sequences.to(device)).accuracy):.3f}")
+
+
+@torch.no_grad()
+def report_held_out(model, prompts: torch.Tensor, new_tokens: int) -> None:
+    """The draft head's accuracy on the benchmark prompts' greedy continuations (prompts it was not trained on), and
+    how sharp the backbone's next-token distribution is there: a draft must reproduce the backbone's argmax, which a
+    random backbone decides by small logit margins."""
+    sequences = model.generate(prompts, max_new_tokens=new_tokens, do_sample=False)
+    if model.config.has_vision:  # a full forward refuses the image placeholder without an image: leave those rows out
+        sequences = sequences[~(sequences == model.config.image_token_id).any(dim=1)]
+    logits = model(sequences).logits[:, prompts.shape[1] - 1 : -1].float()
+    top2 = logits.topk(2, dim=-1).values
+    print(f"draft head accuracy on {len(sequences)} benchmark prompts' continuations: {float(model.dspark_loss(sequences).accuracy):.3f}; "
+          f"the backbone there: mean top-1 probability {float(logits.softmax(-1).amax(-1).mean()):.4f} "
+          f"(uniform {1 / logits.shape[-1]:.4f}), median top-1 - top-2 logit gap "
+          f"{float((top2[..., 0] - top2[..., 1]).median()):.3f} (logits' standard deviation {float(logits.std(-1).mean()):.3f})")
 
 
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
@@ -342,6 +360,8 @@ def main() -> None:
         train_head(model, args.train_steps, args.device, vocab, args.train_sequences)
         prompts = torch.randint(3, min(vocab, 500), (n_prompts, 8), generator=torch.Generator().manual_seed(2))
     model = model.eval().to(args.device).to(getattr(torch, args.dtype))
+    if args.size != "demo":
+        report_held_out(model, prompts.to(args.device), args.new_tokens)
 
     def prompt_inputs(start: int, stop: int) -> dict[str, torch.Tensor]:
         inputs = demo_inputs(start, stop) if args.size == "demo" else {"input_ids": prompts[start:stop]}

@@ -169,8 +169,7 @@ def process_rows(
     processor may keep per-row state or read a row's index); the other rows' logits are zeros there, and dropped."""
     if logits_processor is None or len(logits_processor) == 0:
         return logits.float()
-    full = logits.new_zeros(sequences.shape[0], *logits.shape[1:])
-    full[rows] = logits
+    full = _scatter_rows(logits, rows, sequences.shape[0])
     return process_columns(logits_processor, sequences, starts, full)[rows]
 
 

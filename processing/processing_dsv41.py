@@ -121,10 +121,13 @@ class DeepseekV41Processor(ProcessorMixin):
         return torch.tensor(all_types, dtype=torch.int64) if isinstance(input_ids, torch.Tensor) else all_types
 
     def _get_num_multimodal_tokens(self, image_sizes: list[list[int]] | None = None, **kwargs: Any) -> MultiModalData:
-        """Span lengths and patch counts for images of these (height, width) sizes, without the images."""
+        """Span lengths and patch counts for images of these (height, width) sizes, without the images: what a call
+        with the same image settings (flat, as ``min_pixels=``, or nested, as ``images_kwargs={...}``) gives."""
         if image_sizes is None:
             return MultiModalData()
-        plans = [self.image_processor.plan(height, width, **kwargs) for height, width in image_sizes]
+        settings = {key: value for key, value in kwargs.items() if key in self.image_processor.valid_kwargs.__annotations__}
+        settings.update(kwargs.get("images_kwargs") or {})
+        plans = [self.image_processor.plan(height, width, **settings) for height, width in image_sizes]
         return MultiModalData(
             num_image_tokens=[plan.num_positions for plan in plans],
             num_image_patches=[plan.num_patches for plan in plans],

@@ -52,8 +52,9 @@ def preference_pairs(n: int) -> Dataset:
 
 def main(argv: list[str] | None = None) -> DPOTrainer:
     parser = HfArgumentParser((ScriptArguments, DPOConfig))
+    # activation_checkpointing: TRL's default (its configs set the name transformers 5.25 deprecates)
     parser.set_defaults(report_to="none", max_length=64, learning_rate=1e-2, logging_steps=1,
-                        use_cpu=not torch.accelerator.is_available())
+                        use_cpu=not torch.accelerator.is_available(), activation_checkpointing=True)
     script, args = parser.parse_args_into_dataclasses(argv)
     model = AutoModelForCausalLM.from_pretrained(script.model)
     freeze_default_parameters(model)  # the indexer: its top-k passes no gradient

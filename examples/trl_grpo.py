@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> GRPOTrainer:
     parser.set_defaults(
         report_to="none", max_completion_length=8, num_generations=8, per_device_train_batch_size=32, temperature=2.0,
         learning_rate=3e-3, logging_steps=1, use_cpu=not torch.accelerator.is_available(),
+        activation_checkpointing=True,  # TRL's default (its configs set the name transformers 5.25 deprecates)
     )
     script, args = parser.parse_args_into_dataclasses(argv)
     model = AutoModelForCausalLM.from_pretrained(script.model)

@@ -73,8 +73,9 @@ def image_conversations(n: int) -> Dataset:
 
 def main(argv: list[str] | None = None) -> SFTTrainer:
     parser = HfArgumentParser((ScriptArguments, SFTConfig))
+    # activation_checkpointing: TRL's default (its configs set the name transformers 5.25 deprecates)
     parser.set_defaults(report_to="none", max_length=128, learning_rate=1e-2, logging_steps=1,
-                        use_cpu=not torch.accelerator.is_available())
+                        use_cpu=not torch.accelerator.is_available(), activation_checkpointing=True)
     script, args = parser.parse_args_into_dataclasses(argv)
     model = AutoModelForImageTextToText.from_pretrained(script.model)
     processor = AutoProcessor.from_pretrained(script.model)

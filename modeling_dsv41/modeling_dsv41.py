@@ -65,7 +65,7 @@ from .placement import (
     place_loaded_engram_tables,
     requested_table_placement,
 )
-from .released.conversions import NOT_LOADED, NOT_LOADED_WITHOUT_DSPARK, register_layout_conversions
+from .released.conversions import NOT_LOADED, NOT_LOADED_WITHOUT_DSPARK, in_our_layout, register_layout_conversions
 from .released.loading import finish_checkpoint_load, loads_natively, prepare_checkpoint_load, released_storage_loading
 from .released.reading import hub_arguments
 from .residual_stream import ResidualStream
@@ -330,6 +330,11 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             save_remote_code(save_directory, {("config.json", None): model_auto_map(self)})
         if push is not None:
             push_saved_folder(save_directory, **push)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """:meth:`torch.nn.Module.load_state_dict`, taking a state dict in the released layout too (what
+        ``save_pretrained`` writes by default, and what transformers' ``Trainer`` reads back this way to resume)."""
+        return super().load_state_dict(in_our_layout(state_dict, set(self.state_dict())), strict, assign)
 
     def _get_dtype_plan(self, dtype: torch.dtype) -> dict:
         plan = super()._get_dtype_plan(dtype)

@@ -336,9 +336,9 @@ def plan_parallel(
     whose rules win for the experts), sized by the released storage when ``native``. The sizes are checked as
     loading checks them (:func:`~modeling_dsv41.parallel.check_parallel_load`: whole scale blocks, whole experts)."""
     from transformers.distributed import DistributedConfig
-    from transformers.distributed.parallel_utils import _get_parameter_plan
 
     from .parallel import check_parallel_load
+    from .upstream import _get_parameter_plan
 
     check_parallel_load(model.config, DistributedConfig(tp_size=tp_size, ep_size=ep_size), native=False, released=native)
     rules = [(ep_size, model.ep_plan if ep_size > 1 else {}), (tp_size, model.tp_plan if tp_size > 1 else {})]

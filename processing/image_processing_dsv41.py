@@ -567,11 +567,9 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         settings = {key: overrides.get(key, getattr(self, key)) for key in _PLAN_KEYS}
         return plan_image_grid(height, width, **settings)
 
-    def _merge_and_standardize_kwargs(self, **kwargs: Any) -> dict:
-        """A call's settings over this processor's; a call's ``size`` is its ``min_pixels``."""
-        kwargs = super()._merge_and_standardize_kwargs(**_size_as_min_pixels(kwargs))
-        kwargs["size"] = {"shortest_edge": kwargs["min_pixels"]}
-        return kwargs
+    def preprocess(self, images: Any, *args: Any, **kwargs: Any) -> BatchFeature:
+        """:meth:`BaseImageProcessor.preprocess`; a call's ``size`` is its ``min_pixels``."""
+        return super().preprocess(images, *args, **_size_as_min_pixels(kwargs))
 
     def get_number_of_image_patches(self, height: int, width: int, images_kwargs: dict | None = None) -> int:
         """Patches of an image of this size, without the image (the hook vLLM-style callers use)."""
@@ -611,11 +609,8 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         image_mean: float | tuple[float, ...] | None = None,
         image_std: float | tuple[float, ...] | None = None,
         return_tensors: str | None = None,
-        size: dict[str, int] | None = None,
         **kwargs: Any,
     ) -> None:
-        if size is not None and dict(size) != {"shortest_edge": min_pixels}:
-            raise ValueError(f"size={dict(size)} must be {{'shortest_edge': min_pixels}} (min_pixels={min_pixels!r})")
         for name, value, least in (
             ("patch_size", patch_size, 1),
             ("downsample_ratio", downsample_ratio, 1),

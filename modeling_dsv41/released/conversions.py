@@ -23,12 +23,18 @@ and what transformers' reverse-mapping test checks; :func:`released_storage_conv
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
+from transformers.core_model_loading import (
+    ConversionOps,
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
 from transformers.distributed.utils import is_dtensor
 
 from .codec import RELEASED_BLOCK_SIZE, dequantize_released_weight, stored_scale
@@ -255,6 +261,43 @@ def released_storage_conversions() -> list[WeightRenaming | WeightConverter]:
     ]
 
 
+def released_sources(names: Iterable[str], conversions: list[WeightRenaming | WeightConverter]) -> dict[str, list[str]]:
+    """Our name → the released tensors (of ``names``) it is made of, by ``conversions``: one, or every expert's
+    ``w1`` then ``w3`` (or ``w2``) in expert order, in the order their first source comes in ``names``."""
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    outputs: dict[str, list[str]] = {}
+    for name in names:
+        target, _ = rename_source_key(name, renamings, converters)
+        outputs.setdefault(target, []).append(name)
+    for sources in outputs.values():
+        if len(sources) > 1:  # fused experts: weight pattern (w1 before w3), then expert index
+            sources.sort(key=lambda n: (n.rsplit(".", 2)[-2], dot_natural_key(n)))
+    return outputs
+
+
+def fuse_experts(sources: list[str], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The fused experts tensor of :func:`released_sources`' ``sources`` (as :class:`MergeReleasedExperts` fuses them:
+    each weight's experts stacked, the weights concatenated on dim 1)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for name in sources:
+        parts.setdefault(name.rsplit(".", 2)[-2], []).append(tensors[name])
+    return torch.cat([torch.stack(weights) for weights in parts.values()], dim=1)
+
+
+def in_our_layout(state_dict: Mapping[str, torch.Tensor], own: set[str]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with the keys it holds in the released layout (plain weights, what ``save_pretrained`` writes)
+    mapped onto ours, for a model whose keys are ``own`` (a base model's lack the ``model.`` prefix)."""
+    if own.issuperset(state_dict):
+        return dict(state_dict)
+    ours = {}
+    for target, sources in released_sources(state_dict, released_layout_conversions()).items():
+        if target not in own and target.startswith("model.") and target[len("model."):] in own:
+            target = target[len("model."):]
+        ours[target] = state_dict[sources[0]] if len(sources) == 1 else fuse_experts(sources, state_dict)
+    return ours
+
+
 def register_layout_conversions(model_type: str) -> None:
     """Register :func:`released_layout_conversions` for ``model_type`` with transformers' loading."""
     register_checkpoint_conversion_mapping(model_type, released_layout_conversions(), overwrite=True)
@@ -280,9 +323,12 @@ __all__ = [
     "RELEASED_WEIGHT",
     "SplitReleasedExperts",
     "check_whole_scale_blocks",
+    "fuse_experts",
+    "in_our_layout",
     "local_shape",
     "register_layout_conversions",
     "released_layout_conversions",
+    "released_sources",
     "released_storage_conversions",
     "storage_conversions_registered",
 ]

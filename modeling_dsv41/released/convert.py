@@ -22,12 +22,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from configuration import DeepseekV41Config
 
 from .codec import dequantize_released_weight
-from .conversions import NOT_LOADED, NOT_LOADED_WITHOUT_DSPARK, released_storage_conversions
+from .conversions import (
+    NOT_LOADED,
+    NOT_LOADED_WITHOUT_DSPARK,
+    fuse_experts,
+    released_sources,
+    released_storage_conversions,
+)
 
 # what the released checkpoint holds that our model does not load (with the DSpark draft head, and without)
 IGNORED_KEYS = re.compile("|".join(NOT_LOADED))
@@ -97,19 +102,8 @@ class _ReleasedCheckpoint:
         ]
 
     def outputs(self, names: list[str]) -> dict[str, list[str]]:
-        """Our name → the released tensors it is made of (one, or every expert's ``w1`` then ``w3`` / ``w2`` in
-        expert order), in the order their first source comes in ``names``."""
-        conversions = released_storage_conversions()
-        renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-        converters = [c for c in conversions if isinstance(c, WeightConverter)]
-        outputs: dict[str, list[str]] = {}
-        for name in names:
-            target, _ = rename_source_key(name, renamings, converters)
-            outputs.setdefault(target, []).append(name)
-        for target, sources in outputs.items():
-            if len(sources) > 1:  # fused experts: weight pattern (w1 before w3), then expert index
-                sources.sort(key=lambda n: (n.rsplit(".", 2)[-2], dot_natural_key(n)))
-        return outputs
+        """Our name → the released tensors it is made of (:func:`~.conversions.released_sources`)."""
+        return released_sources(names, released_storage_conversions())
 
     def output_bytes(self, names: list[str], dtype: torch.dtype) -> int:
         total = 0
@@ -126,10 +120,7 @@ class _ReleasedCheckpoint:
         :class:`~.conversions.MergeReleasedExperts` fuses them."""
         if len(sources) == 1 and ".ffn.experts." not in sources[0]:
             return self.converted(sources[0], dtype)
-        parts = {}
-        for name in sources:
-            parts.setdefault(name.rsplit(".", 2)[-2], []).append(self.converted(name, dtype))
-        return torch.cat([torch.stack(weights) for weights in parts.values()], dim=1)
+        return fuse_experts(sources, {name: self.converted(name, dtype) for name in sources})
 
     def converted(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """``name`` dequantized into ``dtype`` if it has a scale, else as stored."""
@@ -205,7 +196,8 @@ def convert_released_checkpoint(
         raise FileNotFoundError(f"no config.json in {source}")
     # our layout or DeepSeek's flat inference/config.json
     config = DeepseekV41Config.from_dict(json.loads((source / "config.json").read_text()))
-    config.released_storage = None  # the weights are no longer stored quantized
+    if hasattr(config, "quantization_config"):  # the weights are no longer stored quantized
+        del config.quantization_config
     with _ReleasedCheckpoint(source) as checkpoint:
         names = checkpoint.output_names(
             IGNORED_KEYS if config.text_config.has_dspark else IGNORED_KEYS_WITHOUT_DSPARK

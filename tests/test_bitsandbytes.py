@@ -12,6 +12,7 @@ from transformers import BitsAndBytesConfig
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41.bnb_experts import Bnb4bitExperts, Bnb8bitExperts, dequantized_experts
 from modeling_dsv41.released.writing import save_released_checkpoint
 from reference_fixture import stub_tokenizer
 
@@ -69,8 +70,9 @@ def test_quantized_load_keeps_high_precision_modules(checkpoint, kind):
     assert model.lm_head.weight.dtype == torch.float32
     assert backbone.layers[0].ffn.gate.weight.dtype == backbone.layers[0].attn_norm.weight.dtype == torch.bfloat16
     assert backbone.layers[0].engram.q_weight.dtype == torch.bfloat16
-    # the fused routed experts are 3-D parameters, not Linears: transformers' bnb integration leaves them in `dtype`
-    assert backbone.layers[0].ffn.experts.gate_up_proj.dtype == torch.bfloat16
+    # the fused routed experts (3-D parameters, not Linears) are quantized too, in every layer
+    experts_class = Bnb4bitExperts if kind == "4bit" else Bnb8bitExperts
+    assert all(type(layer.ffn.experts) is experts_class for layer in backbone.layers)
     assert set(model.config.quantization_config.llm_int8_skip_modules) >= {"lm_head", "model.layers.0.engram.wkv"}
 
     reference = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
@@ -80,18 +82,15 @@ def test_quantized_load_keeps_high_precision_modules(checkpoint, kind):
     assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > (0.95 if kind == "4bit" else 0.99)
 
 
-def test_released_checkpoint_quantizes_on_load(checkpoint, tmp_path):
-    """FP8/FP4 weights are dequantized first, then bnb quantizes the result."""
+def test_released_checkpoint_refuses_bitsandbytes(checkpoint, tmp_path):
+    """FP8 Linears and FP4 experts quantized again by bitsandbytes would only add error: refused, pointing to the
+    native load."""
     source = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
     save_released_checkpoint(source, tmp_path)
     stub_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    model = DeepseekV41ForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(**NF4),
-                                                   dtype=torch.bfloat16)
-    assert _linear_types(model)["model.layers.0.ffn.shared_experts.w1"] == "Linear4bit"
-    # the FP4 routed experts were dequantized and merged into the fused tensors
-    source_experts = source.model.layers[0].ffn.experts.gate_up_proj
-    assert model.model.layers[0].ffn.experts.gate_up_proj.shape == source_experts.shape
-    assert torch.isfinite(_logits(model, torch.randint(0, 500, (1, 8)))).all()
+    for config in (BitsAndBytesConfig(**NF4), BitsAndBytesConfig(load_in_8bit=True)):
+        with pytest.raises(ValueError, match="released storage.*without\\s+quantization_config.*loads natively"):
+            DeepseekV41ForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.bfloat16)
 
 
 def test_qlora_trains_on_cpu(checkpoint):
@@ -119,3 +118,96 @@ def test_qlora_trains_on_cpu(checkpoint):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+FORMATS = {
+    "nf4": dict(NF4),
+    "nf4-double": dict(NF4, bnb_4bit_use_double_quant=True),
+    "fp4": dict(NF4, bnb_4bit_quant_type="fp4"),
+    "fp4-double": dict(NF4, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+def _load(checkpoint, options: dict, **kwargs):
+    return DeepseekV41ForCausalLM.from_pretrained(
+        checkpoint, quantization_config=BitsAndBytesConfig(**options), dtype=torch.bfloat16, **kwargs
+    )
+
+
+def _with_dequantized_experts(model):
+    """``model`` with its bitsandbytes experts replaced (in place) by plain experts holding their dequantized weights
+    in the compute dtype: the reference the quantized experts must compute."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (Bnb4bitExperts, Bnb8bitExperts)):
+            model.set_submodule(name, dequantized_experts(module, torch.bfloat16))
+    return model
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_expert_is_quantized_on_its_own_as_bitsandbytes_quantizes_a_weight(checkpoint, fmt):
+    import bitsandbytes.functional as bnb_functional
+
+    model = _load(checkpoint, FORMATS[fmt])
+    dense = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    experts, original = model.model.layers[1].ffn.experts, dense.model.layers[1].ffn.experts
+    for name in ("gate_up_proj", "down_proj"):
+        weights = getattr(original, name).detach()
+        assert experts.weight_shape(name) == tuple(weights.shape)
+        for expert in range(experts.num_experts):
+            if fmt == "int8":  # Linear8bitLt's row-wise absmax int8, of the fp16 weight
+                codes, scb, _ = bnb_functional.int8_vectorwise_quant(weights[expert].half())
+                expected = bnb_functional.int8_vectorwise_dequant(codes, scb).to(torch.bfloat16)
+            else:  # bitsandbytes' own 4-bit round trip of this expert alone: one state per expert
+                options = FORMATS[fmt]
+                data, state = bnb_functional.quantize_4bit(
+                    weights[expert], blocksize=64, quant_type=options["bnb_4bit_quant_type"],
+                    compress_statistics=options.get("bnb_4bit_use_double_quant", False),
+                )
+                expected = bnb_functional.dequantize_4bit(data, state)
+            # elementwise dequantization, no GEMM: the same bits
+            assert torch.equal(experts.dequantize(name, expert, dtype=torch.bfloat16), expected), (name, expert)
+            rows = slice(3, 40)
+            assert torch.equal(experts.dequantize(name, expert, rows, torch.bfloat16), expected[rows])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantized_experts_compute_what_their_dequantized_weights_do(checkpoint, fmt):
+    model = _load(checkpoint, FORMATS[fmt])
+    experts = model.model.layers[0].ffn.experts
+    reference = dequantized_experts(experts, torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 64, generator=generator, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.randint(0, 4, (20, 2), generator=generator)
+    weights = torch.rand(20, 2, generator=generator, requires_grad=True)
+    ours, theirs = experts(x, index, weights), reference(x, index, weights)
+    # the same products on the same bf16 weights in the same order
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    grad = torch.randn_like(ours)
+    ours_grads = torch.autograd.grad(ours, (x, weights), grad)
+    theirs_grads = torch.autograd.grad(theirs, (x, weights), grad)
+    for a, b in zip(ours_grads, theirs_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["nf4-double", "int8"])
+def test_quantized_model_logits_and_log_line(checkpoint, fmt, caplog):
+    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"):
+        model = _load(checkpoint, FORMATS[fmt])
+    line = caplog.text
+    assert "bitsandbytes" in line and "kept in high precision" in line and "lm_head" in line
+    assert "engram.wkv" in line and "routed experts none" in line
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    ours = _logits(model, ids)
+    reference = _with_dequantized_experts(_load(checkpoint, FORMATS[fmt]))
+    # the other Linears are the same bnb modules in both: only the experts' storage differs
+    torch.testing.assert_close(ours, _logits(reference, ids), rtol=0, atol=0)
+
+
+def test_skipped_experts_stay_in_high_precision_and_are_logged(checkpoint, caplog):
+    options = dict(NF4, llm_int8_skip_modules=["model.layers.1.ffn.experts"])
+    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"):
+        model = _load(checkpoint, options)
+    assert type(model.model.layers[0].ffn.experts) is Bnb4bitExperts
+    assert model.model.layers[1].ffn.experts.gate_up_proj.dtype == torch.bfloat16
+    assert "routed experts model.layers.1.ffn.experts (llm_int8_skip_modules)" in caplog.text

@@ -2,6 +2,9 @@
 ``test`` extra as well as ``quant``, so these tests run in CI rather than skip)."""
 
 import collections
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -243,3 +246,83 @@ def test_skipped_experts_stay_in_high_precision_and_are_logged(checkpoint, caplo
     assert type(model.model.layers[0].ffn.experts) is Bnb4bitExperts
     assert model.model.layers[1].ffn.experts.gate_up_proj.dtype == torch.bfloat16
     assert "routed experts model.layers.1.ffn.experts (llm_int8_skip_modules)" in caplog.text
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """The same random token rows at every step (input_ids, labels)."""
+
+    def __init__(self):
+        self.ids = torch.randint(0, 500, (8, 12), generator=torch.Generator().manual_seed(5))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+RELOAD_SCRIPT = """
+import sys
+import torch
+from peft import PeftModel, prepare_model_for_kbit_training
+from transformers import BitsAndBytesConfig
+from modeling_dsv41 import DeepseekV41ForCausalLM
+
+base, adapter, ids, out = sys.argv[1:]
+torch.set_num_threads(1)
+config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16)
+model = DeepseekV41ForCausalLM.from_pretrained(base, quantization_config=config, dtype=torch.bfloat16)
+# as the adapter was trained: prepare_model_for_kbit_training keeps the unquantized parameters in fp32
+model = PeftModel.from_pretrained(prepare_model_for_kbit_training(model), adapter).eval()
+with torch.no_grad():
+    torch.save(model(input_ids=torch.load(ids)).logits, out)
+"""
+
+
+def test_qlora_under_deepseek_trainer_reloads_exactly_in_a_fresh_process(checkpoint, tmp_path):
+    from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+    torch.set_num_threads(1)  # the fresh process computes with one thread too
+    model = _qlora(_load(checkpoint, FORMATS["nf4-double"]))
+    args = DeepseekV41TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+        lr_scheduler_type="constant", bias_update_speed=0.0, report_to="none", save_strategy="no",
+        logging_strategy="no", use_cpu=True,
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    DeepseekV41Trainer(model=model, args=args, train_dataset=_Tokens()).train()
+    moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert any("ffn.experts.lora_A" in n for n in moved) and any("ffn.experts.base_layer.lora_B" in n for n in moved)
+
+    model.eval()
+    model.save_pretrained(tmp_path / "adapter")
+    ids = _Tokens().ids[:2]
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = _logits(model, ids)
+    subprocess.run(
+        [sys.executable, "-c", RELOAD_SCRIPT, str(checkpoint), str(tmp_path / "adapter"), str(tmp_path / "ids.pt"),
+         str(tmp_path / "logits.pt")],
+        check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    # the same quantization of the same checkpoint, the same adapter, the same ops on the same machine: same bits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt").float(), expected, rtol=0, atol=0)
+
+
+def test_qlora_under_trl_sft_trainer(checkpoint, tmp_path):
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    model = _qlora(_load(checkpoint, FORMATS["nf4"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=stub_tokenizer(), pad_token="<pad>", eos_token="<eos>")
+    rows = Dataset.from_list([{"input_ids": row.tolist()} for row in _Tokens().ids])
+    args = SFTConfig(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, use_cpu=True,
+        report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "experts.lora_A" in n}
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before) and before

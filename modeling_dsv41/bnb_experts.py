@@ -418,6 +418,43 @@ def dequantized_experts(experts: BnbExperts, dtype: torch.dtype) -> DeepseekV41E
     return dense
 
 
+def _linear_4bit_bytes(numel: int, double_quant: bool) -> float:
+    """A ``Linear4bit`` weight's bytes: packed codes, and one absmax per 64 weights (fp32, or 8-bit with a nested
+    fp32 absmax per 256 of them and an fp32 offset)."""
+    blocks = -(-numel // BLOCK_4BIT)
+    scales = blocks + 4 * -(-blocks // NESTED_BLOCK) + 4 if double_quant else 4 * blocks
+    return numel / 2 + scales
+
+
+def quantized_storage_bytes(model: nn.Module, quantization_config: BitsAndBytesConfig) -> dict[str, float]:
+    """Bytes each parameter of ``model`` (on the meta device; its modules are replaced in place) takes once loaded with
+    ``quantization_config`` (a :class:`DeepseekV41BitsAndBytesConfig` naming the modules to skip), its block scales
+    included, by the unquantized parameter names. Not counted: the per-tensor lookup tables (16 or 256 values).
+    Backs ``dsv41 inspect --storage nf4`` / ``int8``."""
+    import bitsandbytes as bnb
+
+    quantizer = (DeepseekV41Bnb4BitQuantizer if quantization_config.load_in_4bit else DeepseekV41Bnb8BitQuantizer)(
+        quantization_config
+    )
+    quantizer._process_model_before_weight_loading(model, device_map=None)
+    double_quant = quantization_config.load_in_4bit and quantization_config.bnb_4bit_use_double_quant
+    sizes = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(module, BnbExperts) and name in EXPERT_WEIGHTS:
+                states = [t for key, t in module.named_buffers(recurse=False) if key.startswith(f"{name}_")]
+                nbytes = sum(t.numel() * t.element_size() for t in (param, *states))
+            elif isinstance(module, bnb.nn.Linear4bit) and name == "weight":
+                nbytes = _linear_4bit_bytes(param.numel(), double_quant)
+            elif isinstance(module, bnb.nn.Linear8bitLt) and name == "weight":
+                nbytes = param.numel() + 4 * module.out_features  # int8 rows and their fp32 absmax (SCB)
+            else:
+                nbytes = param.numel() * param.element_size()
+            sizes[prefix + name] = nbytes
+    return sizes
+
+
 def high_precision_report(model: nn.Module, kind: str, experts_kept: list[str]) -> str:
     """The log line of a bitsandbytes load: the share of parameters quantized, and what stays in high precision."""
     import bitsandbytes as bnb
@@ -460,4 +497,5 @@ __all__ = [
     "QuantizedExpertWeight",
     "dequantized_experts",
     "high_precision_report",
+    "quantized_storage_bytes",
 ]

@@ -326,3 +326,54 @@ def test_qlora_under_trl_sft_trainer(checkpoint, tmp_path):
     trainer.train()
     assert trainer.state.global_step == 3
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before) and before
+
+
+def _held_bytes(model) -> dict[str, int]:
+    """What each parameter of a loaded model holds, counted on the tensors: its data, bitsandbytes' block scales of a
+    quantized Linear (its quant state, or Int8Params' SCB) and the scale buffers of quantized experts."""
+    sizes = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            nbytes = param.nbytes
+            state = getattr(param, "quant_state", None)
+            if state is not None:
+                nbytes += state.absmax.nbytes + (state.state2.absmax.nbytes + state.offset.nbytes if state.nested else 0)
+            if getattr(param, "SCB", None) is not None:
+                nbytes += param.SCB.nbytes
+            if isinstance(module, (Bnb4bitExperts, Bnb8bitExperts)):
+                nbytes += sum(b.nbytes for key, b in module.named_buffers(recurse=False) if key.startswith(f"{name}_"))
+            sizes[f"{module_name}.{name}" if module_name else name] = nbytes
+    return sizes
+
+
+@pytest.mark.parametrize("label, fmt", [("bitsandbytes NF4, double quantization", "nf4-double"),
+                                        ("bitsandbytes NF4", "nf4"), ("bitsandbytes int8", "int8")])
+def test_inspector_storage_is_what_the_quantized_model_holds(checkpoint, label, fmt):
+    from modeling_dsv41.cli.inspection import storage_costs
+
+    model = _load(checkpoint, FORMATS[fmt])
+    predicted = storage_costs(model.config)[label]
+    held = _held_bytes(model)
+    assert predicted.keys() == held.keys()
+    assert {k: v for k, v in predicted.items() if v != held[k]} == {}
+    # get_memory_footprint (parameters and buffers) sees the experts quantized: they save what they should
+    bf16 = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    experts = [n for n in held if ".ffn.experts." in n]
+    saved = sum(bf16.get_parameter(n).nbytes - held[n] for n in experts)
+    # of their bf16 bytes: 1 - 0.5625/2 for NF4 (an fp32 absmax per 64), 1 - (1 + 4/64)/2 for int8 (rows of 64)
+    assert saved >= (0.45 if fmt == "int8" else 0.7) * sum(bf16.get_parameter(n).nbytes for n in experts)
+    assert bf16.get_memory_footprint() - model.get_memory_footprint() >= saved
+
+
+def test_released_preset_nf4_double_quant_under_0_6_bytes_per_parameter():
+    """The issue's goal on DeepSeek-V4.1-Flash, counted on the meta device: NF4 with double quantization takes at most
+    0.6 bytes per parameter for everything but the Engram tables."""
+    from configuration import DeepseekV41Config
+    from modeling_dsv41.cli.inspection import build_meta_model, storage_costs
+    from modeling_dsv41.placement import is_engram_table_tensor
+
+    config = DeepseekV41Config.from_preset("deepseek-v4.1-flash")
+    sizes = storage_costs(config)["bitsandbytes NF4, double quantization"]
+    counts = {n: p.numel() for n, p in build_meta_model(config).named_parameters() if not is_engram_table_tensor(n)}
+    per_parameter = sum(sizes[n] for n in counts) / sum(counts.values())
+    assert 0.5 < per_parameter <= 0.6, per_parameter

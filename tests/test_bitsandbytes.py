@@ -377,3 +377,21 @@ def test_released_preset_nf4_double_quant_under_0_6_bytes_per_parameter():
     counts = {n: p.numel() for n, p in build_meta_model(config).named_parameters() if not is_engram_table_tensor(n)}
     per_parameter = sum(sizes[n] for n in counts) / sum(counts.values())
     assert 0.5 < per_parameter <= 0.6, per_parameter
+
+
+def test_the_dspark_heads_experts_are_quantized_too(tmp_path):
+    torch.manual_seed(0)
+    text = dict(TEXT, num_nextn_predict_layers=1, dspark_block_size=3, dspark_target_layer_ids=[0, 1],
+                dspark_markov_rank=16, dspark_n_routed_experts=2, dspark_n_activated_experts=1)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=text))
+    model.model.engram_hasher.load_tokenizer(stub_tokenizer())
+    model.save_pretrained(tmp_path)
+    quantized = _load(tmp_path, FORMATS["nf4"])
+    routed = {n: m for n, m in quantized.named_modules() if n.endswith(".ffn.experts")}
+    assert set(routed) == {"model.layers.0.ffn.experts", "model.layers.1.ffn.experts", "mtp.0.ffn.experts"}
+    assert all(type(m) is Bnb4bitExperts for m in routed.values())
+    head = routed["mtp.0.ffn.experts"]
+    assert head.num_experts == 2 and head.gate_up_proj.shape == (2, 128, 32)
+    dense = model.mtp[0].ffn.experts.gate_up_proj.detach().to(torch.bfloat16)
+    # NF4: within half its widest step (0.28 of the block's absmax, between its levels 0.72 and 1)
+    assert (head.dequantized("gate_up_proj", torch.bfloat16) - dense).abs().max() <= 0.2 * dense.abs().max()

@@ -19,9 +19,12 @@ not, so :func:`ensure_engram_token_map` builds it from ``tokenizer.json`` next t
 **bitsandbytes.** Linears the model reads as raw tensors (the fp32 head and ratio-2 compressors, Engram ``wkv``, the
 ViT patch embedding) and, for 4-bit, those whose shape bnb's CPU kernels cannot pack (in-features a multiple of 64,
 out-features of 32) join ``llm_int8_skip_modules``. Norms, gates, mHC and the Engram gate parameters are not Linears,
-and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone. So are the fused routed experts (3-D
-parameters; transformers' bnb integration quantizes Linears only): they load in ``dtype``, and QLoRA adapts them
-through PEFT's ``target_parameters``.
+and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone. The fused routed experts (3-D parameters,
+which transformers' bnb integration leaves alone) are quantized too, one state per expert
+(:mod:`~modeling_dsv41.bnb_experts`: the config becomes a ``DeepseekV41BitsAndBytesConfig``, whose quantizers are
+transformers' extended to them); QLoRA adapts them through PEFT's ``target_parameters``. A log line at load says what
+stays in high precision. A folder in the released storage refuses a bitsandbytes config: its FP8 / FP4 weights load
+natively.
 """
 
 from __future__ import annotations

@@ -341,8 +341,13 @@ class _ExpertsQuantizing:
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:
-        """Saving the quantized experts is not supported: save adapters (PEFT) and reload the base with the same
-        ``BitsAndBytesConfig``, or save the unquantized model."""
+        """Saving the quantized experts is not supported (transformers' bitsandbytes loader could not read their
+        states back): ``save_pretrained`` raises after this warning says what to do instead."""
+        logger.warning(
+            "A model loaded with bitsandbytes, its routed experts quantized too, cannot be saved quantized: save its "
+            "LoRA adapters (PEFT's save_pretrained) and load the base again with the same BitsAndBytesConfig, or save "
+            "the unquantized model (or model.dequantize() first)"
+        )
         return False
 
     def _dequantize(self, model, dtype=None):

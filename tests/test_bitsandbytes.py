@@ -22,6 +22,7 @@ import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.bnb_experts import Bnb4bitExperts, Bnb8bitExperts, dequantized_experts
+from modeling_dsv41.moe import DeepseekV41Experts
 from modeling_dsv41.released.writing import save_released_checkpoint
 from reference_fixture import stub_tokenizer
 
@@ -395,3 +396,16 @@ def test_the_dspark_heads_experts_are_quantized_too(tmp_path):
     dense = model.mtp[0].ffn.experts.gate_up_proj.detach().to(torch.bfloat16)
     # NF4: within half its widest step (0.28 of the block's absmax, between its levels 0.72 and 1)
     assert (head.dequantized("gate_up_proj", torch.bfloat16) - dense).abs().max() <= 0.2 * dense.abs().max()
+
+
+def test_saving_the_quantized_model_is_refused_saying_what_to_do(checkpoint, tmp_path, caplog):
+    model = _load(checkpoint, FORMATS["nf4"])
+    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"), pytest.raises(ValueError, match="not serializable"):
+        model.save_pretrained(tmp_path)
+    assert "save its LoRA adapters" in caplog.text and "same BitsAndBytesConfig" in caplog.text
+    # model.dequantize() gives plain experts holding the dequantized weights, which save
+    experts = model.model.layers[0].ffn.experts
+    dense = experts.dequantized("gate_up_proj", torch.bfloat16)
+    model = model.dequantize()
+    assert type(model.model.layers[0].ffn.experts) is DeepseekV41Experts
+    assert torch.equal(model.model.layers[0].ffn.experts.gate_up_proj, dense)

@@ -8,7 +8,7 @@ extended (:class:`DeepseekV41Bnb4BitQuantizer`, :class:`DeepseekV41Bnb8BitQuanti
 functions and one block-wise state per expert (each expert quantized on its own, its scales in row ``e`` of the
 state tensors): an expert can be sharded or placed whole, with its state.
 
-* 4-bit: ``bitsandbytes.functional.quantize_4bit`` on each expert's [out, in] weight (blocks of 64 along the rows,
+* 4-bit: ``bitsandbytes.functional.quantize_4bit`` on each expert's [out, in] weight (blocks of 64 row-major,
   ``bnb_4bit_quant_type``, ``bnb_4bit_use_double_quant`` compressing the block scales to 8 bits with one nested state
   per expert); stored as the packed bytes [E, out, in/2] and ``{name}_absmax`` [E, blocks] (plus, double-quantized,
   ``{name}_nested_absmax`` [E, blocks/256] and ``{name}_nested_offset`` [E]); computed in ``bnb_4bit_compute_dtype``
@@ -107,6 +107,19 @@ class BnbExperts(DeepseekV41Experts):
                     setattr(self, name, nn.Parameter(tensor, requires_grad=False))
 
     @classmethod
+    @torch.no_grad()
+    def from_dense(cls, experts: DeepseekV41Experts, **kwargs) -> "BnbExperts":
+        """``experts`` (loaded, not meta) quantized: what loading with a ``BitsAndBytesConfig`` builds, tensor by
+        tensor."""
+        quantized = cls(experts.config, experts.num_experts, **kwargs)
+        for name in EXPERT_WEIGHTS:
+            for attribute, tensor in quantized.quantize(name, getattr(experts, name)).items():
+                if attribute in EXPERT_WEIGHTS:
+                    tensor = nn.Parameter(tensor, requires_grad=False)
+                setattr(quantized, attribute, tensor)
+        return quantized
+
+    @classmethod
     def unfit(cls, experts: DeepseekV41Experts) -> str | None:
         """Why ``experts`` cannot be stored this way (None if they can)."""
         return None
@@ -155,12 +168,12 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _blocks(rows: int, columns: int) -> int:
-    return rows * columns // BLOCK_4BIT
+    return -(-rows * columns // BLOCK_4BIT)
 
 
 class Bnb4bitExperts(BnbExperts):
     """Experts stored 4-bit (``Linear4bit``'s format, per expert): packed bytes [E, out, in/2] (two codes a byte,
-    row-major) and one absmax per 64 weights of a row, [E, out·in/64] fp32, or 8-bit with double quantization (with
+    row-major) and one absmax per 64 weights, [E, ⌈out·in/64⌉] fp32, or 8-bit with double quantization (with
     its nested absmax [E, ⌈blocks/256⌉] and offset [E] per expert)."""
 
     def __init__(self, config, num_experts: int | None = None, compute_dtype: torch.dtype | None = None,
@@ -172,8 +185,8 @@ class Bnb4bitExperts(BnbExperts):
 
     @classmethod
     def unfit(cls, experts: DeepseekV41Experts) -> str | None:
-        if experts.hidden_dim % BLOCK_4BIT or experts.intermediate_dim % BLOCK_4BIT:
-            return f"hidden and expert widths ({experts.hidden_dim}, {experts.intermediate_dim}) not multiples of {BLOCK_4BIT}"
+        if experts.hidden_dim % 2 or experts.intermediate_dim % 2:  # two codes a byte, row by row
+            return f"odd hidden or expert width ({experts.hidden_dim}, {experts.intermediate_dim})"
         return None
 
     def _storage(self, experts: int, rows: int, columns: int) -> dict[str, torch.Tensor]:
@@ -225,13 +238,16 @@ class Bnb4bitExperts(BnbExperts):
 
         _, out_features, in_features = self._shapes[name]
         first, last, _ = rows.indices(out_features)
-        packed = getattr(self, name)[expert, first:last]
-        per_row = in_features // BLOCK_4BIT  # whole blocks per row: any row range is a range of blocks
+        absmax = self._absmax(name, expert)
+        if in_features % BLOCK_4BIT:  # blocks straddle rows: the whole expert, then its rows
+            first, last, rows = 0, out_features, slice(first, last)
+        else:  # whole blocks per row: the rows' blocks only
+            absmax, rows = absmax[first * in_features // BLOCK_4BIT: last * in_features // BLOCK_4BIT], slice(None)
         state = bnb_functional.QuantState(
-            absmax=self._absmax(name, expert)[first * per_row: last * per_row], shape=torch.Size((last - first, in_features)),
-            dtype=dtype, blocksize=BLOCK_4BIT, quant_type=self.quant_type,
+            absmax=absmax, shape=torch.Size((last - first, in_features)), dtype=dtype, blocksize=BLOCK_4BIT,
+            quant_type=self.quant_type,
         )
-        return bnb_functional.dequantize_4bit(packed.reshape(-1, 1), state)
+        return bnb_functional.dequantize_4bit(getattr(self, name)[expert, first:last].reshape(-1, 1), state)[rows]
 
 
 class Bnb8bitExperts(BnbExperts):

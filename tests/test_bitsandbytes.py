@@ -409,3 +409,28 @@ def test_saving_the_quantized_model_is_refused_saying_what_to_do(checkpoint, tmp
     model = model.dequantize()
     assert type(model.model.layers[0].ffn.experts) is DeepseekV41Experts
     assert torch.equal(model.model.layers[0].ffn.experts.gate_up_proj, dense)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_4bit_experts_whose_blocks_straddle_rows(double_quant):
+    """An expert width of 32 (the demo model's): down_proj's rows are half a 64-weight block, so a row range is
+    dequantized from the whole expert. Each expert still equals bitsandbytes' own round trip of it."""
+    import bitsandbytes.functional as bnb_functional
+
+    torch.manual_seed(0)
+    config = DeepseekV41Config(text_config=dict(TEXT, moe_intermediate_size=32)).get_text_config()
+    dense = DeepseekV41Experts(config).to(torch.bfloat16)
+    torch.nn.init.normal_(dense.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(dense.down_proj, std=0.05)
+    experts = Bnb4bitExperts.from_dense(dense, compute_dtype=torch.bfloat16, quant_type="nf4", double_quant=double_quant)
+    assert experts.down_proj.shape == (4, 64, 16) and experts.down_proj_absmax.shape == (4, 32)
+    for expert in range(4):
+        data, state = bnb_functional.quantize_4bit(dense.down_proj[expert].detach(), blocksize=64, quant_type="nf4",
+                                                   compress_statistics=double_quant)
+        expected = bnb_functional.dequantize_4bit(data, state)
+        assert torch.equal(experts.dequantize("down_proj", expert, dtype=torch.bfloat16), expected)
+        assert torch.equal(experts.dequantize("down_proj", expert, slice(5, 9), torch.bfloat16), expected[5:9])
+    x = torch.randn(10, 64, dtype=torch.bfloat16)
+    index, weights = torch.randint(0, 4, (10, 2)), torch.rand(10, 2)
+    reference = dequantized_experts(experts, torch.bfloat16)
+    torch.testing.assert_close(experts(x, index, weights), reference(x, index, weights), rtol=0, atol=0)

@@ -12,7 +12,7 @@ package's model class. For each path:
   positions whose argmax equals bf16's, and the mean KL(bf16 ‖ quantized) of the next-token distributions (nats);
 - caption exact match of greedy ``generate`` on those images, as the demo measures it.
 
-    python benchmarks/bitsandbytes.py [--model dsv41-demo/model] [--threads 2] [--json out.json]
+    python benchmarks/bnb_quantization.py [--model dsv41-demo/model] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations

@@ -353,7 +353,12 @@ class _ExpertsQuantizing:
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         model = super()._process_model_after_weight_loading(model, **kwargs) or model
-        logger.warning(high_precision_report(model, self.kind, getattr(self, "experts_kept", [])))
+        report = high_precision_report(model, self.kind, getattr(self, "experts_kept", []))
+        implementation = model.config.get_text_config()._experts_implementation
+        if implementation not in (None, "eager") and any(isinstance(m, BnbExperts) for m in model.modules()):
+            report += (f"; the quantized experts compute eagerly, dequantizing the experts tokens reach "
+                       f"(experts_implementation={implementation!r} runs the unquantized ones)")
+        logger.warning(report)
         return model
 
     def is_serializable(self, *args, **kwargs) -> bool:

@@ -1,5 +1,6 @@
-"""bitsandbytes 8-bit and 4-bit (NF4) loading through BitsAndBytesConfig, and QLoRA on CPU (bitsandbytes is in the
-``test`` extra as well as ``quant``, so these tests run in CI rather than skip)."""
+"""bitsandbytes 8-bit and 4-bit (NF4 / FP4, double quantization) loading through BitsAndBytesConfig, the routed
+experts quantized too (modeling_dsv41/bnb_experts.py), QLoRA on them on CPU, and what the inspector says they hold
+(bitsandbytes is in the ``test`` extra as well as ``quant``, so these tests run in CI rather than skip)."""
 
 import collections
 import os
@@ -247,6 +248,14 @@ def test_skipped_experts_stay_in_high_precision_and_are_logged(checkpoint, caplo
     assert type(model.model.layers[0].ffn.experts) is Bnb4bitExperts
     assert model.model.layers[1].ffn.experts.gate_up_proj.dtype == torch.bfloat16
     assert "routed experts model.layers.1.ffn.experts (llm_int8_skip_modules)" in caplog.text
+    assert "compute eagerly" not in caplog.text
+
+
+def test_an_experts_implementation_the_quantized_experts_do_not_run_is_logged(checkpoint, caplog):
+    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"):
+        model = _load(checkpoint, FORMATS["nf4"], experts_implementation="batched_mm")
+    assert "the quantized experts compute eagerly" in caplog.text and "'batched_mm'" in caplog.text
+    assert torch.isfinite(_logits(model, torch.randint(0, 500, (1, 8)))).all()
 
 
 class _Tokens(torch.utils.data.Dataset):

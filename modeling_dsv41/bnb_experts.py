@@ -260,7 +260,7 @@ class Bnb8bitExperts(BnbExperts):
     def quantize(self, name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         import bitsandbytes.functional as bnb_functional
 
-        experts, rows, columns = weight.shape
+        experts, rows, columns = weight.shape  # of the fp16 weight, as Int8Params quantizes
         codes, scb, _ = bnb_functional.int8_vectorwise_quant(weight.reshape(experts * rows, columns).to(torch.float16))
         return {name: codes.view(experts, rows, columns), f"{name}_scb": scb.view(experts, rows)}
 
@@ -320,6 +320,7 @@ class _ExpertsQuantizing:
 
     experts_class: type[BnbExperts]
     kind: str
+    experts_note = ""  # how the quantized experts compute, where it differs from the Linears
 
     def preprocess_model(self, model, **kwargs):
         super().preprocess_model(model, **kwargs)
@@ -355,9 +356,12 @@ class _ExpertsQuantizing:
         model = super()._process_model_after_weight_loading(model, **kwargs) or model
         report = high_precision_report(model, self.kind, getattr(self, "experts_kept", []))
         implementation = model.config.get_text_config()._experts_implementation
-        if implementation not in (None, "eager") and any(isinstance(m, BnbExperts) for m in model.modules()):
+        quantized = any(isinstance(m, BnbExperts) for m in model.modules())
+        if quantized and implementation not in (None, "eager"):
             report += (f"; the quantized experts compute eagerly, dequantizing the experts tokens reach "
                        f"(experts_implementation={implementation!r} runs the unquantized ones)")
+        if quantized and self.experts_note:
+            report += f"; {self.experts_note}"
         logger.warning(report)
         return model
 
@@ -433,6 +437,8 @@ class DeepseekV41Bnb8BitQuantizer(_ExpertsQuantizing, Bnb8BitHfQuantizer):
 
     experts_class = Bnb8bitExperts
     kind = "8-bit"
+    experts_note = ("the int8 experts compute on their dequantized weights (weight-only: llm_int8_threshold's outlier "
+                    "decomposition applies to the Linears)")
 
 
 def dequantized_experts(experts: BnbExperts, dtype: torch.dtype) -> DeepseekV41Experts:

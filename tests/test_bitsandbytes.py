@@ -234,6 +234,7 @@ def test_quantized_model_logits_and_log_line(checkpoint, fmt, caplog):
     line = caplog.text
     assert "bitsandbytes" in line and "kept in high precision" in line and "lm_head" in line
     assert "engram.wkv" in line and "routed experts none" in line
+    assert ("llm_int8_threshold" in line) == (fmt == "int8")  # the experts' int8 is weight-only
     ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     ours = _logits(model, ids)
     reference = _with_dequantized_experts(_load(checkpoint, FORMATS[fmt]))

@@ -26,6 +26,13 @@ def _default_yarn() -> dict[str, Any]:
     return {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 65536}
 
 
+def _one_of(value: Any, alias: Any, name: str, alias_name: str) -> Any:
+    """``value`` or, when it is unset, ``alias`` (the same setting under another config's name); both set must agree."""
+    if value is not None and alias is not None and value != alias:
+        raise ValueError(f"{name}={value!r} and {alias_name}={alias!r} name the same setting with different values")
+    return alias if value is None else value
+
+
 def _require_positive_int(owner: str, **values: Any) -> None:
     for name, value in values.items():
         if type(value) is not int or value <= 0:
@@ -62,8 +69,14 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         dspark_target_layer_ids (`list[int]`): backbone layers whose input streams (mean over the ``hc_mult``
             copies, taken in layer order) the draft head reads.
         dspark_markov_rank (`int`): rank of the draft head's Markov bias (previous token → logits).
-        dspark_n_routed_experts / dspark_n_activated_experts (`int`): the draft blocks' MoE sizes; 0 takes the
-            backbone's ``n_routed_experts`` / ``num_experts_per_tok``.
+        dspark_n_routed_experts / dspark_num_experts_per_tok (`int`): the draft blocks' MoE sizes (the released
+            config's names; DeepSeek's ``inference/config.json`` says ``dspark_n_activated_experts`` for the top-k,
+            accepted too); 0 takes the backbone's ``n_routed_experts`` / ``num_experts_per_tok``.
+        topk_method (`str`): the routing, as the released config names it: ``"noaux_tc"`` (top-k of the scores
+            plus the balancing biases, no auxiliary loss), the only one DeepSeek-V4.1 has.
+
+    The compressed layers' YaRN settings are ``compress_rope_scaling`` here and ``rope_scaling`` in a config.json, as
+    the released one names them (both names are read).
     """
 
     model_type = "deepseek_v41_text"
@@ -128,6 +141,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     n_shared_experts: int = 1
     num_experts_per_tok: int = 6
     scoring_func: str = "sqrtsoftplus"
+    topk_method: str = "noaux_tc"
     gate_temp: float = 1.0
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.5
@@ -160,7 +174,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     dspark_target_layer_ids: list[int] | None = None
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 0
-    dspark_n_activated_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
     emulate_quantization: bool = True
     pad_token_id: int | None = 2
     bos_token_id: int | None = 0
@@ -168,10 +182,17 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
-        # NeMo / older Hub configs name the compressed layers' YaRN dict `rope_scaling`
-        legacy_yarn = kwargs.pop("rope_scaling", None)
+        # the released config.json names the compressed layers' YaRN dict `rope_scaling`
+        self.compress_rope_scaling = _one_of(self.compress_rope_scaling, kwargs.pop("rope_scaling", None),
+                                             "compress_rope_scaling", "rope_scaling")
         if self.compress_rope_scaling is None:
-            self.compress_rope_scaling = dict(legacy_yarn) if legacy_yarn else _default_yarn()
+            self.compress_rope_scaling = _default_yarn()
+        self.compress_rope_scaling = dict(self.compress_rope_scaling)
+        # DeepSeek's inference/config.json names the draft head's top-k `dspark_n_activated_experts`
+        self.dspark_num_experts_per_tok = _one_of(
+            self.dspark_num_experts_per_tok or None, kwargs.pop("dspark_n_activated_experts", None),
+            "dspark_num_experts_per_tok", "dspark_n_activated_experts",
+        ) or 0
         if self.compress_ratios is None:
             self.compress_ratios = list(_RELEASED_COMPRESS_RATIOS)
         if self.kv_source_layer_ids is None:
@@ -227,6 +248,8 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})"
             )
+        if self.topk_method != "noaux_tc":
+            raise ValueError(f"DeepSeek-V4.1 routes with topk_method 'noaux_tc', got {self.topk_method!r}")
         if self.scoring_func not in ("softmax", "sigmoid", "sqrtsoftplus"):
             raise ValueError(f"scoring_func must be softmax, sigmoid or sqrtsoftplus, got {self.scoring_func!r}")
         for name in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "routed_scaling_factor",
@@ -324,13 +347,11 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             )
         if not 0 <= self.dspark_noise_token_id < self.vocab_size:
             raise ValueError(f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary")
-        routed, active = self.dspark_n_routed_experts, self.dspark_n_activated_experts
+        routed, active = self.dspark_n_routed_experts, self.dspark_num_experts_per_tok
         if any(type(v) is not int or v < 0 for v in (routed, active)):
-            raise ValueError(f"dspark_n_routed_experts / dspark_n_activated_experts must be ≥ 0, got {routed}, {active}")
-        if self.dspark_num_experts_per_tok > self.dspark_num_routed_experts:
-            raise ValueError(
-                f"the DSpark MoE routes to {self.dspark_num_experts_per_tok} of {self.dspark_num_routed_experts} experts"
-            )
+            raise ValueError(f"dspark_n_routed_experts / dspark_num_experts_per_tok must be ≥ 0, got {routed}, {active}")
+        if self.dspark_top_k > self.dspark_num_routed_experts:
+            raise ValueError(f"the DSpark MoE routes to {self.dspark_top_k} of {self.dspark_num_routed_experts} experts")
         # the draft blocks attend over a window only (the reference asserts it); their compress_ratios entries are 0
         draft_ratios = self.compress_ratios[self.num_hidden_layers : self.num_hidden_layers + self.num_nextn_predict_layers]
         if any(draft_ratios):
@@ -346,8 +367,15 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         return self.dspark_n_routed_experts or self.n_routed_experts
 
     @property
-    def dspark_num_experts_per_tok(self) -> int:
-        return self.dspark_n_activated_experts or self.num_experts_per_tok
+    def dspark_top_k(self) -> int:
+        """Experts each token of the draft head is routed to (``dspark_num_experts_per_tok``, or the backbone's)."""
+        return self.dspark_num_experts_per_tok or self.num_experts_per_tok
+
+    def to_dict(self) -> dict[str, Any]:
+        """The released config.json's key names: the compressed layers' YaRN dict as ``rope_scaling``."""
+        output = super().to_dict()
+        output["rope_scaling"] = output.pop("compress_rope_scaling")
+        return output
 
 
 @strict
@@ -416,8 +444,9 @@ _REFERENCE_TEXT_KEYS = {
     "engram_compressed_vocab_size": "engram_compressed_vocab_size", "n_mtp_layers": "num_nextn_predict_layers",
     **{key: key for key in (
         "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
-        "dspark_n_routed_experts", "dspark_n_activated_experts",
+        "dspark_n_routed_experts",
     )},
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
 _REFERENCE_VISION_KEYS = {
     "vision_n_layers": "num_hidden_layers", "vision_dim": "hidden_size", "vision_n_heads": "num_attention_heads",
@@ -428,6 +457,15 @@ _REFERENCE_VISION_KEYS = {
 # runtime knobs of the reference (cache sizes, sampling)
 _REFERENCE_IGNORED_KEYS = {"max_batch_size", "max_seq_len", "temperature"}
 _REFERENCE_MARKER_KEYS = {"dim", "n_layers", "n_heads"}
+
+
+def released_quantization_dict(expert_dtype: str = "fp4") -> dict[str, Any]:
+    """The root ``quantization_config`` of the released config.json: FP8 e4m3 weights with one E8M0 scale per 32x32
+    block, the routed experts ``expert_dtype`` (``"fp4"``: packed E2M1 with a scale per 32 values)."""
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"the released experts are stored FP4 or FP8, got expert_dtype={expert_dtype!r}")
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+            "scale_fmt": "ue8m0", "expert_dtype": expert_dtype}
 
 
 def is_reference_config(config_dict: dict[str, Any]) -> bool:
@@ -471,6 +509,7 @@ def reference_to_config_dict(ref: dict[str, Any]) -> dict[str, Any]:
     text: dict[str, Any] = {}
     vision: dict[str, Any] = {}
     extra: dict[str, Any] = {}
+    storage: dict[str, Any] = {}
     yarn = _default_yarn()
     for key, value in ref.items():
         if key in _REFERENCE_TEXT_KEYS:
@@ -484,7 +523,7 @@ def reference_to_config_dict(ref: dict[str, Any]) -> dict[str, Any]:
         elif key in ("beta_fast", "beta_slow"):
             yarn[key] = value
         elif key in ("dtype", "expert_dtype"):
-            extra.setdefault("released_storage", {})[key] = value
+            storage[key] = value
         elif key == "image_token_id":
             extra["image_token_id"] = value
         elif key in _REFERENCE_IGNORED_KEYS:
@@ -494,6 +533,8 @@ def reference_to_config_dict(ref: dict[str, Any]) -> dict[str, Any]:
     if yarn["original_max_position_embeddings"] <= 0:  # the reference's "no YaRN"
         yarn = {"rope_type": "default"}
     text["compress_rope_scaling"] = yarn
+    if storage.get("dtype") == "fp8":  # "bf16": plain weights
+        extra["quantization_config"] = released_quantization_dict(storage.get("expert_dtype") or "fp8")
     n_vision_layers = vision.get("num_hidden_layers", 0)
     return {"text_config": text, "vision_config": vision if n_vision_layers else None, **extra}
 
@@ -508,6 +549,10 @@ class DeepseekV41Config(PreTrainedConfig):
             round it once (and the ViT's attention with portable rounding points), so that outputs do not depend on
             the CPU's BLAS, vector or scalar kernels and match DeepSeek's reference run the same way. Slower; off by default. See
             :mod:`modeling_dsv41.numerics`.
+        quantization_config (`dict`, *optional*): how the weights are stored, as the released config.json says it
+            (:func:`released_quantization_dict`: FP8 Linears, FP4 routed experts); ``from_pretrained`` loads such a
+            folder natively (``modeling_dsv41.released``). A model built from the config holds plain weights, and
+            ``save_pretrained`` of it writes none.
 
     Example:
         ```python
@@ -531,13 +576,15 @@ class DeepseekV41Config(PreTrainedConfig):
     text_config: dict | PreTrainedConfig | None = None
     vision_config: dict | PreTrainedConfig | None = None
     image_token_id: int = 129264
-    released_storage: dict | None = None
     reference_numerics: bool = False
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.architectures is None:
             self.architectures = ["DeepseekV41ForCausalLM"]
+        legacy_storage = kwargs.pop("released_storage", None) or {}  # how this package's earlier configs said it
+        if legacy_storage.get("dtype") == "fp8" and "quantization_config" not in kwargs:
+            kwargs["quantization_config"] = released_quantization_dict(legacy_storage.get("expert_dtype") or "fp8")
         super().__post_init__(**kwargs)
         if self.vision_config is not None and not 0 <= self.image_token_id < self.text_config.vocab_size:
             raise ValueError(
@@ -546,9 +593,9 @@ class DeepseekV41Config(PreTrainedConfig):
 
     @property
     def auto_map(self) -> dict:
-        """The remote-code map of config.json (``export_for_hub`` writes one); an empty dict for a folder without
-        one (``save_pretrained``, ``dsv41 convert``), as tools that read the attribute expect (transformers' Auto
-        classes test membership, TRL's loading by path reads it), and not written to config.json while empty."""
+        """The remote-code map of config.json (the models' ``save_pretrained`` writes one); an empty dict for a
+        folder without one (``dsv41 convert``, a bare config), as tools that read the attribute expect (transformers'
+        Auto classes test membership, TRL's loading by path reads it), and not written to config.json while empty."""
         return self.__dict__.setdefault("auto_map", {})
 
     @auto_map.setter
@@ -591,4 +638,11 @@ class DeepseekV41Config(PreTrainedConfig):
         return cls.from_dict(config_dict)
 
 
-__all__ = ["DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig", "PRESETS_DIR", "check_required_keys"]
+__all__ = [
+    "DeepseekV41Config",
+    "DeepseekV41TextConfig",
+    "DeepseekV41VisionConfig",
+    "PRESETS_DIR",
+    "check_required_keys",
+    "released_quantization_dict",
+]

@@ -3,10 +3,10 @@ process (``python examples/finetune.py ...``) and on many under ``accelerate lau
 configs in ``examples/accelerate/``)::
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/finetune.py \\
-        --model dsv41-demo/model --output_dir dsv41-fsdp2 --max_steps 8 --save_steps 4 --gradient_checkpointing true
+        --model dsv41-demo/model --output_dir dsv41-fsdp2 --max_steps 8 --save_steps 4 --activation_checkpointing true
 
 Every ``TrainingArguments`` / ``DeepseekV41TrainingArguments`` field is a flag (``--learning_rate``,
-``--gradient_checkpointing``, ``--resume_from_checkpoint``, ``--bias_update_speed``, ...).
+``--activation_checkpointing``, ``--resume_from_checkpoint``, ``--bias_update_speed``, ...).
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ def build_sharded_model(folder: str, args: DeepseekV41TrainingArguments, train_e
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if mixed else None
     shard_model(model, mp_policy=policy, expert_parallel_size=args.expert_parallel_size)
     load_sharded_weights(model, folder)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs)
     return model
 
 

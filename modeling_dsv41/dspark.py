@@ -99,7 +99,7 @@ class DeepseekV41DSparkBlock(nn.Module):
         self.attn = DeepseekV41DSparkAttention(config, config.num_hidden_layers + stage)
         self.ffn = DeepseekV41MoE(
             config, use_vision_bias=False, num_experts=config.dspark_num_routed_experts,
-            top_k=config.dspark_num_experts_per_tok,
+            top_k=config.dspark_top_k,
         )
         self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
         self.ffn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -31,6 +30,13 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from configuration.configuration_dsv41 import DeepseekV41Config
+from configuration.remote_code import (
+    is_project_class,
+    model_auto_map,
+    pop_push_arguments,
+    push_saved_folder,
+    save_remote_code,
+)
 from processing.image_tokens import ImageTokenType, span_length, token_grid
 
 from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
@@ -59,18 +65,18 @@ from .placement import (
     place_loaded_engram_tables,
     requested_table_placement,
 )
-from .released.conversions import NOT_LOADED, NOT_LOADED_WITHOUT_DSPARK, released_storage_conversions
-from .released.loading import finish_checkpoint_load, loads_natively, prepare_checkpoint_load
-from .released.reading import hub_arguments, sequential_loading
+from .released.conversions import NOT_LOADED, NOT_LOADED_WITHOUT_DSPARK, register_layout_conversions
+from .released.loading import finish_checkpoint_load, loads_natively, prepare_checkpoint_load, released_storage_loading
+from .released.reading import hub_arguments
 from .residual_stream import ResidualStream
 from .rotary import DeepseekV41RotaryEmbedding
-from .validation import check_image_inputs, check_pixel_values, check_text_inputs
+from .validation import check_generation_length, check_image_inputs, check_pixel_values, check_text_inputs
 from .vision import DeepseekV41Aligner, DeepseekV41VisionTransformer, merge_image_embeddings
 
 logger = logging.get_logger(__name__)
 
-# the released checkpoint's names and layout, mapped onto ours on load (and back for save_original_format=True)
-register_checkpoint_conversion_mapping(DeepseekV41Config.model_type, released_storage_conversions(), overwrite=True)
+# the released checkpoint's names and layout, mapped onto ours on load (and back by save_pretrained)
+register_layout_conversions(DeepseekV41Config.model_type)
 
 
 @dataclass
@@ -280,7 +286,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             native = lambda: loads_natively(source, kwargs, hub)  # noqa: E731  (only a planned map asks)
             kwargs["device_map"] = engram_device_map(cls, source, tables, kwargs, hub, native)
         released = prepare_checkpoint_load(cls, source, kwargs, hub)
-        with sequential_loading() if released else nullcontext():
+        with released_storage_loading(cls.config_class.model_type) if released else nullcontext():
             loaded = super().from_pretrained(source, *model_args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         finish_checkpoint_load(model, source, engram_tokenizer, hub)
@@ -289,18 +295,41 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         hook_split_layers(model)
         return loaded
 
-    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs) -> None:
-        """:meth:`PreTrainedModel.save_pretrained`, in our layout by default. ``save_original_format=True`` writes
-        the released layout instead (root names, ``head``, per-expert ``w1``/``w2``/``w3``; plain weights), which
-        ``from_pretrained`` reads back unchanged; :func:`~.released.writing.save_released_checkpoint` also quantizes
-        as the release. A pipeline stage (``DistributedConfig(pp_size > 1)``) is refused: it holds only its own
-        layers."""
+    def save_pretrained(
+        self, save_directory, *args, save_original_format: bool | None = None, push_to_hub: bool = False, **kwargs
+    ) -> None:
+        """:meth:`PreTrainedModel.save_pretrained`, plus the flat remote code the folder's ``auto_map`` names
+        (:mod:`configuration.remote_code`), so that it loads with ``trust_remote_code=True`` where this package is
+        not installed (Trainer checkpoints and ``push_to_hub`` save through here too).
+
+        As transformers' models do, it writes the original checkpoint's names by default (root names, ``head``,
+        per-expert ``w1``/``w2``/``w3``; plain weights), which ``from_pretrained`` reads back unchanged; a quantized
+        model (native FP8/FP4, bitsandbytes) writes its quantizer's tensors under our names
+        (``save_original_format=False``, the default there). :func:`~.released.writing.save_released_checkpoint` also
+        quantizes as the release. A pipeline stage (``DistributedConfig(pp_size > 1)``) is refused: it holds only its
+        own layers."""
         if getattr(self, "_pp_stage", None) is not None:
             raise ValueError(
                 "this model is one pipeline stage (DistributedConfig(pp_size > 1)) and holds only its own layers: "
                 "save the model loaded without pipeline parallelism"
             )
-        super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+        quantized = getattr(self, "hf_quantizer", None) is not None
+        if save_original_format is None:
+            save_original_format = not quantized
+        push = pop_push_arguments(save_directory, kwargs) if push_to_hub else None
+        # a model built from a config that describes quantized storage (the release's) holds plain weights
+        stored = None if quantized else self.config.__dict__.pop("quantization_config", None)
+        try:
+            super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+        finally:
+            if stored is not None:
+                self.config.quantization_config = stored
+        if not kwargs.get("is_main_process", True):
+            return
+        if is_project_class(type(self)):  # (remote code running as such is saved by transformers itself)
+            save_remote_code(save_directory, {("config.json", None): model_auto_map(self)})
+        if push is not None:
+            push_saved_folder(save_directory, **push)
 
     def _get_dtype_plan(self, dtype: torch.dtype) -> dict:
         plan = super()._get_dtype_plan(dtype)
@@ -555,7 +584,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         cache = self._resolve_cache(cache, use_cache)
         if not torch.compiler.is_compiling():  # the checks read values on the host
             past_length = 0 if cache is None else cache.get_seq_length()
-            check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length)
+            check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length,
+                              self.text_config.max_position_embeddings)
             if self.config.has_vision and past_length == 0:
                 check_image_inputs(
                     input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, self.config.image_token_id
@@ -804,6 +834,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                                    synced_gpus, streamer, **model_kwargs)
         return super()._assisted_decoding(input_ids, logits_processor, stopping_criteria, generation_config,
                                           synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+
+    def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length) -> None:
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        check_generation_length(
+            generation_config.max_length, input_ids_length, self.config.get_text_config().max_position_embeddings
+        )
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

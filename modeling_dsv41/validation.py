@@ -44,8 +44,10 @@ def check_text_inputs(
     attention_mask: torch.Tensor | None,
     vocab_size: int,
     past_length: int = 0,
+    max_positions: int | None = None,
 ) -> None:
-    """The checks of :meth:`DeepseekV41Model.forward`'s token inputs, before anything is embedded."""
+    """The checks of :meth:`DeepseekV41Model.forward`'s token inputs, before anything is embedded; with
+    ``max_positions``, the columns so far (``past_length`` cached and these) must not pass it."""
     if input_ids is not None:
         check_input_ids(input_ids, vocab_size)
         shape = input_ids.shape[:2]
@@ -61,6 +63,23 @@ def check_text_inputs(
         )
     if attention_mask is not None:
         check_attention_mask(attention_mask, shape[0], shape[1], past_length)
+    if max_positions is not None and past_length + shape[1] > max_positions:
+        raise ValueError(f"the inputs reach position {past_length + shape[1]} ({past_length} cached and {shape[1]} "
+                         f"new), past max_position_embeddings ({max_positions}): {_POSITION_LIMIT}")
+
+
+# why the limit is one (the same words for forward and generate)
+_POSITION_LIMIT = (
+    "the rotary tables, YaRN's on the compressed layers included, are fit to that many positions; shorten the input"
+)
+
+
+def check_generation_length(max_length: int, input_length: int, max_positions: int) -> None:
+    """``generate`` must not decode past ``max_positions``: said before the first step rather than at the step that
+    reaches it."""
+    if max_length > max_positions:
+        raise ValueError(f"generating up to max_length={max_length} tokens (an input of {input_length}) passes "
+                         f"max_position_embeddings ({max_positions}): {_POSITION_LIMIT} or lower max_new_tokens")
 
 
 def check_pixel_values(pixel_values: torch.Tensor, image_grid_hw: torch.Tensor | None = None) -> None:
@@ -150,6 +169,7 @@ def check_safetensors_folder(folder: str | os.PathLike) -> None:
 
 __all__ = [
     "check_attention_mask",
+    "check_generation_length",
     "check_image_inputs",
     "check_input_ids",
     "check_pixel_values",

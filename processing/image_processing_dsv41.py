@@ -561,9 +561,17 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         return cls(**{key: getattr(vision_config, key) for key in _PLAN_KEYS}, **kwargs)
 
     def plan(self, height: int, width: int, **overrides: Any) -> ImageGridPlan:
-        """:func:`plan_image_grid` with this processor's settings (``overrides`` take precedence)."""
+        """:func:`plan_image_grid` with this processor's settings (``overrides`` take precedence; ``size`` is
+        ``min_pixels``, as in a call)."""
+        overrides = _size_as_min_pixels(overrides)
         settings = {key: overrides.get(key, getattr(self, key)) for key in _PLAN_KEYS}
         return plan_image_grid(height, width, **settings)
+
+    def _merge_and_standardize_kwargs(self, **kwargs: Any) -> dict:
+        """A call's settings over this processor's; a call's ``size`` is its ``min_pixels``."""
+        kwargs = super()._merge_and_standardize_kwargs(**_size_as_min_pixels(kwargs))
+        kwargs["size"] = {"shortest_edge": kwargs["min_pixels"]}
+        return kwargs
 
     def get_number_of_image_patches(self, height: int, width: int, images_kwargs: dict | None = None) -> int:
         """Patches of an image of this size, without the image (the hook vLLM-style callers use)."""
@@ -606,8 +614,8 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         size: dict[str, int] | None = None,
         **kwargs: Any,
     ) -> None:
-        if size is not None and dict(size) != {"shortest_edge": self.min_pixels}:
-            raise ValueError(f"pass min_pixels=, not size={dict(size)}, to change the minimum area in a call")
+        if size is not None and dict(size) != {"shortest_edge": min_pixels}:
+            raise ValueError(f"size={dict(size)} must be {{'shortest_edge': min_pixels}} (min_pixels={min_pixels!r})")
         for name, value, least in (
             ("patch_size", patch_size, 1),
             ("downsample_ratio", downsample_ratio, 1),
@@ -722,6 +730,21 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         if height and width:  # an extreme aspect can round the content away entirely, as in PIL
             canvas[top : top + height, left : left + width] = _resize(image, plan.content_size, resample)
         return canvas
+
+
+def _size_as_min_pixels(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with a ``size`` (transformers' name for the pixel bound, ``{"shortest_edge": area}``: see
+    :attr:`DeepseekV41ImageProcessor.size`) given as ``min_pixels``; both given must agree."""
+    if kwargs.get("size") is None:
+        return {key: value for key, value in kwargs.items() if key != "size"}
+    kwargs = dict(kwargs)
+    size = {key: value for key, value in dict(kwargs.pop("size")).items() if value is not None}
+    if set(size) != {"shortest_edge"}:
+        raise ValueError(f"size takes only 'shortest_edge' (the min_pixels area), got {size}")
+    if kwargs.get("min_pixels") not in (None, size["shortest_edge"]):
+        raise ValueError(f"size={size} and min_pixels={kwargs['min_pixels']} disagree: pass one of them")
+    kwargs["min_pixels"] = size["shortest_edge"]
+    return kwargs
 
 
 def _resize(image: Image.Image | torch.Tensor, size: tuple[int, int], resample: int) -> np.ndarray | torch.Tensor:

@@ -14,6 +14,14 @@ import torch
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import MultiModalData, ProcessorMixin
 
+from configuration.remote_code import (
+    is_project_class,
+    pop_push_arguments,
+    processor_auto_maps,
+    push_saved_folder,
+    save_remote_code,
+)
+
 from .image_processing_dsv41 import flatten_images
 from .image_tokens import ImageTokenType, image_span_token_types, span_length, token_grid
 from .tokenizer_dsv41 import CHAT_TEMPLATE, IMAGE_TOKEN
@@ -121,14 +129,29 @@ class DeepseekV41Processor(ProcessorMixin):
         return torch.tensor(all_types, dtype=torch.int64) if isinstance(input_ids, torch.Tensor) else all_types
 
     def _get_num_multimodal_tokens(self, image_sizes: list[list[int]] | None = None, **kwargs: Any) -> MultiModalData:
-        """Span lengths and patch counts for images of these (height, width) sizes, without the images."""
+        """Span lengths and patch counts for images of these (height, width) sizes, without the images: what a call
+        with the same image settings (flat, as ``min_pixels=``, or nested, as ``images_kwargs={...}``) gives."""
         if image_sizes is None:
             return MultiModalData()
-        plans = [self.image_processor.plan(height, width, **kwargs) for height, width in image_sizes]
+        settings = {key: value for key, value in kwargs.items() if key in self.image_processor.valid_kwargs.__annotations__}
+        settings.update(kwargs.get("images_kwargs") or {})
+        plans = [self.image_processor.plan(height, width, **settings) for height, width in image_sizes]
         return MultiModalData(
             num_image_tokens=[plan.num_positions for plan in plans],
             num_image_patches=[plan.num_patches for plan in plans],
         )
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs: Any) -> list[str]:
+        """:meth:`ProcessorMixin.save_pretrained`, plus the flat remote code its ``auto_map`` names
+        (:mod:`configuration.remote_code`): the folder loads with ``AutoProcessor.from_pretrained(folder,
+        trust_remote_code=True)`` where this package is not installed."""
+        push = pop_push_arguments(save_directory, kwargs) if push_to_hub else None
+        saved = super().save_pretrained(save_directory, **kwargs)
+        if is_project_class(type(self)):  # (remote code running as such is saved by transformers itself)
+            save_remote_code(save_directory, processor_auto_maps(self))
+        if push is not None:
+            push_saved_folder(save_directory, **push)
+        return saved
 
     @property
     def model_input_names(self) -> list[str]:

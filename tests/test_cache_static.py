@@ -159,21 +159,31 @@ def test_decode_step_compiles_with_inductor():
     assert worst <= 1e-5, worst  # inductor fuses and reorders fp32 elementwise math
 
 
-def test_assisted_generation_matches_greedy(monkeypatch):
-    """A draft model with other weights proposes tokens the model mostly rejects: every rejection crops both
-    caches (the model's inside its prompt on the first round), and the result must be plain greedy decoding."""
+@pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["dynamic", "static"])
+@pytest.mark.parametrize("drafter", ["assistant_model", "prompt_lookup"])
+def test_assisted_generation_matches_greedy(drafter, cache_implementation, monkeypatch):
+    """A draft model with other weights, or prompt lookup on a prompt that repeats itself, proposes tokens the model
+    mostly rejects: every rejection crops the caches (a draft model's inside its prompt on the first round), and the
+    result must be plain greedy decoding, with the dynamic cache and with the static one (which transformers'
+    recording call, ``recurrent_states_to_keep``, sizes for a crop of any length)."""
     model = tiny_model()
-    torch.manual_seed(1)
-    draft = type(model)(model.config).eval()
-    draft.model.engram_hasher.token_map.copy_(model.model.engram_hasher.token_map)
-    draft.generation_config.eos_token_id = None
     crops = []
     crop = DeepseekV41Cache.crop
-    monkeypatch.setattr(DeepseekV41Cache, "crop", lambda self, n: (crops.append(n), crop(self, n))[1])
-    prompt = random_prompt(37, 0)
-    greedy = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
-    assisted = model.generate(prompt, assistant_model=draft, **greedy)
-    assert any(n < 0 for n in crops)  # rejected draft tokens were rolled back
+    monkeypatch.setattr(DeepseekV41Cache, "crop", lambda self, n: (crops.append((type(self), n)), crop(self, n))[1])
+    greedy = dict(max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=cache_implementation)
+    if drafter == "assistant_model":
+        torch.manual_seed(1)
+        draft = type(model)(model.config).eval()
+        draft.model.engram_hasher.token_map.copy_(model.model.engram_hasher.token_map)
+        draft.generation_config.eos_token_id = None
+        prompt = random_prompt(37, 0)
+        drafting = dict(assistant_model=draft)
+    else:
+        prompt = random_prompt(13, 0).repeat(1, 3)  # every 3-gram recurs: prompt lookup always finds a draft
+        drafting = dict(prompt_lookup_num_tokens=4)
+    assisted = model.generate(prompt, **drafting, **greedy)
+    expected = DeepseekV41StaticCache if cache_implementation == "static" else DeepseekV41Cache
+    assert any(n < 0 and kind is expected for kind, n in crops)  # the model's rejected draft tokens rolled back
     assert torch.equal(assisted, model.generate(prompt, **greedy))
 
 

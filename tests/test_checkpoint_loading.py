@@ -124,18 +124,25 @@ def test_save_then_load_is_bit_exact(fixture_folder, tmp_path, table_dtype):
     config = DeepseekV41Config.from_pretrained(fixture_folder)
     config.text_config.engram_table_dtype = table_dtype
     model = _load(fixture_folder, config=config, dtype=torch.bfloat16)
-    model.save_pretrained(tmp_path)  # our format: plain weights, token map included, no tokenizer.json needed
-    saved = load_file(tmp_path / "model.safetensors")
+    # transformers' default: the released names (plain weights, token map included, no tokenizer.json needed)
+    model.save_pretrained(tmp_path / "released")
+    saved = load_file(tmp_path / "released/model.safetensors")
+    assert "engram_hasher.token_map" in saved and "head.weight" in saved
+    assert "layers.0.ffn.experts.0.w1.weight" in saved and not any(".gate_up_proj" in name for name in saved)
+    assert not any(name.endswith(".scale") and "engram.embed" not in name for name in saved)
+    model.save_pretrained(tmp_path / "ours", save_original_format=False)  # our names
+    saved = load_file(tmp_path / "ours/model.safetensors")
     assert "model.engram_hasher.token_map" in saved and "lm_head.weight" in saved
     assert "model.layers.0.ffn.experts.gate_up_proj" in saved and not any(".experts.0." in name for name in saved)
-    assert not any(name.endswith(".scale") and "engram.embed" not in name for name in saved)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    assert isinstance(reloaded, DeepseekV41ForCausalLM)
-    before, after = model.state_dict(), reloaded.state_dict()
-    assert before.keys() == after.keys()
-    for name, tensor in before.items():
-        assert after[name].dtype == tensor.dtype, name
-        assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    before = model.state_dict()
+    for layout in ("released", "ours"):
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / layout, dtype=torch.bfloat16)
+        assert isinstance(reloaded, DeepseekV41ForCausalLM)
+        after = reloaded.state_dict()
+        assert before.keys() == after.keys()
+        for name, tensor in before.items():
+            assert after[name].dtype == tensor.dtype, name
+            assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), (layout, name)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

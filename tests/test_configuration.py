@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from configuration import DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
+from configuration import PRESETS_DIR, DeepseekV41Config, DeepseekV41TextConfig, DeepseekV41VisionConfig
 
 
 def test_presets_load_and_round_trip(tmp_path):
@@ -104,3 +104,54 @@ def test_flat_reference_config_missing_a_size_key_is_a_clear_error(fixtures_dir,
 def test_a_config_that_is_not_an_object_is_a_clear_error():
     with pytest.raises(ValueError, match="must be a JSON object, got list"):
         DeepseekV41Config.from_dict([1, 2])
+
+
+def test_the_released_config_json_gives_the_preset(fixtures_dir, tmp_path):
+    """The release's own config.json (its published key names: `rope_scaling`, `dspark_num_experts_per_tok`,
+    `topk_method`, a root `quantization_config`) loads through the Auto classes as the `deepseek-v4.1-flash` preset,
+    and the preset and a saved config use those names."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    import modeling_dsv41  # noqa: F401  (registers the Auto classes)
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.placement import meta_instance
+
+    published = json.loads((fixtures_dir / "released_config/config.json").read_text())
+    shutil.copy(fixtures_dir / "released_config/config.json", tmp_path / "config.json")
+    config = AutoConfig.from_pretrained(tmp_path)
+    preset = DeepseekV41Config.from_preset("deepseek-v4.1-flash")
+    assert {**config.to_dict(), "_name_or_path": ""} == preset.to_dict()
+    text = config.text_config
+    assert (text.dspark_top_k, text.dspark_num_routed_experts) == (3, 128)  # the draft head's top-3 of 128
+    assert text.compress_rope_scaling == published["text_config"]["rope_scaling"]  # YaRN on the compressed layers
+    assert config.quantization_config == published["quantization_config"]  # the native storage it describes
+    assert sum(p.numel() for p in meta_instance(config, DeepseekV41ForCausalLM).parameters()) == 763_205_284_306
+    config.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved/config.json").read_text())
+    for key, value in published["text_config"].items():
+        assert saved["text_config"][key] == value, key
+    assert saved["quantization_config"] == published["quantization_config"]
+    preset_file = json.loads((PRESETS_DIR / "deepseek-v4.1-flash.json").read_text())
+    assert set(published["text_config"]) <= set(preset_file["text_config"])
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"dspark_num_experts_per_tok": 2, "dspark_n_activated_experts": 3}, "name the same setting"),
+        ({"rope_scaling": {"rope_type": "default"}, "compress_rope_scaling": {"rope_type": "yarn"}}, "name the same"),
+        ({"topk_method": "greedy"}, "noaux_tc"),
+    ],
+)
+def test_the_other_names_of_a_setting_must_agree(keys, message):
+    text = DeepseekV41Config.from_preset("tiny").text_config.to_dict()
+    with pytest.raises(ValueError, match=message):
+        DeepseekV41TextConfig(**{**text, **keys})
+
+
+def test_deepseek_inference_name_of_the_draft_top_k_is_read():
+    text = DeepseekV41Config.from_preset("tiny").text_config.to_dict()
+    text.pop("dspark_num_experts_per_tok", None)
+    assert DeepseekV41TextConfig(**text, dspark_n_activated_experts=1).dspark_num_experts_per_tok == 1

@@ -246,7 +246,7 @@ def trainer_run(rank: int, world: int, output: Path, resume: Path | bool | None 
     args = DeepseekV41TrainingArguments(
         output_dir=str(output), max_steps=TRAIN_STEPS, save_steps=SAVE_STEPS, per_device_train_batch_size=2,
         gradient_accumulation_steps=WORLD // world, learning_rate=LR, expert_parallel_size=EP_SIZE,
-        gradient_checkpointing=True, bias_update_speed=TRAINER_SPEED, logging_steps=1, report_to="none",
+        activation_checkpointing=True, bias_update_speed=TRAINER_SPEED, logging_steps=1, report_to="none",
         remove_unused_columns=False, dataloader_num_workers=0, seed=0, offload_activations=offload,
     )
     model = tiny_training_model(num_hidden_layers=2, seed=0)
@@ -495,7 +495,7 @@ def test_printed_expert_parallel_launch_trains_on_4_processes_and_saves_sharded_
 
     (argv,) = [argv for argv in full_finetune_commands("accelerate launch") if "--num_machines" not in argv]
     assert argv[3] == "examples/accelerate/fsdp2_ep.yaml" and flag(argv, "--expert_parallel_size") == "2"
-    assert flag(argv, "--gradient_checkpointing") == "true"
+    assert flag(argv, "--activation_checkpointing") == "true"
     cwd = workspace(tmp_path, demo_model)
     launch(argv, cwd)
     output = cwd / flag(argv, "--output_dir")
@@ -533,7 +533,7 @@ def test_printed_multi_node_launches_parse(monkeypatch):
         parsed, args = HfArgumentParser((FullScriptArguments, DeepseekV41TrainingArguments)).parse_args_into_dataclasses(
             [*flags, "--report_to", "none"]
         )
-        assert parsed.model == "converted" and args.expert_parallel_size == 64 and args.gradient_checkpointing
+        assert parsed.model == "converted" and args.expert_parallel_size == 64 and args.activation_checkpointing
         assert 128 % args.expert_parallel_size == 0 and 384 % args.expert_parallel_size == 0
     assert args.fsdp_plugin_args["fsdp_version"] == 2 and "SHARDED" in str(args.fsdp_plugin_args["state_dict_type"])
 

@@ -24,7 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.engram import build_compressed_token_map
-from modeling_dsv41.hub.export import EXPORT_MANIFEST, export_for_hub, flatten_module_source, push_to_hub
+from configuration.remote_code import flatten_module_source
+from modeling_dsv41.hub.export import EXPORT_MANIFEST, export_for_hub, push_to_hub
 from processing import DeepseekV41ImageProcessor, DeepseekV41Processor, build_tiny_tokenizer  # (registers them)
 from tiny_models import tiny_model
 
@@ -371,6 +372,27 @@ class LocalHub:
             shutil.copyfile(op.path_or_fileobj, target)
         url = f"https://huggingface.co/{repo_id}/commit/{'0' * 40}"
         return CommitInfo(commit_url=url, commit_message=kwargs["commit_message"], commit_description="", oid="0" * 40)
+
+    def upload_folder(self, api, repo_id, folder_path, path_in_repo="", ignore_patterns=None, run_as_future=False,
+                      **kwargs):
+        """``HfApi.upload_folder`` (the Trainer's pushes): the folder's files, less ``ignore_patterns``, into the repo
+        (done at once, also when asked to run as a future)."""
+        from concurrent.futures import Future
+
+        from huggingface_hub.utils import filter_repo_objects
+
+        folder = Path(folder_path)
+        files = [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file()]
+        for name in filter_repo_objects(files, ignore_patterns=ignore_patterns):
+            target = self.root / repo_id / path_in_repo / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / name, target)
+        self.commits.append((repo_id, kwargs))
+        if not run_as_future:
+            return None
+        done = Future()
+        done.set_result(None)
+        return done
 
 
 def test_push_to_hub_commits_the_export(tiny, exported, tmp_path, monkeypatch):

@@ -435,10 +435,15 @@ def test_size_is_transformers_view_of_min_pixels(backend):
     with pytest.raises(ValueError, match="only 'shortest_edge'"):
         backend(size={"height": 28, "width": 28})
     image = random_image(40, 30, seed=0)
-    with pytest.raises(ValueError, match="pass min_pixels="):  # never silently ignored in a call
-        processor(image, size={"shortest_edge": 5000})
     smaller = processor(image, min_pixels=3000, return_tensors="pt").pixel_values
     assert smaller.shape[0] < processor(image, return_tensors="pt").pixel_values.shape[0]
+    # a call's size is its min_pixels (transformers' processors pass it so), never silently ignored
+    assert torch.equal(processor(image, size={"shortest_edge": 3000}, return_tensors="pt").pixel_values, smaller)
+    assert processor.plan(40, 30, size={"shortest_edge": 3000}) == processor.plan(40, 30, min_pixels=3000)
+    with pytest.raises(ValueError, match="disagree"):
+        processor(image, size={"shortest_edge": 5000}, min_pixels=3000)
+    with pytest.raises(ValueError, match="only 'shortest_edge'"):
+        processor(image, size={"height": 28, "width": 28})
 
 
 def test_kwargs_class_is_exposed_by_both_backend_modules():

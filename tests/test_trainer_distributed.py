@@ -366,7 +366,7 @@ def run_printed_command_then_resume(config: str, tmp: Path, demo: Path) -> tuple
     checkpoint without gradient checkpointing, through tests/accelerate_cpu.py (which reports what each process
     holds). Returns the second run's per-rank reports, the first run's two checkpoints and the second run's last."""
     argv = printed_launch_commands()[config]
-    assert flag(argv, "--gradient_checkpointing") == "true"  # the printed run checkpoints activations
+    assert flag(argv, "--activation_checkpointing") == "true"  # the printed run checkpoints activations
     cwd = workspace(tmp, demo)
     launch(argv, cwd)
     output, save_steps, max_steps = cwd / flag(argv, "--output_dir"), int(flag(argv, "--save_steps")), int(flag(argv, "--max_steps"))
@@ -378,7 +378,7 @@ def run_printed_command_then_resume(config: str, tmp: Path, demo: Path) -> tuple
 
     flags = argv[5:]
     flags[flags.index("--output_dir") + 1] = "resumed"
-    flags[flags.index("--gradient_checkpointing") + 1] = "false"
+    flags[flags.index("--activation_checkpointing") + 1] = "false"
     report = cwd / "report"
     report.mkdir()
     resume = [*argv[:4], str(REPO_ROOT / "tests" / "accelerate_cpu.py"), str(report), *flags,

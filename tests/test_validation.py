@@ -142,3 +142,21 @@ def test_truncated_model_safetensors_names_the_file(model, tmp_path):
     weights.write_bytes(data[:100])  # cut inside the header
     with pytest.raises(ValueError, match=rf"{weights} is not a valid safetensors file"):
         DeepseekV41ForCausalLM.from_pretrained(tmp_path)
+
+
+def test_inputs_past_max_position_embeddings_are_an_error_in_forward_and_generate(model, monkeypatch):
+    """The rotary tables are fit to max_position_embeddings positions: a prefill longer than that, a decode step that
+    passes it, and a generate call asked to pass it are refused (generate before its first step), not run."""
+    monkeypatch.setattr(model.config.text_config, "max_position_embeddings", SEQ + 2)
+    with torch.no_grad():
+        model(ids(seq=SEQ + 2))  # exactly at the limit runs
+        with pytest.raises(ValueError, match=r"reach position 27 \(0 cached and 27 new\), past max_position_embeddings \(26\)"):
+            model(ids(seq=SEQ + 3))
+        cache = DeepseekV41Cache(model.config)
+        model(ids(seq=SEQ), cache=cache)
+        model(ids(seq=2), cache=cache)
+        with pytest.raises(ValueError, match=r"reach position 27 \(26 cached and 1 new\)"):
+            model(ids(seq=1), cache=cache)
+    with pytest.raises(ValueError, match=r"max_length=27 tokens \(an input of 24\) passes max_position_embeddings \(26\)"):
+        model.generate(ids(), max_new_tokens=3, do_sample=False)
+    assert model.generate(ids(), max_new_tokens=2, do_sample=False).shape[1] == SEQ + 2

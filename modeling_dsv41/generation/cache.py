@@ -352,10 +352,15 @@ class DeepseekV41Cache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
-    def activate_past_recording(self, max_rewind: int | None = None) -> None:
+    def activate_past_recording(self, max_rewind: int | None = None, recurrent_states_to_keep: int | None = None) -> None:
         """Make :meth:`crop` possible from now on: of any number of tokens (the cache then keeps every token's
         state since), or with ``max_rewind`` of at most that many at a time (DSpark: a draft block and its first
-        token), keeping a fixed amount (the window's and open groups' last ``max_rewind`` tokens more)."""
+        token), keeping a fixed amount (the window's and open groups' last ``max_rewind`` tokens more).
+
+        ``recurrent_states_to_keep`` is what transformers' assisted decoding passes: the draft length when the
+        recording starts, which its candidate generators may raise later (the "heuristic" schedule adds 2 after a
+        fully accepted draft). It does not bound a crop, so this cache then records any number of tokens."""
+        del recurrent_states_to_keep  # a linear-attention state count; no bound on this cache's rollbacks (above)
         if max_rewind is not None and max_rewind < 1:
             raise ValueError(f"max_rewind must be a positive number of tokens, got {max_rewind}")
         for layer in self.layers:
@@ -623,19 +628,18 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         self.engram_history: torch.Tensor | None = None
         self._empty = True
 
-    def activate_past_recording(self, max_rewind: int | None = None) -> None:
+    def activate_past_recording(self, max_rewind: int | None = None, recurrent_states_to_keep: int | None = None) -> None:
         """Make :meth:`crop` able to remove up to ``max_rewind`` of the newest tokens (DSpark: the draft block size)
         at any point: the buffers then keep ``max_rewind`` more window columns, open-group projections and Engram
-        ids. A rollback of any length (transformers' assisted generation) needs the dynamic cache."""
-        if max_rewind is None or max_rewind < 1:
-            raise ValueError(
-                "a static DeepSeek-V4.1 cache records its past in fixed sizes: activate_past_recording(max_rewind) "
-                "needs the most tokens one crop removes (assisted generation with a draft model needs the dynamic "
-                "DeepseekV41Cache)"
-            )
+        ids. Without ``max_rewind`` (transformers' assisted generation, which passes ``recurrent_states_to_keep``: a
+        draft length its schedule may raise later), a crop of any length is kept possible: ``max_cache_len`` more
+        columns, the memory of a per-token cache."""
+        del recurrent_states_to_keep  # not a bound on a crop (see DeepseekV41Cache.activate_past_recording)
+        if max_rewind is not None and max_rewind < 1:
+            raise ValueError(f"max_rewind must be a positive number of tokens, got {max_rewind}")
         if not self._empty:
             raise ValueError("activate the static cache's past recording before the prefill (it sizes the buffers)")
-        super().activate_past_recording(max_rewind)
+        super().activate_past_recording(max_rewind or self.max_cache_len)
 
     def _rewind_engram_history(self, tokens: torch.Tensor) -> None:
         self._store("engram_history", shift_right(self.engram_history, tokens, self.engram_history.shape[1], DEAD))

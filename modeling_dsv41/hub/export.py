@@ -1,196 +1,31 @@
 """Publishing DeepSeek-V4.1 on the Hub as remote code, with a model card.
 
-``trust_remote_code`` loading copies a repo's code as one flat folder in which modules may import each other only
-as siblings (``from .moe import …``). Our source spans three packages (``configuration``, ``processing``,
-``modeling_dsv41``), so :func:`export_for_hub` writes every module the saved classes need side by side, rewrites
-the project imports into sibling imports (``from configuration.configuration_dsv41 import X`` →
-``from .configuration_dsv41 import X``), points ``auto_map`` at them and renders the model card (``model_card.md``
-at the repository root) into ``README.md``. The result loads with only transformers installed::
-
-    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-    AutoProcessor.from_pretrained(path, trust_remote_code=True)
-
-Where this package is installed, its registered classes take precedence over the repo's code: transformers loads
-remote code only for a config or processor it has no registered (non-transformers) class for, even with
-``trust_remote_code=True``.
-
-We write ``auto_map`` into the saved JSON files instead of calling ``register_for_auto_class``: that sets a class
-attribute for the whole process (every later ``save_pretrained`` would copy code) and copies only the class's own
-package, with its absolute imports left as they are.
+:func:`export_for_hub` saves the model (and its processor or tokenizer), whose ``save_pretrained`` writes the flat
+remote code and ``auto_map`` (:mod:`configuration.remote_code`), and renders the model card (``model_card.md`` at the
+repository root) into ``README.md``; :func:`push_to_hub` publishes that folder in one commit.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib
-import importlib.util
 import json
-import re
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
+from transformers import PreTrainedModel
 
-PROJECT_PACKAGES = ("configuration", "processing", "modeling_dsv41")
-# the Auto classes a model's config.json maps, as far as this package registered a class for them
-MODEL_AUTO_CLASSES = (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText)
+from configuration.remote_code import is_project_class
+
 DEFAULT_CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "model_card.md"
 BASE_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash"
 DEFAULT_TAGS = ("custom_code", "deepseek", "deepseek_v41", "moe", "engram", "vision-language", "image-text-to-text")
 
-_IMPORT_HEAD = re.compile(r"from\s+\.*[\w.]*\s+import\b")
 # the files an export wrote, kept next to them (and not published): a later export into the same folder removes
 # exactly those, so nothing stale (old shards, an adapter) is published with the new weights
 EXPORT_MANIFEST = ".dsv41-export.json"
 _NOT_EXPORTED = (".git", ".cache")  # a git clone of the repo, huggingface_hub's local-dir metadata
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Flat remote code
-# ----------------------------------------------------------------------------------------------------------------
-def _is_project_module(name: str) -> bool:
-    return name.split(".")[0] in PROJECT_PACKAGES
-
-
-def _flat_name(module: str) -> str:
-    return module.rsplit(".", 1)[-1]
-
-
-def class_reference(cls: type) -> str:
-    """``auto_map`` entry of a project class: ``"<flat module>.<class>"``."""
-    if not _is_project_module(cls.__module__):
-        raise ValueError(
-            f"{cls.__module__}.{cls.__qualname__} is not part of the dsv41 packages {PROJECT_PACKAGES}: only their "
-            "classes can be exported as remote code"
-        )
-    return f"{_flat_name(cls.__module__)}.{cls.__name__}"
-
-
-def _project_imports(tree: ast.Module, module: str) -> list[tuple[ast.ImportFrom, str]]:
-    """Every ``from … import`` of a project module in ``tree``, with the absolute name of the module it reads."""
-    package = module.rsplit(".", 1)[0]
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if _is_project_module(alias.name):
-                    raise ValueError(
-                        f"{module}: `import {alias.name}` cannot be flattened into remote code; "
-                        f"write `from {alias.name} import ...`"
-                    )
-        elif isinstance(node, ast.ImportFrom):
-            target = importlib.util.resolve_name("." * node.level + (node.module or ""), package)
-            if not _is_project_module(target):
-                continue
-            spec = importlib.util.find_spec(target)
-            if node.module is None or spec is None or spec.submodule_search_locations is not None:
-                raise ValueError(
-                    f"{module} line {node.lineno}: imports from the package {target!r}; remote code is one flat "
-                    "folder, so import from the module that defines the name (e.g. `from .moe import X`)"
-                )
-            found.append((node, target))
-    return found
-
-
-def flatten_module_source(source: str, module: str) -> tuple[str, set[str]]:
-    """Rewrite ``module``'s project imports as sibling imports; returns the new source and the modules it imports."""
-    tree = ast.parse(source)
-    lines = source.splitlines(keepends=True)
-    needed = set()
-    # right to left, so that two imports on one line keep their offsets
-    for node, target in sorted(_project_imports(tree, module), key=lambda f: (f[0].lineno, f[0].col_offset), reverse=True):
-        line = lines[node.lineno - 1]
-        head = _IMPORT_HEAD.match(line, node.col_offset)
-        if head is None:
-            raise ValueError(f"{module} line {node.lineno}: cannot parse the import statement {line.strip()!r}")
-        lines[node.lineno - 1] = f"{line[: head.start()]}from .{_flat_name(target)} import{line[head.end():]}"
-        needed.add(target)
-    return "".join(lines), needed
-
-
-def remote_code_sources(classes: Iterable[type]) -> dict[str, str]:
-    """``{file name: flattened source}`` of the modules defining ``classes`` and of every project module they
-    import, transitively."""
-    pending = [cls.__module__ for cls in classes]
-    for module in pending:
-        if not _is_project_module(module):
-            raise ValueError(f"{module} is not a dsv41 module; only project classes can be exported as remote code")
-    sources: dict[str, str] = {}
-    origin: dict[str, str] = {}
-    while pending:
-        module = pending.pop()
-        file_name = f"{_flat_name(module)}.py"
-        if origin.get(file_name) == module:
-            continue
-        if file_name in origin:
-            raise ValueError(f"{module} and {origin[file_name]} would both be written as {file_name}: rename one")
-        source = Path(importlib.import_module(module).__file__).read_text(encoding="utf-8")
-        sources[file_name], needed = flatten_module_source(source, module)
-        origin[file_name] = module
-        pending.extend(sorted(needed))
-    return sources
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# auto_map
-# ----------------------------------------------------------------------------------------------------------------
-AutoMap = dict[str, "type | dict[str, type]"]  # Auto class name → class, or {backend: class} for image processors
-
-
-def model_auto_map(model: Any) -> AutoMap:
-    """``config.json``'s ``auto_map``: the config class, and the model class this package registered for each of
-    :data:`MODEL_AUTO_CLASSES`."""
-    config_class = type(model.config)
-    auto_map: AutoMap = {"AutoConfig": config_class}
-    for auto_class in MODEL_AUTO_CLASSES:
-        if config_class in auto_class._model_mapping:
-            auto_map[auto_class.__name__] = auto_class._model_mapping[config_class]
-    return auto_map
-
-
-def image_processor_auto_map(image_processor: Any) -> AutoMap:
-    """``{"AutoImageProcessor": class}``, or ``{backend: class}`` when the processing package registered several
-    backends for the class of ``image_processor``."""
-    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING
-
-    for registered in IMAGE_PROCESSOR_MAPPING._extra_content.values():
-        if isinstance(registered, Mapping) and type(image_processor) in registered.values():
-            return {"AutoImageProcessor": {backend: cls for backend, cls in registered.items() if cls is not None}}
-    return {"AutoImageProcessor": type(image_processor)}
-
-
-def processor_auto_maps(processor: Any) -> dict[tuple[str, str | None], AutoMap]:
-    """``{(saved JSON file, key inside it or None): auto_map}`` for a processor: ``AutoProcessor`` in
-    ``processor_config.json`` (and ``tokenizer_config.json``, as transformers does), ``AutoImageProcessor`` in the
-    image processor's entry of ``processor_config.json``."""
-    processor_map: AutoMap = {"AutoProcessor": type(processor)}
-    maps = {("processor_config.json", None): processor_map, ("tokenizer_config.json", None): processor_map}
-    image_processor = getattr(processor, "image_processor", None)
-    if image_processor is not None:
-        maps[("processor_config.json", "image_processor")] = image_processor_auto_map(image_processor)
-    return maps
-
-
-def _classes(auto_map: AutoMap) -> list[type]:
-    return [c for value in auto_map.values() for c in (value.values() if isinstance(value, Mapping) else [value])]
-
-
-def _references(auto_map: AutoMap) -> dict[str, Any]:
-    return {
-        name: {k: class_reference(c) for k, c in value.items()} if isinstance(value, Mapping) else class_reference(value)
-        for name, value in auto_map.items()
-    }
-
-
-def _write_auto_map(path: Path, auto_map: AutoMap, nested_key: str | None = None) -> None:
-    """Merge ``auto_map`` into the JSON file at ``path`` (into its ``nested_key`` entry when given)."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    target = data if nested_key is None else data[nested_key]
-    target["auto_map"] = {**target.get("auto_map", {}), **_references(auto_map)}
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,7 +152,7 @@ def export_for_hub(
     ``save_directory`` must be new, empty or a previous export (whose files are replaced); a folder holding other
     files is refused with a ``ValueError`` naming them.
     """
-    if not isinstance(model, PreTrainedModel) or not _is_project_module(type(model).__module__):
+    if not isinstance(model, PreTrainedModel) or not is_project_class(type(model)):
         raise ValueError(
             f"export_for_hub takes a dsv41 model, got {type(model).__name__}; for a PEFT model, merge the adapters "
             "(merge_and_unload) or publish the adapter alone with its own push_to_hub"
@@ -326,21 +161,11 @@ def export_for_hub(
         raise ValueError("pass either a processor (it saves its own tokenizer) or a tokenizer, not both")
     directory = Path(save_directory)
     _prepare_export_directory(directory)
-    model.save_pretrained(directory, **save_kwargs)
-    auto_maps = {("config.json", None): model_auto_map(model)}
+    model.save_pretrained(directory, **save_kwargs)  # with the flat remote code and auto_map
     if processor is not None:
         processor.save_pretrained(directory)
-        auto_maps.update(processor_auto_maps(processor))
     elif tokenizer is not None:
         tokenizer.save_pretrained(directory)
-
-    classes = set()
-    for (file_name, key), auto_map in auto_maps.items():
-        if (directory / file_name).is_file():
-            _write_auto_map(directory / file_name, auto_map, key)
-            classes.update(_classes(auto_map))
-    for file_name, source in remote_code_sources(sorted(classes, key=lambda c: (c.__module__, c.__name__))).items():
-        (directory / file_name).write_text(source, encoding="utf-8")
     card = render_model_card(
         model, repo_id or str(directory), card_data, results, card_template,
         has_tokenizer=processor is not None or tokenizer is not None, has_processor=processor is not None,
@@ -392,8 +217,4 @@ __all__ = [
     "push_to_hub",
     "render_model_card",
     "build_card_data",
-    "remote_code_sources",
-    "flatten_module_source",
-    "model_auto_map",
-    "class_reference",
 ]

@@ -13,13 +13,21 @@ precision, :mod:`.native_precision`; FP8 Engram tables with ``engram_table_dtype
 weight with its scale and hand both over raw (``weight_scale_inv``, the experts' bytes and scales fused as
 transformers' ``FP8Experts`` holds them); otherwise :class:`DequantizeReleasedWeight` turns them into ``X.weight`` in
 the parameter's dtype (:func:`~.codec.dequantize_released_weight`). Unquantized tensors pass through the same converter.
+
+Two lists, as transformers splits a model's names from its storage: :func:`released_layout_conversions` (names and
+fused experts, plain weights) is what the model registers, what ``save_pretrained`` reverses into the released names,
+and what transformers' reverse-mapping test checks; :func:`released_storage_conversions` adds the scales, and
+``from_pretrained`` loads a folder in the released storage with it (:func:`storage_conversions_registered`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 from transformers.distributed.utils import is_dtensor
 
@@ -212,20 +220,33 @@ class SplitReleasedExperts(ConversionOps):
 _BACKBONE_ROOTS = r"embed|layers|norm|engram_hasher|vision|aligner|image_start|image_newline|image_end"
 
 
-def _released_experts(weights: tuple[str, ...], target: str) -> WeightConverter:
-    sources = [f"ffn.experts.*.{w}{suffix}" for w in weights for suffix in (_WEIGHT, _SCALE)]
+def _released_experts(weights: tuple[str, ...], target: str, suffixes: tuple[str, ...]) -> WeightConverter:
+    sources = [f"ffn.experts.*.{w}{suffix}" for w in weights for suffix in suffixes]
     return WeightConverter(source_patterns=sources, target_patterns=f"ffn.experts.{target}", operations=[MergeReleasedExperts()])
 
 
-def released_storage_conversions() -> list[WeightRenaming | WeightConverter]:
-    """The conversions ``from_pretrained`` applies to DeepSeek-V4.1 checkpoints (and, reversed,
-    ``save_pretrained(save_original_format=True)``). Keys already in our layout match none of them."""
+def _released_names(suffixes: tuple[str, ...]) -> list[WeightRenaming | WeightConverter]:
     return [
         WeightRenaming(source_patterns=rf"^({_BACKBONE_ROOTS})(?=\.|$)", target_patterns=r"model.\1"),
         WeightRenaming(source_patterns=r"^head\.", target_patterns="lm_head."),
-        # experts before the generic converter: a key goes to the first converter that matches it
-        _released_experts(("w1", "w3"), "gate_up_proj"),
-        _released_experts(("w2",), "down_proj"),
+        # experts before a generic converter: a key goes to the first converter that matches it
+        _released_experts(("w1", "w3"), "gate_up_proj", suffixes),
+        _released_experts(("w2",), "down_proj", suffixes),
+    ]
+
+
+def released_layout_conversions() -> list[WeightRenaming | WeightConverter]:
+    """The released names and per-expert weights mapped onto ours, plain weights only: what the model registers for
+    ``deepseek_v41``, and what ``save_pretrained`` reverses (every pattern meets a saved key). Keys already in our
+    layout match none of them."""
+    return _released_names((_WEIGHT,))
+
+
+def released_storage_conversions() -> list[WeightRenaming | WeightConverter]:
+    """:func:`released_layout_conversions` for a folder in the released storage: each quantized weight paired with its
+    ``.scale`` (kept as stored or dequantized, see the module docstring)."""
+    return [
+        *_released_names((_WEIGHT, _SCALE)),
         WeightConverter(
             source_patterns=[RELEASED_WEIGHT, RELEASED_SCALE],
             target_patterns=RELEASED_WEIGHT,
@@ -233,6 +254,21 @@ def released_storage_conversions() -> list[WeightRenaming | WeightConverter]:
         ),
     ]
 
+
+def register_layout_conversions(model_type: str) -> None:
+    """Register :func:`released_layout_conversions` for ``model_type`` with transformers' loading."""
+    register_checkpoint_conversion_mapping(model_type, released_layout_conversions(), overwrite=True)
+
+
+@contextmanager
+def storage_conversions_registered(model_type: str) -> Iterator[None]:
+    """While loading a folder in the released storage: :func:`released_storage_conversions` registered for
+    ``model_type`` instead of the layout ones (transformers reads the registry when it loads)."""
+    register_checkpoint_conversion_mapping(model_type, released_storage_conversions(), overwrite=True)
+    try:
+        yield
+    finally:
+        register_layout_conversions(model_type)
 
 
 __all__ = [
@@ -245,5 +281,8 @@ __all__ = [
     "SplitReleasedExperts",
     "check_whole_scale_blocks",
     "local_shape",
+    "register_layout_conversions",
+    "released_layout_conversions",
     "released_storage_conversions",
+    "storage_conversions_registered",
 ]

@@ -33,6 +33,8 @@ import copy
 import importlib.util
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,8 +45,9 @@ from ..bnb_experts import DeepseekV41BitsAndBytesConfig
 from ..parallel import check_parallel_load, requested_parallelism
 from ..placement import meta_instance
 from ..validation import check_safetensors_folder
+from .conversions import storage_conversions_registered
 from .native_precision import QUANT_METHOD, released_quantization_config
-from .reading import checkpoint_file, stores_quantized_weights, stores_scales
+from .reading import checkpoint_file, sequential_loading, stores_quantized_weights, stores_scales
 
 # bnb's 4-bit CPU kernels quantize in blocks of 64 inputs and pack weights in blocks of 32 outputs
 BNB_4BIT_IN_BLOCK, BNB_4BIT_OUT_BLOCK = 64, 32
@@ -107,6 +110,8 @@ def prepare_checkpoint_load(cls, source, kwargs: dict, hub_kwargs: dict) -> bool
     native_load = native and released and stores_quantized_weights(source, **hub_kwargs)
     if native_load:
         kwargs["config"] = _with_native_quantization(cls, source, kwargs.get("config"), hub_kwargs)
+    elif released:  # dequantized: the folder's quantization_config describes what it stores, not what loads
+        kwargs["config"] = _without_quantization_config(_config(cls, source, kwargs.get("config"), hub_kwargs))
     elif source is not None and not released:
         saved = _saved_native_config(cls, source, kwargs.get("config"), hub_kwargs)
         if saved is not None and not native:
@@ -136,6 +141,14 @@ def _check_bitsandbytes_source(source, released: bool, hub_kwargs: dict) -> None
             "quantization_config: it loads natively, the FP8 / FP4 weights kept as stored (QLoRA-style training goes "
             "through LoRA adapters on them, see docs/released-model.md); or apply bitsandbytes to a bf16 checkpoint"
         )
+
+
+@contextmanager
+def released_storage_loading(model_type: str) -> Iterator[None]:
+    """How transformers loads a folder in the released storage: with the conversions that read the scales, one
+    tensor at a time (:func:`~.reading.sequential_loading`)."""
+    with storage_conversions_registered(model_type), sequential_loading():
+        yield
 
 
 def high_precision_modules(model: nn.Module, load_in_4bit: bool) -> list[str]:
@@ -170,6 +183,14 @@ def _with_native_quantization(cls, source, config: PreTrainedConfig | str | None
     probe = meta_instance(config, cls)
     # a dict, as in a config.json, naming the quant method transformers dispatches to our quantizer
     config.quantization_config = {**released_quantization_config(probe).to_dict(), "quant_method": QUANT_METHOD}
+    return config
+
+
+def _without_quantization_config(config: PreTrainedConfig) -> PreTrainedConfig:
+    """A copy of ``config`` without a ``quantization_config`` (transformers would quantize by it)."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     return config
 
 
@@ -248,4 +269,5 @@ __all__ = [
     "high_precision_modules",
     "loads_natively",
     "prepare_checkpoint_load",
+    "released_storage_loading",
 ]

@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.core_model_loading import revert_weight_conversion
 
+from configuration.configuration_dsv41 import released_quantization_dict
+
 from .codec import quantize_fp4_rows, quantize_fp8_block, quantize_fp8_rows
 
 _WEIGHT, _SCALE = ".weight", ".scale"
@@ -98,8 +100,7 @@ def save_released_checkpoint(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):  # a native load's: a released folder implies its own
-        del config.quantization_config
+    config.quantization_config = released_quantization_dict()  # as the release's config.json says it
     config.save_pretrained(folder)
     state = released_state_dict(model) if state_dict is None else state_dict
     state = {name: tensor.contiguous() for name, tensor in state.items()}

@@ -10,7 +10,8 @@
   in any other ``Trainer`` subclass (TRL's). Adapter training leaves the biases as loaded (they belong to the
   frozen base, which an adapter does not save).
 
-It also makes checkpoints atomic: each is written into ``tmp-checkpoint-N/`` and renamed to ``checkpoint-N`` once
+With ``push_to_hub=True`` it adds :class:`~.hub_push.RemoteCodeCallback`, so that each push during training loads with
+``trust_remote_code=True``. It also makes checkpoints atomic: each is written into ``tmp-checkpoint-N/`` and renamed to ``checkpoint-N`` once
 complete, so a process killed mid-save leaves no ``checkpoint-N`` that resuming would pick and crash on; resuming
 skips, with a warning, any ``checkpoint-N`` without ``trainer_state.json`` (written last; left by older saves).
 NaN / inf losses are logged as they are (``logging_nan_inf_filter`` defaults to ``False``).
@@ -45,6 +46,7 @@ from transformers.training_args import OptimizerNames
 from ..released.native_precision import check_trainable
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
 from .expert_parallel import check_expert_parallel_arguments, check_expert_parallel_trainer
+from .hub_push import RemoteCodeCallback
 from .launch import honour_launch_strategy, use_cpu_without_accelerator
 from .offload import offload_checkpointed_inputs
 from .router_balancing import RouterBiasBalancer, is_adapter_model
@@ -176,7 +178,7 @@ class DeepseekV41TrainingArguments(TrainingArguments):
             raise ValueError(f"optimizer_kind_kwargs has unknown kinds {sorted(unknown)}; known: {list(KINDS)}")
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError("offload_activations keeps the checkpointed layers' inputs in host memory: set "
-                             "activation_checkpointing=True (gradient_checkpointing=True) too")
+                             "activation_checkpointing=True too")
         if self.offload_activations and (self.activation_checkpointing_kwargs or {}).get("offload"):
             raise ValueError("offload_activations and activation_checkpointing_kwargs['offload'] both offload the "
                              "checkpointed inputs: keep one")
@@ -268,6 +270,8 @@ class DeepseekV41Trainer(Trainer):
         elif args.bias_update_speed > 0 and not args.train_dspark_head:
             self.router_balancing = RouterBiasBalancingCallback(args.bias_update_speed)
             self.add_callback(self.router_balancing)
+        if args.push_to_hub:
+            self.add_callback(RemoteCodeCallback())
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -330,7 +334,7 @@ class DeepseekV41Trainer(Trainer):
         if plugin.activation_checkpointing:
             raise ValueError(
                 "fsdp_activation_checkpointing would wrap the layers after DeepseekV41Trainer sharded them: use "
-                "gradient_checkpointing=True (TrainingArguments) instead"
+                "activation_checkpointing=True (TrainingArguments) instead"
             )
         plugin.set_auto_wrap_policy(self.model)  # resolved on the unsharded classes, as accelerate expects
         units = set(getattr(self.model, "_no_split_modules", None) or ())

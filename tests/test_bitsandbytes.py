@@ -331,6 +331,7 @@ def test_qlora_under_trl_sft_trainer(checkpoint, tmp_path):
     args = SFTConfig(
         output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, use_cpu=True,
         report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+        activation_checkpointing=True,  # TRL's default, under transformers' new name
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "experts.lora_A" in n}
     trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)

@@ -445,3 +445,28 @@ def test_4bit_experts_whose_blocks_straddle_rows(double_quant):
     index, weights = torch.randint(0, 4, (10, 2)), torch.rand(10, 2)
     reference = dequantized_experts(experts, torch.bfloat16)
     torch.testing.assert_close(experts(x, index, weights), reference(x, index, weights), rtol=0, atol=0)
+
+
+def test_merging_expert_adapters_gives_bf16_experts_holding_dequantized_weights_plus_delta(checkpoint):
+    torch.manual_seed(4)
+    model = _load(checkpoint, FORMATS["nf4-double"])
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(2))
+    base_logits = _logits(model, ids)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERT_PARAMETERS,
+                        init_lora_weights=False)  # random B: the adapters act
+    model = get_peft_model(model, config).eval()
+    adapted = _logits(model, ids)
+    wrapper = model.base_model.model.model.layers[0].ffn.experts  # down_proj's, around gate_up_proj's
+    lora_a, lora_b, scaling = wrapper._factors(["default"])(1)[0]
+    # the base as the experts compute with it (dequantized to bf16) plus the delta, summed in fp32
+    dequantized = wrapper.get_base_layer().dequantize("down_proj", 1, dtype=torch.bfloat16).float()
+    expected = dequantized + scaling * lora_b @ lora_a
+    merged = model.merge_and_unload()
+    experts = merged.model.layers[0].ffn.experts
+    assert type(experts) is DeepseekV41Experts and experts.gate_up_proj.dtype == torch.bfloat16
+    torch.testing.assert_close(experts.down_proj[1].float(), expected, rtol=2**-8, atol=1e-6)  # one bf16 rounding
+    # the merged model rounds base + delta to bf16 once where the adapted one adds the fp32 LoRA path to the bf16
+    # product, and the routing's top-k turns some of those ulps into other choices: the logits agree to a small share
+    # of what the adapters changed (as on the native FP4 experts, tests/test_native_precision.py)
+    error = (_logits(merged, ids) - adapted).abs().max() / (adapted - base_logits).abs().max()
+    assert error < 0.1, error

@@ -99,9 +99,12 @@ def test_released_checkpoint_refuses_bitsandbytes(checkpoint, tmp_path):
     source = DeepseekV41ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
     save_released_checkpoint(source, tmp_path)
     stub_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    for config in (BitsAndBytesConfig(**NF4), BitsAndBytesConfig(load_in_8bit=True)):
-        with pytest.raises(ValueError, match="released storage.*without\\s+quantization_config.*loads natively"):
-            DeepseekV41ForCausalLM.from_pretrained(tmp_path, quantization_config=config, dtype=torch.bfloat16)
+    native = DeepseekV41ForCausalLM.from_pretrained(tmp_path)
+    native.save_pretrained(tmp_path / "saved-native")  # FP8 / FP4 as loaded, in transformers' FP8 layout
+    for folder in (tmp_path, tmp_path / "saved-native"):
+        for config in (BitsAndBytesConfig(**NF4), BitsAndBytesConfig(load_in_8bit=True)):
+            with pytest.raises(ValueError, match="released storage.*without\\s+quantization_config.*loads natively"):
+                DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.bfloat16)
 
 
 def _qlora(model):

@@ -100,7 +100,7 @@ def prepare_checkpoint_load(cls, source, kwargs: dict, hub_kwargs: dict) -> bool
     quantization_config = kwargs.get("quantization_config")
     released = stores_scales(source, **hub_kwargs)
     if isinstance(quantization_config, BitsAndBytesConfig):
-        _check_bitsandbytes_source(source, released, hub_kwargs)
+        _check_bitsandbytes_source(cls, source, released, kwargs.get("config"), hub_kwargs)
         kwargs["quantization_config"] = _with_high_precision_modules(
             cls, source, quantization_config, kwargs.get("config"), hub_kwargs
         )
@@ -131,12 +131,14 @@ def prepare_checkpoint_load(cls, source, kwargs: dict, hub_kwargs: dict) -> bool
     return released
 
 
-def _check_bitsandbytes_source(source, released: bool, hub_kwargs: dict) -> None:
-    """Refuse bitsandbytes on a checkpoint stored FP8 / FP4: it would quantize the dequantized FP4 experts again, only
-    adding error, to about the size they are stored at."""
-    if released and stores_quantized_weights(source, **hub_kwargs):
+def _check_bitsandbytes_source(cls, source, released: bool, config, hub_kwargs: dict) -> None:
+    """Refuse bitsandbytes on a checkpoint stored FP8 / FP4 (released, or saved after a native load): it would quantize
+    the dequantized FP4 experts again, only adding error, to about the size they are stored at."""
+    stored_quantized = released and stores_quantized_weights(source, **hub_kwargs)
+    if stored_quantized or (source is not None and _saved_native_config(cls, source, config, hub_kwargs) is not None):
         raise ValueError(
-            f"{source} stores its Linears FP8 and its routed experts FP4 (the released storage): quantizing them again "
+            f"{source} stores its Linears FP8 and its routed experts FP4 (the released storage, or a model saved after "
+            "a native load): quantizing them again "
             "with bitsandbytes would only add error to weights already stored in 4 and 8 bits. Load it without "
             "quantization_config: it loads natively, the FP8 / FP4 weights kept as stored (QLoRA-style training goes "
             "through LoRA adapters on them, see docs/released-model.md); or apply bitsandbytes to a bf16 checkpoint"

@@ -473,3 +473,19 @@ def test_merging_expert_adapters_gives_bf16_experts_holding_dequantized_weights_
     # of what the adapters changed (as on the native FP4 experts, tests/test_native_precision.py)
     error = (_logits(merged, ids) - adapted).abs().max() / (adapted - base_logits).abs().max()
     assert error < 0.1, error
+
+
+@pytest.mark.parametrize("fmt", ["nf4-double", "int8"])
+def test_nothing_dequantized_waits_for_the_backward(checkpoint, fmt):
+    """The experts' weights are dequantized inside each product and again in its backward: autograd saves no
+    dequantized weight (each [64, 64] here; 10 tokens give no activation that large)."""
+    experts = _load(checkpoint, FORMATS[fmt]).model.layers[0].ffn.experts
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 64, generator=generator, dtype=torch.bfloat16, requires_grad=True)
+    index, weights = torch.randint(0, 4, (10, 2), generator=generator), torch.rand(10, 2, generator=generator)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(tuple(t.shape)), t)[1], lambda t: t):
+        out = experts(x, index, weights)
+    assert saved and not [shape for shape in saved if shape[-2:] == (64, 64)]
+    out.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0

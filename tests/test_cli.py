@@ -285,6 +285,15 @@ def test_inspect_storage_compares_the_load_paths(capsys):
     assert "drop --devices" in _one_line_error(capsys.readouterr().err, "inspect")
 
 
+def test_inspect_storage_without_bitsandbytes_is_a_one_line_error(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    assert main(["inspect", "tiny", "--storage", "nf4"]) == 2
+    assert 'pip install -e ".[quant]"' in _one_line_error(capsys.readouterr().err, "inspect")
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

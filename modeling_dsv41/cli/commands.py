@@ -301,6 +301,11 @@ def _print_storage_costs(config, args: argparse.Namespace) -> int:
     if args.devices or args.tp or args.ep or args.train:
         raise ValueError(f"--storage {args.storage} prints the weights of each load path: drop --devices, --tp, --ep "
                          "and --train (they plan the released or bf16 weights)")
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"--storage {args.storage} builds the modules bitsandbytes loads: install it "
+                         "(pip install -e \".[quant]\")")
     print()
     print(format_storage_costs(config, storage_costs(config)))
     return 0

@@ -489,3 +489,9 @@ def test_nothing_dequantized_waits_for_the_backward(checkpoint, fmt):
     assert saved and not [shape for shape in saved if shape[-2:] == (64, 64)]
     out.sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("parallel", [dict(tp_plan="auto"), dict(tp_size=2)])
+def test_bitsandbytes_with_tensor_or_expert_parallelism_is_refused(checkpoint, parallel):
+    with pytest.raises(ValueError, match="bitsandbytes with tensor or expert parallelism.*device_map"):
+        _load(checkpoint, FORMATS["nf4"], **parallel)

@@ -23,8 +23,8 @@ and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone. The fu
 which transformers' bnb integration leaves alone) are quantized too, one state per expert
 (:mod:`~modeling_dsv41.bnb_experts`: the config becomes a ``DeepseekV41BitsAndBytesConfig``, whose quantizers are
 transformers' extended to them); QLoRA adapts them through PEFT's ``target_parameters``. A log line at load says what
-stays in high precision. A folder in the released storage refuses a bitsandbytes config: its FP8 / FP4 weights load
-natively.
+stays in high precision. A folder in the released storage refuses a bitsandbytes config (its FP8 / FP4 weights load
+natively), and so does a tensor- or expert-parallel load (the plans do not split the experts' block states).
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ def prepare_checkpoint_load(cls, source, kwargs: dict, hub_kwargs: dict) -> bool
     released = stores_scales(source, **hub_kwargs)
     if isinstance(quantization_config, BitsAndBytesConfig):
         _check_bitsandbytes_source(cls, source, released, kwargs.get("config"), hub_kwargs)
+        if requested_parallelism(kwargs) is not None:
+            raise ValueError(
+                "bitsandbytes with tensor or expert parallelism (tp_plan / tp_size / distributed_config) is not "
+                "supported: the parallel plans do not split the quantized experts' block states. Load with device_map "
+                "(each quantized module whole on one device), or in parallel without quantization_config"
+            )
         kwargs["quantization_config"] = _with_high_precision_modules(
             cls, source, quantization_config, kwargs.get("config"), hub_kwargs
         )

@@ -273,6 +273,27 @@ def test_inspect_errors_are_one_line(tmp_path, capsys):
     _one_line_error(capsys.readouterr().err, "inspect")
 
 
+def test_inspect_storage_compares_the_load_paths(capsys):
+    """``--storage nf4`` / ``int8``: each load path's weights and bytes per parameter (their sums are tested against a
+    loaded model in tests/test_bitsandbytes.py)."""
+    assert main(["inspect", "tiny", "--storage", "nf4"]) == 0
+    out = capsys.readouterr().out
+    for path in ("bf16 (fp32 where kept)", "native FP8 / FP4 (released storage)", "bitsandbytes int8",
+                 "bitsandbytes NF4 ", "bitsandbytes NF4, double quantization"):
+        assert re.search(rf"^{re.escape(path)}\s+[\d.]+ [KMG]iB\s+\d\.\d{{3}}\s+[\d.]+ [KMG]iB\s+\d\.\d{{3}}$", out, re.M), path
+    assert main(["inspect", "tiny", "--storage", "int8", "--devices", "8x80GiB"]) == 2
+    assert "drop --devices" in _one_line_error(capsys.readouterr().err, "inspect")
+
+
+def test_inspect_storage_without_bitsandbytes_is_a_one_line_error(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    assert main(["inspect", "tiny", "--storage", "nf4"]) == 2
+    assert 'pip install -e ".[quant]"' in _one_line_error(capsys.readouterr().err, "inspect")
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -84,11 +84,14 @@ def test_native_and_bf16_weights():
                           f"accelerators, and 8×80 GiB with the two tables ({host}) in host memory")
 
 
-def test_bitsandbytes_leaves_the_experts_in_bf16():
-    (count,) = read(inspect(), r"^MoE: routed experts\s+([\d,]+)\s")
-    gib = int(count.replace(",", "")) * 2 / 2**30
-    assert_says(RELEASED, f"({billions('MoE: routed experts')} billion of the {total_billions()} billion parameters) "
-                          f"stay in bf16: {gib:.1f} GiB for them alone")
+def test_bitsandbytes_storage_table():
+    out = inspect("--storage", "nf4")
+    for path in ("bf16 (fp32 where kept)", "native FP8 / FP4 (released storage)", "bitsandbytes int8",
+                 "bitsandbytes NF4", "bitsandbytes NF4, double quantization"):
+        cells = read(out, rf"^{re.escape(path)}\s+([\d.]+ [GT]iB)\s+([\d.]+)\s+([\d.]+ [GT]iB)\s+([\d.]+)$")
+        assert_says(RELEASED, f"| {path} | {' | '.join(cells)} |")
+    (without,) = read(out, r"^bitsandbytes NF4, double quantization\s+\S+ \S+\s+\S+\s+\S+ \S+\s+([\d.]+)$")
+    assert_says(RELEASED, f"NF4 with double quantization holds everything but the Engram tables in {without} bytes")
 
 
 @pytest.mark.parametrize("plan", ["--tp", "--ep"])

@@ -108,10 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--devices", type=parse_devices, default=None, metavar="NxSIZE",
                          help="also plan device_map=\"auto\" on these accelerators (e.g. 8x141GiB): weights per "
                          "device, host memory for the Engram tables, decode cache bytes per token")
-    inspect.add_argument("--storage", choices=("released", "loaded"), default="released",
+    inspect.add_argument("--storage", choices=("released", "loaded", "nf4", "int8"), default="released",
                          help="weight sizes for --devices: the released storage (FP8 Linears, FP4 experts, FP8 Engram "
                          "tables, as native loading keeps them) or the dtypes of a model loaded in bfloat16 "
-                         "(default: %(default)s)")
+                         "(default: %(default)s); nf4 / int8: the weights and bytes per parameter of the model "
+                         "loaded with bitsandbytes (NF4 with and without double quantization, int8), next to bf16 "
+                         "and the native FP8 / FP4 load")
     inspect.add_argument("--tp", type=_int_at_least(2), default=None, metavar="N",
                          help='per-rank weights under tensor parallelism on N ranks (tp_plan="auto"; with --devices, '
                          "N of them)")
@@ -277,6 +279,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
     print(f"DeepSeek-V4.1 configuration: {args.target}")
     print(format_inspection(inspect_config(config)))
     native = args.storage == "released"
+    if args.storage in ("nf4", "int8"):
+        return _print_storage_costs(config, args)
     if args.train:
         return _print_training_plan(config, args)
     if args.tp or args.ep:
@@ -288,6 +292,22 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print()
         plan = plan_device_map(build_meta_model(config), args.devices, native=native)
         print(format_plan(plan, args.devices, native))
+    return 0
+
+
+def _print_storage_costs(config, args: argparse.Namespace) -> int:
+    from .inspection import format_storage_costs, storage_costs
+
+    if args.devices or args.tp or args.ep or args.train:
+        raise ValueError(f"--storage {args.storage} prints the weights of each load path: drop --devices, --tp, --ep "
+                         "and --train (they plan the released or bf16 weights)")
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"--storage {args.storage} builds the modules bitsandbytes loads: install it "
+                         "(pip install -e \".[quant]\")")
+    print()
+    print(format_storage_costs(config, storage_costs(config)))
     return 0
 
 

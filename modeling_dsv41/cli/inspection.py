@@ -143,6 +143,56 @@ def format_inspection(result: ModelInspection) -> str:
     return "\n".join(lines)
 
 
+# `dsv41 inspect --storage nf4 | int8`: the bitsandbytes loads compared (label → BitsAndBytesConfig options)
+BITSANDBYTES_PATHS: dict[str, dict] = {
+    "bitsandbytes int8": dict(load_in_8bit=True),
+    "bitsandbytes NF4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "bitsandbytes NF4, double quantization": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                  bnb_4bit_use_double_quant=True),
+}
+
+
+def storage_costs(config: DeepseekV41Config) -> dict[str, dict[str, float]]:
+    """Bytes of every parameter (by name) on each load path: bf16, native (the released FP8 / FP4 storage as native
+    loading holds it), and the bitsandbytes loads of :data:`BITSANDBYTES_PATHS` (the experts quantized too, the modules
+    ``from_pretrained`` skips kept; :func:`~modeling_dsv41.bnb_experts.quantized_storage_bytes`)."""
+    from ..bnb_experts import DeepseekV41BitsAndBytesConfig, quantized_storage_bytes
+    from ..placement import native_held_bytes
+    from ..released.loading import high_precision_modules
+
+    model = build_meta_model(config)
+    costs = {
+        "bf16 (fp32 where kept)": {name: p.numel() * p.element_size() for name, p in model.named_parameters()},
+        "native FP8 / FP4 (released storage)": {name: native_held_bytes(name, p) for name, p in model.named_parameters()},
+    }
+    for label, options in BITSANDBYTES_PATHS.items():
+        model = build_meta_model(config)
+        skipped = high_precision_modules(model, options.get("load_in_4bit", False))
+        costs[label] = quantized_storage_bytes(model, DeepseekV41BitsAndBytesConfig(**options, llm_int8_skip_modules=skipped))
+    return costs
+
+
+def format_storage_costs(config: DeepseekV41Config, costs: dict[str, dict[str, float]]) -> str:
+    """The table ``dsv41 inspect --storage nf4`` prints: weights and bytes per parameter on each load path, with and
+    without the Engram tables (which stay in host memory or memory-mapped on the native path)."""
+    from ..placement import is_engram_table_tensor
+
+    counts = {name: p.numel() for name, p in build_meta_model(config).named_parameters()}
+    total = sum(counts.values())
+    rest = sum(n for name, n in counts.items() if not is_engram_table_tensor(name))
+    lines = [
+        f"Weights by load path ({_human(total)} parameters; {_human(rest)} without the Engram tables):",
+        f"{'path':<40}{'weights':>14}{'B/param':>9}{'without Engram tables':>24}{'B/param':>9}",
+    ]
+    for label, sizes in costs.items():
+        nbytes = sum(sizes.values())
+        without = sum(b for name, b in sizes.items() if not is_engram_table_tensor(name))
+        lines.append(f"{label:<40}{_bytes(nbytes):>14}{nbytes / total:>9.3f}{_bytes(without):>24}{without / rest:>9.3f}")
+    lines.append("bitsandbytes: every Linear and routed expert it can quantize, with their block scales; the fp32 head, "
+                 "compressor and Engram projections, norms, routers, mHC and wo_a as in bf16")
+    return "\n".join(lines)
+
+
 def format_parallel_plan(plan: ParallelPlan, max_memory: dict[int | str, int] | None, native: bool) -> str:
     """The per-rank table ``dsv41 inspect --tp N`` / ``--ep N`` prints: each component's bytes on one rank, split by
     the plans or whole on every rank."""
@@ -289,6 +339,6 @@ def format_full_training_plan(
     return "\n".join(lines)
 
 
-__all__ = ["COMPONENTS", "IMAGE_SIZES", "ModelInspection", "build_meta_model", "component_of", "format_inspection",
-           "format_full_training_plan", "format_parallel_plan", "format_training_plan", "inspect_config",
-           "TRAINING_CASES"]
+__all__ = ["BITSANDBYTES_PATHS", "COMPONENTS", "IMAGE_SIZES", "ModelInspection", "build_meta_model", "component_of",
+           "format_inspection", "format_full_training_plan", "format_parallel_plan", "format_storage_costs",
+           "format_training_plan", "inspect_config", "storage_costs", "TRAINING_CASES"]

@@ -152,12 +152,17 @@ class MergeReleasedExperts(ConversionOps):
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, model=None, full_layer_name=None, **kwargs):
         param = model.get_parameter(full_layer_name)
-        shape = local_shape(param)
+        module_name, _, name = full_layer_name.rpartition(".")
+        # bitsandbytes' experts (modeling_dsv41.bnb_experts) hold packed bytes but take the merged dense weight, which
+        # the quantize operation then quantizes: they say its logical shape
+        logical_shape = getattr(model.get_submodule(module_name), "weight_shape", None)
+        shape = torch.Size(logical_shape(name)) if logical_shape else local_shape(param)
+        stored_fp4 = logical_shape is None and param.element_size() == 1
         if any(input_dict.get(p) for p in source_patterns if p.endswith(_SCALE)):
             # any split of the experts or their rows (one scale per row); columns in blocks of 32 (FP4: 16 bytes)
-            columns_per_scale = RELEASED_BLOCK_SIZE // 2 if param.element_size() == 1 else RELEASED_BLOCK_SIZE
+            columns_per_scale = RELEASED_BLOCK_SIZE // 2 if stored_fp4 else RELEASED_BLOCK_SIZE
             check_whole_scale_blocks(param, (1, 1, columns_per_scale), full_layer_name)
-        if param.element_size() == 1:  # native FP4 experts (`FP8Experts`): the bytes and scales fused as stored
+        if stored_fp4:  # native FP4 experts (`FP8Experts`): the bytes and scales fused as stored
             return self._fuse_stored(input_dict, source_patterns, target_patterns[0], shape, full_layer_name)
         merged = []
         for pattern in source_patterns:

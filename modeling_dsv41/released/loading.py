@@ -19,9 +19,12 @@ not, so :func:`ensure_engram_token_map` builds it from ``tokenizer.json`` next t
 **bitsandbytes.** Linears the model reads as raw tensors (the fp32 head and ratio-2 compressors, Engram ``wkv``, the
 ViT patch embedding) and, for 4-bit, those whose shape bnb's CPU kernels cannot pack (in-features a multiple of 64,
 out-features of 32) join ``llm_int8_skip_modules``. Norms, gates, mHC and the Engram gate parameters are not Linears,
-and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone. So are the fused routed experts (3-D
-parameters; transformers' bnb integration quantizes Linears only): they load in ``dtype``, and QLoRA adapts them
-through PEFT's ``target_parameters``.
+and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone. The fused routed experts (3-D parameters,
+which transformers' bnb integration leaves alone) are quantized too, one state per expert
+(:mod:`~modeling_dsv41.bnb_experts`: the config becomes a ``DeepseekV41BitsAndBytesConfig``, whose quantizers are
+transformers' extended to them); QLoRA adapts them through PEFT's ``target_parameters``. A log line at load says what
+stays in high precision. A folder in the released storage refuses a bitsandbytes config (its FP8 / FP4 weights load
+natively), and so does a tensor- or expert-parallel load (the plans do not split the experts' block states).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 from transformers import BitsAndBytesConfig, FineGrainedFP8Config, PreTrainedConfig
 
+from ..bnb_experts import DeepseekV41BitsAndBytesConfig
 from ..parallel import check_parallel_load, requested_parallelism
 from ..placement import meta_instance
 from ..validation import check_safetensors_folder
@@ -94,11 +98,18 @@ def prepare_checkpoint_load(cls, source, kwargs: dict, hub_kwargs: dict) -> bool
     if source is not None:
         check_safetensors_folder(Path(source, hub_kwargs.get("subfolder") or ""))
     quantization_config = kwargs.get("quantization_config")
+    released = stores_scales(source, **hub_kwargs)
     if isinstance(quantization_config, BitsAndBytesConfig):
+        _check_bitsandbytes_source(cls, source, released, kwargs.get("config"), hub_kwargs)
+        if requested_parallelism(kwargs) is not None:
+            raise ValueError(
+                "bitsandbytes with tensor or expert parallelism (tp_plan / tp_size / distributed_config) is not "
+                "supported: the parallel plans do not split the quantized experts' block states. Load with device_map "
+                "(each quantized module whole on one device), or in parallel without quantization_config"
+            )
         kwargs["quantization_config"] = _with_high_precision_modules(
             cls, source, quantization_config, kwargs.get("config"), hub_kwargs
         )
-    released = stores_scales(source, **hub_kwargs)
     if isinstance(quantization_config, FineGrainedFP8Config):  # released storage only: ours below, or none
         del kwargs["quantization_config"]
     native = _asks_native_precision(quantization_config)
@@ -124,6 +135,20 @@ def prepare_checkpoint_load(cls, source, kwargs: dict, hub_kwargs: dict) -> bool
     if released and kwargs.get("dtype", "auto") == "auto":
         kwargs["dtype"] = torch.bfloat16
     return released
+
+
+def _check_bitsandbytes_source(cls, source, released: bool, config, hub_kwargs: dict) -> None:
+    """Refuse bitsandbytes on a checkpoint stored FP8 / FP4 (released, or saved after a native load): it would quantize
+    the dequantized FP4 experts again, only adding error, to about the size they are stored at."""
+    stored_quantized = released and stores_quantized_weights(source, **hub_kwargs)
+    if stored_quantized or (source is not None and _saved_native_config(cls, source, config, hub_kwargs) is not None):
+        raise ValueError(
+            f"{source} stores its Linears FP8 and its routed experts FP4 (the released storage, or a model saved after "
+            "a native load): quantizing them again "
+            "with bitsandbytes would only add error to weights already stored in 4 and 8 bits. Load it without "
+            "quantization_config: it loads natively, the FP8 / FP4 weights kept as stored (QLoRA-style training goes "
+            "through LoRA adapters on them, see docs/released-model.md); or apply bitsandbytes to a bf16 checkpoint"
+        )
 
 
 @contextmanager
@@ -156,7 +181,7 @@ def _with_high_precision_modules(
     skipped = set(quantization_config.llm_int8_skip_modules or [])
     skipped |= set(high_precision_modules(probe, quantization_config.load_in_4bit))
     quantization_config.llm_int8_skip_modules = sorted(skipped)
-    return quantization_config
+    return DeepseekV41BitsAndBytesConfig.from_bitsandbytes(quantization_config)
 
 
 def _with_native_quantization(cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict) -> PreTrainedConfig:
@@ -200,13 +225,15 @@ def _saved_native_config(cls, source, config: PreTrainedConfig | str | None, hub
 
 def finish_checkpoint_load(model: nn.Module, source, engram_tokenizer, hub_kwargs: dict) -> None:
     """What a loaded model still needs: every registered conversion for saving in the released layout, its Engram
-    token map, and PEFT's dispatch to native LoRA when it was loaded natively."""
+    token map, and PEFT's dispatch to native LoRA when it was loaded natively or with bitsandbytes."""
     # The conversions map the two layouts one-to-one: saving in the released layout applies all of them, not only
     # those this load happened to use (transformers keeps just those).
     model._weight_conversions = None
     ensure_engram_token_map(model, source, engram_tokenizer, **hub_kwargs)
     quantization_config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
-    if quantization_config is not None and quantization_config.quant_method == QUANT_METHOD:
+    if isinstance(quantization_config, DeepseekV41BitsAndBytesConfig) or (
+        quantization_config is not None and quantization_config.quant_method == QUANT_METHOD
+    ):
         _adapt_natively_with_peft()
 
 
@@ -235,8 +262,8 @@ def ensure_engram_token_map(model: nn.Module, source: str | os.PathLike, tokeniz
 
 
 def _adapt_natively_with_peft() -> None:
-    """Where PEFT is installed, make its LoRA adapt a natively loaded model's FP8 Linears and FP4 experts as the bf16
-    model's (:mod:`.native_lora`)."""
+    """Where PEFT is installed, make its LoRA adapt a natively loaded model's FP8 Linears and FP4 experts, and the
+    bitsandbytes experts, as the bf16 model's (:mod:`.native_lora`)."""
     if importlib.util.find_spec("peft") is None:
         return
     from .native_lora import install_peft_dispatch

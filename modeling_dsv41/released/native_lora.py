@@ -1,5 +1,5 @@
 """PEFT LoRA on a natively loaded model (:mod:`.native_precision`): expert adapters of the logical shape on the packed
-FP4 experts, and merging into dequantized copies.
+FP4 experts (and on bitsandbytes' experts, :mod:`~modeling_dsv41.bnb_experts`), and merging into dequantized copies.
 
 PEFT builds a ``target_parameters`` adapter (``lora.ParamWrapper``) from the shape of the parameter it targets and
 applies it as a parametrization of that parameter. On the natively loaded experts the parameter is packed FP4 bytes
@@ -29,6 +29,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
+from ..bnb_experts import BnbExperts
 from ..moe import DeepseekV41Experts
 from .codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
 from .native_precision import FP4KernelExperts, WeightOnlyFP4Experts, fp4_experts_forward
@@ -71,10 +72,10 @@ class ParamWrapper(PeftParamWrapper):
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         # PEFT's reading of a 3-D parameter (experts, in, out), swapped in `update_layer` to the experts' own
-        # [out, in]: here from the logical shape, two FP4 codes per stored byte
-        num_experts, rows, packed_columns = self.get_param().shape
+        # [out, in]: here from the logical shape, two FP4 codes per stored byte (bitsandbytes' experts say theirs)
+        num_experts, rows, columns = _logical_shape(self.get_base_layer(), self.parameter_name)
         self.num_experts, self._param_ndim = num_experts, 3
-        return rows, 2 * packed_columns
+        return rows, columns
 
     def _factors(self, adapter_names: list[str]):
         """expert e → the named adapters' factors of it, [(lora_A [r, in], lora_B [out, r], scaling), ...], applied to
@@ -122,7 +123,7 @@ class ParamWrapper(PeftParamWrapper):
             return self.base_layer(hidden_states, *args, expert_adapters=adapters, **kwargs)
         if not adapters:  # adapters disabled: the experts' own forward (the FP4 kernels where they run)
             return self.base_layer(hidden_states, *args, **kwargs)
-        if isinstance(self.base_layer, (WeightOnlyFP4Experts, FP4KernelExperts)):  # through its forward: its hooks run
+        if isinstance(self.base_layer, (WeightOnlyFP4Experts, FP4KernelExperts, BnbExperts)):  # its hooks run
             return self.base_layer(hidden_states, *args, adapters=adapters, **kwargs)
         return fp4_experts_forward(self.base_layer, hidden_states, *args, adapters=adapters, **kwargs)
 
@@ -144,20 +145,35 @@ class ParamWrapper(PeftParamWrapper):
         with torch.device("meta"):
             merged = DeepseekV41Experts(experts.config, experts.num_experts)
         for name in ("gate_up_proj", "down_proj"):
-            packed, scales = getattr(experts, name), getattr(experts, f"{name}_scale_inv")
             adapt = None
             if name in wrappers:
                 adapt = wrappers[name]._merged(check_adapters_to_merge(wrappers[name], adapter_names))
-            weight = torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=MERGED_DTYPE, device=packed.device)
+            shape = _logical_shape(experts, name)
+            weight = torch.empty(shape, dtype=MERGED_DTYPE, device=getattr(experts, name).device)
             with torch.no_grad():
-                for expert in range(packed.shape[0]):
-                    columns = weight.shape[-1]
-                    dequantized = dequantize_released_weight(packed[expert], scales[expert], columns, MERGED_DTYPE)
+                for expert in range(shape[0]):
+                    dequantized = _dequantized_expert(experts, name, expert)
                     weight[expert] = dequantized if adapt is None else adapt(expert, dequantized)
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError(f"NaNs or infinities in the merged {name}: the adapter seems to be broken")
             setattr(merged, name, nn.Parameter(weight, requires_grad=False))
         return merged
+
+
+def _logical_shape(experts: nn.Module, name: str) -> tuple[int, int, int]:
+    """[E, out, in] of the weight ``name`` of released FP4 (two codes per stored byte) or bitsandbytes ``experts``."""
+    if isinstance(experts, BnbExperts):
+        return experts.weight_shape(name)
+    num_experts, rows, packed_columns = getattr(experts, name).shape
+    return num_experts, rows, 2 * packed_columns
+
+
+def _dequantized_expert(experts: nn.Module, name: str, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s weight ``name`` [out, in] of released FP4 or bitsandbytes ``experts``, in the merged dtype."""
+    if isinstance(experts, BnbExperts):
+        return experts.dequantize(name, expert, dtype=MERGED_DTYPE)
+    packed, scales = getattr(experts, name), getattr(experts, f"{name}_scale_inv")
+    return dequantize_released_weight(packed[expert], scales[expert], 2 * packed.shape[-1], MERGED_DTYPE)
 
 
 class FP8LoraLinear(LoraLinear):
@@ -190,7 +206,7 @@ class FP8LoraLinear(LoraLinear):
 def _native_lora_module(target: nn.Module, adapter_name: str, lora_config, parameter_name: str | None = None, **kwargs):
     """Our LoRA layer for a released FP8 Linear or FP4 experts, None for any other target."""
     base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-    if parameter_name is not None and _is_released_fp4(base):
+    if parameter_name is not None and (_is_released_fp4(base) or isinstance(base, BnbExperts)):
         return ParamWrapper(target, adapter_name, parameter_name=parameter_name, config=lora_config, **kwargs)
     if parameter_name is None and _is_released_fp8(base):
         return FP8LoraLinear(target, adapter_name, config=lora_config, **kwargs)

@@ -33,7 +33,6 @@ TRANSFORMERS = Library(
     "transformers",
     checked=("5.24.0", "5.25.0"),
     overridden=(
-        "transformers.core_model_loading.ConversionOps._abc_impl",  # (abc's bookkeeping of any ABC subclass)
         "transformers.distributed.mixin.DistributedMixin._pp_plan",
         "transformers.distributed.mixin.DistributedMixin._tp_plan",
         "transformers.generation.utils.GenerationMixin._assisted_decoding",
@@ -60,7 +59,6 @@ TRANSFORMERS = Library(
         "transformers.modeling_utils.PreTrainedModel._supports_sdpa",
         "transformers.modeling_utils.PreTrainedModel._tied_weights_keys",
         "transformers.processing_utils.ProcessorMixin._process_images",
-        "transformers.quantizers.quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer._abc_impl",
         "transformers.quantizers.quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer._process_model_after_weight_loading",
         "transformers.quantizers.quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer._process_model_before_weight_loading",
         "transformers.trainer.Trainer._clip_grad_norm",
@@ -81,11 +79,7 @@ TRANSFORMERS = Library(
 PEFT = Library(
     "peft",
     checked=("0.21.0", "0.21.2"),
-    overridden=(
-        "peft.tuners.lora.layer.Linear._abc_impl",
-        "peft.tuners.lora.layer.ParamWrapper._abc_impl",
-        "peft.tuners.lora.layer.ParamWrapper._get_in_out_features",
-    ),
+    overridden=("peft.tuners.lora.layer.ParamWrapper._get_in_out_features",),
     read=(("peft.tuners.lora.model", "_create_new_module"),),  # wrapped: our dispatch for the released precision
 )
 TRL = Library("trl", checked=("1.16.0",))

@@ -67,7 +67,7 @@ def overrides() -> list[tuple[Library, str, type, type, str]]:
     found = []
     for cls in project_classes():
         for name, value in vars(cls).items():
-            if not name.startswith("_") or name.startswith("__"):
+            if not name.startswith("_") or name.startswith("__") or name == "_abc_impl":  # (abc's own bookkeeping)
                 continue
             definition = upstream_definition(cls, name)
             if definition is not None:

@@ -57,7 +57,7 @@ def lora_model(folder: str, case: str, device: str, experts: bool, factors: Path
     kwargs = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if case == "dequantized" else {}
     base = DeepseekV41ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=device, **kwargs)
     if gradient_checkpointing:
-        base.gradient_checkpointing_enable()
+        base.activation_checkpointing_enable()
     torch.manual_seed(0)
     config = LoraConfig(r=16, lora_alpha=32, target_modules=LINEAR_TARGETS, init_lora_weights=False,
                         target_parameters=EXPERT_TARGETS if experts else [])

@@ -63,7 +63,7 @@ def build_sharded_model(folder: str, args: DeepseekV41TrainingArguments, train_e
     shard_model(model, mp_policy=policy, expert_parallel_size=args.expert_parallel_size)
     load_sharded_weights(model, folder)
     if args.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=args.activation_checkpointing_kwargs)
     return model
 
 

@@ -22,7 +22,7 @@ SEQ = 48
 
 def checkpointed_model():
     model = tiny_training_model(6).to(torch.bfloat16).train()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     return model
 
 

@@ -50,7 +50,7 @@ IMAGE_TOKEN_ID = 510
 def tiny_model(seed: int = 0):
     model = tiny_training_model(num_hidden_layers=2, seed=seed)
     freeze_default_parameters(model)
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     return model
 
 

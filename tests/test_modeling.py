@@ -173,12 +173,11 @@ def qdq_loss_and_grads(input_ids):
     return loss_and_grads(tiny_model(), input_ids)
 
 
-@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_gradient_checkpointing_gives_same_loss_and_grads(input_ids, qdq_loss_and_grads, use_reentrant):
     loss, grads = qdq_loss_and_grads
     model = tiny_model()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     loss_ckpt, grads_ckpt = loss_and_grads(model, input_ids)
     assert torch.equal(loss, loss_ckpt)

@@ -50,7 +50,7 @@ def lora_model(folder: Path, engram_table_dtype: str):
     config = DeepseekV41Config.from_pretrained(folder)
     config.text_config.engram_table_dtype = engram_table_dtype  # "fp8": kept as stored; "float": dequantized on load
     base = DeepseekV41ForCausalLM.from_pretrained(folder, config=config)
-    base.gradient_checkpointing_enable()
+    base.activation_checkpointing_enable()
     torch.manual_seed(1)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=FP8_TARGETS, target_parameters=EXPERT_TARGETS,
                       init_lora_weights=False)

@@ -371,7 +371,7 @@ def test_gradient_checkpointing_and_bf16_autocast(tmp_path):
     model.model.layers[0].attn.wq_a.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
     trainer.train()
 
-    assert model.is_gradient_checkpointing and dtypes == {torch.bfloat16}  # fp32 weights, bf16 autocast
+    assert model.is_activation_checkpointing and dtypes == {torch.bfloat16}  # fp32 weights, bf16 autocast
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     for step, rows in enumerate((data.rows[:2], data.rows[2:])):  # recomputation does not count twice

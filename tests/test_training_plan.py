@@ -63,7 +63,7 @@ def stand_in(tmp_path_factory):
             save_released_checkpoint(model.to(torch.bfloat16), folder, max_shard_bytes=1 << 22)
             stub_tokenizer().save(str(folder / "tokenizer.json"))
             base = DeepseekV41ForCausalLM.from_pretrained(folder)
-            base.gradient_checkpointing_enable()
+            base.activation_checkpointing_enable()
             lora = LoraConfig(r=RANK, lora_alpha=8, target_modules=LINEAR_TARGETS, init_lora_weights=False,
                               target_parameters=["experts.gate_up_proj", "experts.down_proj"])
             built[name] = base, get_peft_model(base, lora).train()

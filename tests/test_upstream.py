@@ -176,3 +176,21 @@ def test_the_declared_range_is_the_tested_one():
         minors = sorted({f"{v.major}.{v.minor}" for v in checked}, key=Version)
         label = {"transformers": "transformers", "peft": "PEFT", "trl": "TRL", "accelerate": "accelerate"}[name]
         assert re.search(rf"{label} {' and '.join(map(re.escape, minors))}\b", readme), (name, minors)
+
+
+def test_no_deprecated_name_in_our_code_docs_or_commands():
+    """transformers 5.25 deprecates gradient checkpointing's names for activation checkpointing's (removed in v6):
+    our code, examples, benchmarks, docs and printed commands use the new ones (the arguments' warning is an error in
+    the test run, setup.cfg; the methods are also called by PEFT, so they are checked here by name)."""
+    import re
+
+    deprecated = re.compile(r"gradient_checkpointing_enable\(|is_gradient_checkpointing\b|--gradient_checkpointing\b|"
+                            r"\bgradient_checkpointing(_kwargs)?=")
+    found = []
+    for pattern in ("configuration/**/*.py", "processing/**/*.py", "modeling_dsv41/**/*.py", "examples/**/*.py",
+                    "benchmarks/*", "docs/*.md", "README.md", "model_card.md", "tests/*.py"):
+        for path in sorted(ROOT.glob(pattern)):
+            if path.is_file() and path.name != "test_upstream.py":
+                text = path.read_text(encoding="utf-8")
+                found += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in deprecated.finditer(text)]
+    assert not found, "\n".join(found)

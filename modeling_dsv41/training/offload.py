@@ -61,7 +61,7 @@ def offload_checkpointed_inputs(model: nn.Module) -> nn.Module:
     if not layers:
         raise ValueError(
             "offloading activations keeps the checkpointed layers' inputs in host memory, and no layer is "
-            "checkpointed: enable gradient checkpointing first (model.gradient_checkpointing_enable(), or "
+            "checkpointed: enable gradient checkpointing first (model.activation_checkpointing_enable(), or "
             "activation_checkpointing=True in the training arguments)"
         )
     hooks = HostOffload()  # one cache for the whole model: a tensor shared by the layers is copied once

@@ -18,6 +18,7 @@ from modeling_dsv41 import export_for_hub
 from modeling_dsv41.cli import main as dsv41
 from modeling_dsv41.cli.demo import DemoSettings, build_demo_model, build_demo_processor, demo_config, fine_tune
 from modeling_dsv41.cli.demo_data import build_demo_tokenizer
+from modeling_dsv41.released.conversions import in_our_layout
 from modeling_dsv41.released.writing import save_released_checkpoint
 from modeling_dsv41.optim import MixedOptimizer
 
@@ -106,7 +107,7 @@ def assert_mixed_optimizer_and_balancing(trainer, demo: Path, image_tokens: bool
     # each moved by the rule from the loaded values (the backbone's: the DSpark draft head's routers do not run in
     # the backbone's forward)
     biases = {n: b for n, b in biases.items() if ".mtp." not in n and not n.startswith("mtp.")}
-    loaded = load_file(demo / "model" / "model.safetensors")
+    loaded = in_our_layout(load_file(demo / "model" / "model.safetensors"), set(trainer.model.state_dict()))
     moved = {n: not torch.equal(b, loaded[n]) for n, b in biases.items()}
     assert biases and all(moved[n] for n in biases if n.endswith(".gate.bias"))
     assert all(moved[n] == image_tokens for n in biases if n.endswith(".gate.bias_vl"))
@@ -164,7 +165,7 @@ def test_dpo_trainer_starts_from_a_save_pretrained_path(folders, tmp_path):
 
     pairs = Dataset.from_list([{"prompt": "red circle", "chosen": " top left", "rejected": " bottom right"}] * 2)
     args = DPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, use_cpu=True,
-                     report_to="none", save_strategy="no", disable_tqdm=True)
+                     report_to="none", save_strategy="no", disable_tqdm=True, activation_checkpointing=True)
     from transformers import AutoTokenizer
 
     trainer = DPOTrainer(model=str(folders["saved"]), args=args, train_dataset=pairs,
@@ -197,7 +198,7 @@ def test_grpo_rollouts_with_dspark_are_the_plain_ones(folders, tmp_path, monkeyp
         args = GRPOConfig(
             output_dir=str(tmp_path / str(use_mtp)), max_steps=1, per_device_train_batch_size=4, num_generations=2,
             max_completion_length=12, generation_kwargs={"do_sample": False, "use_mtp": use_mtp}, use_cpu=True,
-            report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
+            report_to="none", save_strategy="no", disable_tqdm=True, seed=0, activation_checkpointing=True,
         )
         trainer = GRPOTrainer(model=str(folders["saved"]), reward_funcs=record, args=args, train_dataset=prompts,
                               processing_class=AutoTokenizer.from_pretrained(folders["saved"]))

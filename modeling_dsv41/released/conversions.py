@@ -12,7 +12,7 @@ Each quantized ``X.weight`` of the release has a sibling ``X.scale``. When the m
 precision, :mod:`.native_precision`; FP8 Engram tables with ``engram_table_dtype="fp8"``) the converters pair the
 weight with its scale and hand both over raw (``weight_scale_inv``, the experts' bytes and scales fused as
 transformers' ``FP8Experts`` holds them); otherwise :class:`DequantizeReleasedWeight` turns them into ``X.weight`` in
-the parameter's dtype (:func:`~.codec.dequantize_released_weight`). Unquantized tensors pass through the same converter.
+the parameter's dtype (:func:`~..codec.dequantize_released_weight`). Unquantized tensors pass through the same converter.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 from transformers.distributed.utils import is_dtensor
 
-from .codec import RELEASED_BLOCK_SIZE, dequantize_released_weight, stored_scale
+from ..codec import RELEASED_BLOCK_SIZE, dequantize_released_weight, stored_scale
 
 # Checkpoint key patterns (regexes). A weight or scale name ends the key; a lookahead rather than `$` because
 # transformers strips lookarounds when it turns these into literal replacement strings (and back, for saving).

@@ -215,12 +215,19 @@ def load_sharded_weights(
             if name in buffers:
                 buffer.copy_(buffers[name])
     if mapped:
-        memory_map_engram_tables(model, folder)
+        memory_map_engram_tables(_pretrained(model), folder)
     if released:
         _read_released(model, folder, skip={id(t) for t in mapped})
     else:
         _read_ours(model, folder, bool(mapped), is_engram_table_tensor)
     _initialize_adapters(model, adapter_seed)
+
+
+def _pretrained(model: nn.Module) -> nn.Module:
+    """The ``PreTrainedModel`` in ``model`` (itself, or the one under a PEFT wrapper)."""
+    from transformers import PreTrainedModel
+
+    return next(m for m in model.modules() if isinstance(m, PreTrainedModel))
 
 
 def _siblings(model: nn.Module, param: nn.Parameter) -> list[nn.Parameter]:
@@ -240,11 +247,9 @@ def _read_ours(model: nn.Module, folder, tables_mapped: bool, is_table: Callable
 
 def _read_released(model: nn.Module, folder, skip: set[int]) -> None:
     """Each rank's shards of the released checkpoint; every base parameter must be found there."""
-    from transformers import PreTrainedModel
-
     from ..released.sharded_reading import read_released_shards, unwrapped_state
 
-    base = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+    base = _pretrained(model)
     adapters = {id(p) for p in _adapter_parameters(model)}
     wanted = {n: t for n, t in unwrapped_state(base).items() if id(t) not in skip and id(t) not in adapters}
     filled = read_released_shards(base, folder, wanted)

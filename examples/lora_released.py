@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset
@@ -87,9 +88,13 @@ def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
     script, args = parser.parse_args_into_dataclasses(argv)
     tokenizer = Tokenizer.from_file(os.path.join(script.model, "tokenizer.json"))
     model = lora_model(script, args)
+    sharded = args.distributed_state.distributed_type == DistributedType.FSDP
+    if not sharded:  # one process (or DDP): every process reads the whole model
+        load_sharded_weights(model, script.model, adapter_seed=args.seed)
     trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=PackedText(script.data, tokenizer, script.seq_len))
-    trainer.shard_model()  # FSDP2 under accelerate's FSDP config; unsharded on one process
-    load_sharded_weights(model, script.model, adapter_seed=args.seed)
+    if sharded:  # FSDP2 as the accelerate config says, then each process reads its shards
+        trainer.shard_model()
+        load_sharded_weights(model, script.model, adapter_seed=args.seed)
     resume = args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     trainer.save_model()

@@ -200,15 +200,17 @@ def load_sharded_weights(
     device = torch.device(device) if device is not None else _default_device()
     released = stores_scales(folder)
     buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}  # computed in __init__ (hasher)
-    tables = frozen_engram_tables(model)
-    mapped = {t for t in tables if not released or any(p.dtype == torch.float8_e4m3fn for p in _siblings(model, t))}
-    kept = {id(t) for t in mapped}
+    tables = {id(t) for t in frozen_engram_tables(model)}
+    mapped = {
+        name for name, t in model.named_parameters()
+        if id(t) in tables and (not released or any(p.dtype == torch.float8_e4m3fn for p in _siblings(model, t)))
+    }
+    placeheld = {id(t) for name, t in model.named_parameters() if name in mapped}
     # Module.to_empty, but a frozen table becomes a host placeholder of its shape holding one element (an empty table
-    # on the device would not fit) until it is mapped; a dequantized table is read whole into host memory
-    unmapped = {id(t) for t in tables - mapped}
+    # on the device would not fit) until it is mapped; a dequantized one is read whole into host memory
     model._apply(
-        lambda t: _placeholder(t) if id(t) in kept
-        else torch.empty_like(t, device="cpu" if id(t) in unmapped else device)
+        lambda t: _placeholder(t) if id(t) in placeheld
+        else torch.empty_like(t, device="cpu" if id(t) in tables else device)
     )
     with torch.no_grad():
         for name, buffer in model.named_buffers():
@@ -217,7 +219,7 @@ def load_sharded_weights(
     if mapped:
         memory_map_engram_tables(_pretrained(model), folder)
     if released:
-        _read_released(model, folder, skip={id(t) for t in mapped})
+        _read_released(model, folder, skip={id(t) for n, t in model.named_parameters() if n in mapped})
     else:
         _read_ours(model, folder, bool(mapped), is_engram_table_tensor)
     _initialize_adapters(model, adapter_seed)

@@ -1,0 +1,175 @@
+"""docs/released-model.md's launch of LoRA on the release (``examples/lora_released.py`` under
+``examples/accelerate/fsdp2_lora.yaml``), run as printed on 4 CPU processes (gloo) on a released-format stand-in: the
+flags that size the run (processes, sequence length, steps) and the paths are the only ones changed.
+
+- Memory: each process's peak proportional set size (PSS: a page of the page cache or of a shared library counted
+  divided among the processes mapping it, ``tests/pss_probe``) from the end of its imports to its exit (loading,
+  3 steps, checkpoints) stays within 1.3 x (its shards of the stored weights + its quarter of the Engram tables)
+  above its PSS at the end of its imports. Loading the whole model in every process and sharding it measured
+  6.5 x that on a similar stand-in (issue 38).
+- Training: the adapters after 3 steps equal those of one process running the same script unsharded (the same
+  12 rows, in 4 micro-batches of accumulation instead of 4 processes).
+- The adapter: saved in the checkpoints and at the end, it loads on the natively loaded base in one process
+  (``PeftModel.from_pretrained``), whose logits equal those of the trained adapters' unsharded copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from documentation import REPO_ROOT, command_lines
+
+LAUNCH_TIMEOUT_S = 900  # ~2 min on 2 idle cores; a loaded machine is several times slower
+PROCESSES = 4
+PSS_BUDGET = 1.3
+# ~220 MB stored: 16 decoder layers (so that one layer's all-gathered experts are a small part of a quarter of the
+# weights, as in the release's 43), FP4 experts most of the weights, two FP8 Engram tables of 51 MB
+STAND_IN = dict(
+    vocab_size=512, hidden_size=256, moe_intermediate_size=512, num_hidden_layers=16, num_attention_heads=4,
+    head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2, n_routed_experts=32,
+    num_experts_per_tok=2, sliding_window=16, compress_ratios=[0, 2] * 8, kv_source_layer_ids=[1],
+    index_source_layer_ids=[1], index_n_heads=4, index_head_dim=64, index_topk=8, candidate_source_layer_id=-1,
+    engram_layer_ids=[0, 8], engram_num_embeddings=[400000, 400000], engram_vocab_size=100, engram_n_heads=2,
+    engram_head_dim=128, engram_compressed_vocab_size=256, num_nextn_predict_layers=0,
+)
+SEQ_LEN, STEPS = 32, 3
+
+
+def printed_launch() -> list[str]:
+    """The docs' launch of examples/lora_released.py (argv)."""
+    found = [shlex.split(line) for line in command_lines("accelerate launch") if "examples/lora_released.py" in line]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def with_flags(argv: list[str], **values) -> list[str]:
+    """``argv`` with the values of the given ``--flags`` replaced (each must be printed)."""
+    argv = list(argv)
+    for name, value in values.items():
+        argv[argv.index(f"--{name}") + 1] = str(value)
+    return argv
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A folder laid out as the docs' command expects: the repository's ``examples/``, the stand-in in the released
+    format (as ``hf download`` leaves it) and a JSON-lines data file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import modeling_dsv41  # noqa: F401
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.released.writing import save_released_checkpoint
+
+    root = tmp_path_factory.mktemp("lora_launch")
+    (root / "examples").symlink_to(REPO_ROOT / "examples")
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=STAND_IN)).to(torch.bfloat16)
+    argv = printed_launch()
+    folder = root / argv[argv.index("--model") + 1]
+    save_released_checkpoint(model, folder, max_shard_bytes=8 << 20)
+    del model
+    vocab = {f"{'t' if i % 2 == 0 else 'T'}{i // 2}": i for i in range(STAND_IN["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    words = torch.randint(0, STAND_IN["vocab_size"], (16, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    lines = [json.dumps({"text": " ".join(f"{'t' if w % 2 == 0 else 'T'}{w // 2}" for w in row.tolist())}) for row in words]
+    (root / argv[argv.index("--data") + 1]).write_text("\n".join(lines) + "\n")
+    return root
+
+
+def run(argv: list[str], cwd: Path, pss_dir: Path | None = None) -> str:
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    python_path = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
+    if pss_dir is not None:
+        python_path.insert(0, str(REPO_ROOT / "tests" / "pss_probe"))
+        env["DSV41_PSS_DIR"] = str(pss_dir)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in python_path if p)
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=cwd)
+    errors = [line for line in result.stderr.splitlines() if "Error" in line or "error:" in line]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:] + "\n".join(errors[:20])
+    return result.stderr
+
+
+def stored_bytes(folder: Path) -> tuple[int, int]:
+    """(bytes of every stored tensor but the Engram tables, bytes of the Engram tables) of a safetensors folder."""
+    from safetensors import safe_open
+
+    weights = tables = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                sliced = f.get_slice(key)
+                size = torch.Size(sliced.get_shape()).numel() * torch.empty((), dtype=getattr(torch, {
+                    "F8_E4M3": "float8_e4m3fn", "F8_E8M0": "float8_e8m0fnu", "I8": "int8", "U8": "uint8",
+                    "BF16": "bfloat16", "F32": "float32", "I64": "int64"}[sliced.get_dtype()])).element_size()
+                if ".engram.embed." in key:
+                    tables += size
+                else:
+                    weights += size
+    return weights, tables
+
+
+def adapters(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter_model.safetensors")
+
+
+@pytest.mark.slow
+def test_printed_lora_launch_on_four_processes_reads_shards_and_trains_as_one_process(workspace, tmp_path):
+    argv = printed_launch()
+    model = workspace / argv[argv.index("--model") + 1]
+    sized = {"num_processes": PROCESSES, "seq_len": SEQ_LEN, "max_steps": STEPS, "save_steps": 2,
+             "output_dir": tmp_path / "sharded"}
+    launch = with_flags(argv, **sized)
+    pss_dir = tmp_path / "pss"
+    pss_dir.mkdir()
+    run(launch, workspace, pss_dir)
+
+    # one process, the script itself: the same 12 rows as 4 micro-batches of one
+    script = launch[launch.index("examples/lora_released.py"):]
+    single = with_flags(script, output_dir=tmp_path / "single")
+    run([sys.executable, *single, "--gradient_accumulation_steps", str(PROCESSES)], workspace)
+
+    # memory: each process within 1.3 x its shards and its share of the Engram tables
+    weights, tables = stored_bytes(model)
+    budget = PSS_BUDGET * (weights + tables) / PROCESSES
+    reports = [json.loads(p.read_text()) for p in pss_dir.glob("pss_*.json")]
+    reports = [r for r in reports if r["script"] == "lora_released.py"]
+    assert len(reports) == PROCESSES, reports
+    rises = sorted(r["peak"] - r["baseline"] for r in reports)
+    print(f"stored: {weights / 2**20:.1f} MiB + Engram {tables / 2**20:.1f} MiB; per process: shards + Engram share "
+          f"{(weights + tables) / PROCESSES / 2**20:.1f} MiB; peak PSS rise {[round(r / 2**20, 1) for r in rises]} "
+          f"MiB = {[round(r / ((weights + tables) / PROCESSES), 2) for r in rises]} x")
+    assert rises[-1] <= budget, f"peak PSS rise {rises[-1] / 2**20:.1f} MiB > {budget / 2**20:.1f} MiB"
+
+    # training: the adapters after 3 steps are one process's
+    ours, theirs = adapters(tmp_path / "sharded"), adapters(tmp_path / "single")
+    assert ours.keys() == theirs.keys() and any(".experts." in k for k in ours) and any("wo_b" in k for k in ours)
+    assert (tmp_path / "sharded" / "checkpoint-2" / "adapter_model.safetensors").is_file()
+    for name, tensor in ours.items():
+        # the same products on the same rows; only the mean over the 4 rows' gradients is summed in another order
+        torch.testing.assert_close(tensor, theirs[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+    # the adapter on the natively loaded base, in one process
+    from peft import PeftModel
+
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+
+    ids = torch.randint(3, STAND_IN["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(4))
+    logits = []
+    for folder in (tmp_path / "sharded", tmp_path / "single"):
+        adapted = PeftModel.from_pretrained(DeepseekV41ForCausalLM.from_pretrained(model), folder).eval()
+        with torch.no_grad():
+            logits.append(adapted(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)

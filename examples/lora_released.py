@@ -84,7 +84,7 @@ def lora_model(script: ScriptArguments, args: DeepseekV41TrainingArguments):
 
 def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
     parser = HfArgumentParser((ScriptArguments, DeepseekV41TrainingArguments))
-    parser.set_defaults(activation_checkpointing=True, report_to="none", logging_steps=1, bf16=True)
+    parser.set_defaults(activation_checkpointing=True, report_to="none", logging_steps=1)
     script, args = parser.parse_args_into_dataclasses(argv)
     tokenizer = Tokenizer.from_file(os.path.join(script.model, "tokenizer.json"))
     model = lora_model(script, args)

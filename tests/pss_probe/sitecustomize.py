@@ -4,7 +4,8 @@
 A thread samples ``/proc/self/smaps_rollup`` every 10 ms. PSS counts each shared page (the page cache of a
 memory-mapped file, shared libraries) divided among the processes that map it. The baseline is the first sample
 taken once the ``__main__`` script has defined ``main`` (its imports done); the peak is the largest sample from then
-to exit. Each process writes ``pss_<pid>.json`` at exit: its script, baseline and peak, in bytes.
+to exit, ``loaded`` the largest until ``training.fsdp.load_sharded_weights`` returned. Each process writes
+``pss_<pid>.json`` at exit: its script, baseline, loaded and peak, in bytes.
 """
 
 import os
@@ -15,7 +16,34 @@ if os.environ.get("DSV41_PSS_DIR"):
     import sys
     import threading
 
-    _state = {"baseline": None, "peak": 0}
+    _state = {"baseline": None, "peak": 0, "loaded": None}
+
+    class _MarkLoaded:
+        """Import hook: once ``modeling_dsv41.training.fsdp`` has run, its ``load_sharded_weights`` notes the peak so
+        far when it returns (before any ``from ... import`` binds the name)."""
+
+        def find_spec(self, name, path=None, target=None):
+            if name != "modeling_dsv41.training.fsdp":
+                return None
+            import importlib.machinery
+
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                load = module.load_sharded_weights
+
+                def load_sharded_weights(*args, **kwargs):
+                    load(*args, **kwargs)
+                    _state["loaded"] = max(_state["peak"], _pss())
+
+                module.load_sharded_weights = load_sharded_weights
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _MarkLoaded())
 
     def _pss() -> int:
         with open("/proc/self/smaps_rollup") as f:
@@ -42,7 +70,7 @@ if os.environ.get("DSV41_PSS_DIR"):
         if _state["baseline"] is None:
             return
         _state["peak"] = max(_state["peak"], _pss())
-        script = os.path.basename(getattr(sys.modules.get("__main__"), "__file__", "") or "")
+        script = os.path.basename(sys.argv[0]) if sys.argv else ""
         path = os.path.join(os.environ["DSV41_PSS_DIR"], f"pss_{os.getpid()}.json")
         with open(path, "w") as f:
             json.dump({"script": script, **_state}, f)

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
     sharded = args.distributed_state.distributed_type == DistributedType.FSDP
     if not sharded:  # one process (or DDP): every process reads the whole model
         load_sharded_weights(model, script.model, adapter_seed=args.seed)
-    trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=PackedText(script.data, tokenizer, script.seq_len))
+    data = PackedText(script.data, tokenizer, script.seq_len)
+    trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=data)
     if sharded:  # FSDP2 as the accelerate config says, then each process reads its shards
         trainer.shard_model()
         load_sharded_weights(model, script.model, adapter_seed=args.seed)

@@ -131,7 +131,9 @@ def _dequantized(files: _Files, weight: str, scale: str, columns: int) -> Reader
     return read
 
 
-def _experts(files: _Files, parts: list[list[str]], scales: list[list[str]] | None, columns: int, stored: bool) -> Reader:
+def _experts(
+    files: _Files, parts: list[list[str]], scales: list[list[str]] | None, columns: int, stored: bool
+) -> Reader:
     """A fused expert tensor [E, rows, cols]: expert e's rows are the rows of ``parts[0][e]``, then ``parts[1][e]``
     (``w1`` then ``w3``). ``stored``: the tensors themselves (bytes or scales), else dequantized with ``scales``."""
 
@@ -171,13 +173,12 @@ def unwrapped_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {re.sub(r"\.base_layer(?=\.)", "", name): t for name, t in model.state_dict(keep_vars=True).items()}
 
 
-def released_readers(model: nn.Module, folder: str | Path) -> dict[str, Reader]:
+def released_readers(model: nn.Module, files: _Files) -> dict[str, Reader]:
     """For every tensor of ``model`` (a ``PreTrainedModel``, its parameters anywhere, meta included; names as in
-    :func:`unwrapped_state`) the released checkpoint at ``folder`` stores: how to read any box of it."""
+    :func:`unwrapped_state`) the released checkpoint of ``files`` stores: how to read any box of it."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
-    files = _Files(Path(folder))
     state = unwrapped_state(model)
     mapping = copy.deepcopy(get_model_conversion_mapping(model, None, getattr(model, "hf_quantizer", None)))
     renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
@@ -191,7 +192,7 @@ def released_readers(model: nn.Module, folder: str | Path) -> dict[str, Reader]:
         target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
         if target not in state:
             if not any(p.search(key) for p in skipped):
-                logger.warning("%s holds %s, which %s does not load", folder, key, type(model).__name__)
+                logger.warning("the checkpoint holds %s, which %s does not load", key, type(model).__name__)
             continue
         groups.setdefault(target, {}).setdefault(pattern or key, []).append(key)
         converter_of[target] = by_pattern.get(pattern) if pattern is not None else None
@@ -236,17 +237,23 @@ def read_released_shards(model: nn.Module, folder: str | Path, tensors: dict[str
     part. Returns the names filled (the others: not stored by the checkpoint)."""
     from torch.distributed.tensor import DTensor
 
-    readers = released_readers(model, folder)
-    filled = set()
-    for name, tensor in tensors.items():
-        if name not in readers:
-            continue
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        value = readers[name](local_box(tensor), local.dtype)
-        if value.shape != local.shape:
-            raise ValueError(f"{name}: the checkpoint gives {tuple(value.shape)} for this rank's {tuple(local.shape)}")
-        local.copy_(value)
-        filled.add(name)
+    files = _Files(Path(folder))
+    try:
+        readers = released_readers(model, files)
+        filled = set()
+        for name, tensor in tensors.items():
+            if name not in readers:
+                continue
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            value = readers[name](local_box(tensor), local.dtype)
+            if value.shape != local.shape:
+                raise ValueError(
+                    f"{name}: the checkpoint gives {tuple(value.shape)} for this rank's {tuple(local.shape)}"
+                )
+            local.copy_(value)
+            filled.add(name)
+    finally:
+        files.close()  # unmaps the last file: its pages this rank read would stay counted to it
     return filled
 
 

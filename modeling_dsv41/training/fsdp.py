@@ -267,13 +267,12 @@ def _adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
         return []
-    found = []
+    found = {}  # id → parameter: nested wrappers (both expert parameters adapted) list the inner one's again
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
-            base = module.get_base_layer()
-            own = {id(p) for p in base.parameters()}
-            found += [p for p in module.parameters() if id(p) not in own and all(p is not q for q in found)]
-    return found
+            wrapped = {id(p) for p in module.get_base_layer().parameters()}
+            found.update({id(p): p for p in module.parameters() if id(p) not in wrapped})
+    return list(found.values())
 
 
 @torch.no_grad()

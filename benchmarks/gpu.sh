@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 14, 15, 21, 22 and 28 in one run, about 10 minutes on one H200 (issue 28's step, bounded to
+# The GPU checks of issues 14, 15, 21, 22, 28 and 38 in one run, about 10 minutes on one H200 (issue 28's step, bounded to
 # 120 s, has not run on a GPU yet), from the repository root:
 #
 #     bash benchmarks/gpu.sh
@@ -77,6 +77,8 @@ EOF
     step 120 "$PYTHON" benchmarks/memory.py --train --device cuda --seqs 4096 16384 --reps 2
     # issue 14: the released-format stand-in loaded natively on the GPU, logits against the dequantized load
     step 100 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100
+    # issue 38: LoRA's loading, one GPU per process (one here): each process reading its shards vs whole then sharded
+    step 100 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100 --processes 1
     # issue 21: one LoRA step on the stand-in, native (FP8/FP4 kept) vs dequantized: peak memory, time, gradients
     step 90 "$PYTHON" benchmarks/finetune.py --device cuda --seq 512 --steps 3
     # issue 22: DSpark speculative decoding vs plain cached greedy decoding (draft head trained first), tiny and medium

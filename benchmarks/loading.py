@@ -28,7 +28,16 @@ same 2 x 64 tokens through each: max |Δ logit| of native against dequantized, t
 modules where those cannot run) and, on CUDA, ``torch.cuda.max_memory_allocated`` over each load and its forward.
 On CUDA the resident-memory table is skipped (it measures host memory).
 
-    python benchmarks/loading.py [--device cpu|cuda] [--workdir DIR] [--shard-mb 100] [--threads 2]
+With ``--processes N``: instead, LoRA's loading on N processes (gloo on the CPU, NCCL one GPU each with
+``--device cuda``), every process holding the stand-in sharded with FSDP2 (``training.fsdp.shard_model``), LoRA on
+the README's targets, two ways in one run: **whole** (each process ``from_pretrained``, then ``shard_model``: today's
+way) and **sharded** (the model built on the meta device, sharded, then each process reading only its shards:
+``load_sharded_weights``, as ``examples/lora_released.py`` loads). Per process: load seconds and the peak rise of its
+proportional set size (PSS, ``/proc/self/smaps_rollup``, sampled every 10 ms: a page the processes share is split
+among them) over its PSS before loading, against its shards of the stored weights plus its share of the Engram
+tables (memory-mapped in both).
+
+    python benchmarks/loading.py [--device cpu|cuda] [--workdir DIR] [--shard-mb 100] [--threads 2] [--processes N]
 """
 
 from __future__ import annotations
@@ -238,12 +247,123 @@ def resident_memory_table(folders: dict[str, Path], stored: int, threads: int) -
           f"native held / stored bytes {native['held'] / stored:.2f} (goal <= 1.15)")
 
 
+def _pss() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+
+
+def _load_for_lora(rank: int, world: int, port: int, folder: str, device: str, results) -> None:
+    """One process of ``--processes``: both loads, one after the other, each measured from its own baseline."""
+    import gc
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    import modeling_dsv41  # noqa: F401
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.released.loading import empty_native_model
+    from modeling_dsv41.training.fsdp import load_sharded_weights, shard_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    target = torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(target)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+    config = DeepseekV41Config.from_pretrained(folder)
+    lora = LoraConfig(r=16, target_modules=["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1",
+                                            "shared_experts.w2", "shared_experts.w3"],
+                      target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+
+    def whole():
+        model = DeepseekV41ForCausalLM.from_pretrained(folder, config=config, engram_tables="mmap",
+                                                       device_map=None if device == "cpu" else str(target))
+        return shard_model(get_peft_model(model, lora))
+
+    def sharded():
+        model = get_peft_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config, device=target), lora)
+        shard_model(model)
+        load_sharded_weights(model, folder, device=target)
+        return model
+
+    for name, load in (("sharded", sharded), ("whole", whole)):
+        gc.collect()
+        dist.barrier()
+        baseline, peak, stop = _pss(), [0], threading.Event()
+
+        def sample():
+            while not stop.wait(0.01):
+                peak[0] = max(peak[0], _pss())
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        start = time.perf_counter()
+        model = load()
+        seconds = time.perf_counter() - start
+        stop.set()
+        sampler.join()
+        peak[0] = max(peak[0], _pss())
+        results.put((name, rank, seconds, peak[0] - baseline, _pss() - baseline))
+        del model
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def loading_on_processes(folder: Path, processes: int, device: str) -> None:
+    """``--processes``: the per-process table of the module docstring."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    weights, tables = _stored_bytes(folder)
+    share = (weights + tables) / processes
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    env = dict(os.environ)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors go back to the system (see above)
+    try:
+        mp.start_processes(_load_for_lora, args=(processes, port, str(folder), device, results), nprocs=processes,
+                           start_method="spawn")
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    rows = sorted(results.get() for _ in range(2 * processes))
+    mib = 2**20
+    print(f"LoRA loading on {processes} processes ({device}): stored {weights / mib:.1f} MiB + Engram tables "
+          f"{tables / mib:.1f} MiB; per process, shards + Engram share: {share / mib:.1f} MiB")
+    print(f"{'load':8s} {'rank':>4s} {'seconds':>8s} {'peak PSS rise MiB':>18s} {'x share':>8s} {'held after MiB':>15s}")
+    for name, rank, seconds, peak, after in rows:
+        print(f"{name:8s} {rank:4d} {seconds:8.2f} {peak / mib:18.1f} {peak / share:8.2f} {after / mib:15.1f}")
+
+
+def _stored_bytes(folder: Path) -> tuple[int, int]:
+    """(bytes of the stored tensors but the Engram tables, bytes of the tables), from the safetensors headers."""
+    from modeling_dsv41.placement import _safetensors_header
+
+    sizes = [0, 0]
+    for path in folder.glob("*.safetensors"):
+        _, header = _safetensors_header(path)
+        for key, entry in header.items():
+            if key != "__metadata__":
+                start, stop = entry["data_offsets"]
+                sizes[".engram.embed." in key] += stop - start
+    return sizes[0], sizes[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--shard-mb", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="where the native vs dequantized logits check runs (cpu, cuda)")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="LoRA's loading on this many processes instead, sharded against whole (see above)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
@@ -254,6 +374,9 @@ def main() -> None:
         mib = 2**20
         print(f"released checkpoint: {stored / mib:.0f} MiB in "
               f"{len(list(folders['released'].glob('*.safetensors')))} shards of <= {args.shard_mb} MiB")
+        if args.processes:
+            loading_on_processes(folders["released"], args.processes, args.device)
+            return
         if args.device == "cpu":
             resident_memory_table(folders, stored, args.threads)
         print_device_comparison(folders["released"], args.device)

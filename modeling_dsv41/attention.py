@@ -38,7 +38,7 @@ from .generation.cache import CacheStep, DeepseekV41LayerCache, gather_rows
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear, einsum_rounded_once
 from .norms import DeepseekV41RMSNorm
 from .numerics import backward_in_forward_numerics, reference_numerics_active
-from .released.codec import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
+from .codec import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
 from .rotary import apply_rotary
 
 _fp8_qdq = straight_through(fp8_qdq)

@@ -24,7 +24,7 @@ from transformers import initialization as init
 from transformers.utils import logging
 
 from .recompute import recomputed
-from .released.codec import RELEASED_BLOCK_SIZE, dequantize_fp8_rows
+from .codec import RELEASED_BLOCK_SIZE, dequantize_fp8_rows
 
 logger = logging.get_logger(__name__)
 

@@ -22,7 +22,7 @@ import os
 
 from configuration.configuration_dsv41 import DeepseekV41Config
 
-from .released.codec import RELEASED_BLOCK_SIZE
+from .codec import RELEASED_BLOCK_SIZE
 
 
 def distributed_config(**sizes):

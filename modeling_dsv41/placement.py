@@ -39,7 +39,7 @@ from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
 from configuration.configuration_dsv41 import DeepseekV41Config
 
-from .released.codec import RELEASED_BLOCK_SIZE
+from .codec import RELEASED_BLOCK_SIZE
 
 # the tables, as module names (the checkpoint keeps them inside their layers: layers.{i}.engram.embed.*)
 ENGRAM_TABLE = re.compile(r"(^|\.)layers\.\d+\.engram\.embed$")

@@ -17,7 +17,7 @@ import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.engram import dequantize_engram_table
-from modeling_dsv41.released.codec import RELEASED_BLOCK_SIZE, dequantize_fp4_rows, dequantize_fp8_block, dequantize_fp8_rows
+from modeling_dsv41.codec import RELEASED_BLOCK_SIZE, dequantize_fp4_rows, dequantize_fp8_block, dequantize_fp8_rows
 
 
 def dequantize_released_tensor(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

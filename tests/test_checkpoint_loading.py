@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.released import codec, conversions
-from modeling_dsv41.released.codec import (
+from modeling_dsv41 import codec
+from modeling_dsv41.released import conversions
+from modeling_dsv41.codec import (
     dequantize_released_weight,
     quantize_fp4_rows,
     quantize_fp8_block,

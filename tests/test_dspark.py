@@ -26,7 +26,7 @@ from transformers import FineGrainedFP8Config
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.generation.cache import DeepseekV41Cache, DeepseekV41DSparkCache
-from modeling_dsv41.released.codec import dequantize_released_weight
+from modeling_dsv41.codec import dequantize_released_weight
 from modeling_dsv41.released.convert import convert_released_checkpoint
 from modeling_dsv41.released.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
 from modeling_dsv41.released.writing import released_state_dict, save_released_checkpoint

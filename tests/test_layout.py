@@ -4,7 +4,8 @@ The layers, lowest first: ``configuration`` ← ``processing`` ← the model's p
 model is built from: attention, MoE, Engram, the cache, the released format, placement, ...) ← the model
 (``modeling_dsv41.modeling_dsv41``) ← what uses the model (training, the optimizer, the CLI, Hub export and the
 package's ``__init__``, which registers the Auto classes). Imports are read from the source (function-level ones
-too), so an import deferred into a function to dodge a circle counts like any other.
+too), so an import deferred into a function to dodge a circle counts like any other. Within the parts, a subpackage
+(``released/``, ``generation/``) is one unit: its modules together sit above or below a flat module, never both.
 """
 
 import ast
@@ -90,6 +91,39 @@ def test_there_is_no_import_circle(graph):
         if module not in state:
             visit(module, [module])
     assert len(order) == len(graph)
+
+
+def _unit(module: str) -> str:
+    """A module's unit for the package-level graph: its subpackage of ``modeling_dsv41`` (``modeling_dsv41.released``),
+    else the module itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "modeling_dsv41" and len(parts) > 2 else module
+
+
+def test_subpackages_sit_on_one_level(graph):
+    """No circle between a subpackage and the flat modules: the released format's loading uses placement and the
+    parallel plans, so they must not import anything of ``released/`` (the number formats live below them all)."""
+    units: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        units.setdefault(_unit(module), set()).update(_unit(t) for t in targets if _unit(t) != _unit(module))
+
+    def reachable(unit: str) -> set[str]:
+        seen, todo = set(), [unit]
+        while todo:
+            for target in units.get(todo.pop(), ()):
+                if target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        return seen
+
+    circles = sorted(f"{a} <-> {b}" for a in units for b in units.get(a, ()) if a in reachable(b) and a < b)
+    assert not circles, "\n".join(circles)
+
+
+def test_the_codec_imports_nothing_of_ours(graph):
+    """The number formats are pure tensor arithmetic below every other module."""
+    assert graph["modeling_dsv41.codec"] == set()
+    assert "modeling_dsv41.codec" in graph["modeling_dsv41.engram"] & graph["modeling_dsv41.released.conversions"]
 
 
 def test_the_layout_test_sees_the_imports(graph):

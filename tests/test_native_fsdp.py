@@ -149,3 +149,63 @@ def test_lora_on_the_native_base_sharded_on_two_processes_trains_as_one_process(
     spawn(_native_lora_sharded_matches_one_process, tmp_path, str(released), engram_table_dtype, bf16_compute,
           timeout_s=240)
     print("max |Δ adapter| / max |update|:", (tmp_path / "worst.txt").read_text())
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+
+
+def _each_rank_reads_its_shards_of_the_release(rank: int, tmp: Path, folder: str, engram_table_dtype: str) -> None:
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.released import sharded_reading
+    from modeling_dsv41.released.loading import empty_native_model
+    from modeling_dsv41.training.fsdp import load_sharded_weights, shard_model
+
+    config = DeepseekV41Config.from_pretrained(folder)
+    config.text_config.engram_table_dtype = engram_table_dtype
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    lora = LoraConfig(r=4, target_modules=FP8_TARGETS, target_parameters=EXPERT_TARGETS)
+    whole = get_peft_model(DeepseekV41ForCausalLM.from_pretrained(folder, config=config), lora)
+    shard_model(whole, mp_policy=policy)  # today's way: every process loads the whole model, then shards it
+
+    reads = []  # what each rank reads of the checkpoint: (key, box)
+    read = sharded_reading._Files.read
+    sharded_reading._Files.read = lambda self, key, box: reads.append((key, box)) or read(self, key, box)
+    ours = get_peft_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), lora)
+    assert all(p.is_meta for n, p in ours.named_parameters())
+    shard_model(ours, mp_policy=policy)
+    load_sharded_weights(ours, folder)
+    sharded_reading._Files.read = read
+
+    theirs = dict(whole.named_parameters())
+    for name, param in ours.named_parameters():
+        if "lora_" in name:  # PEFT's initialization, drawn from another seed here
+            continue
+        reference = theirs[name]
+        local, expected = (t.to_local() if isinstance(t, DTensor) else t for t in (param, reference))
+        assert isinstance(param, DTensor) == isinstance(reference, DTensor), name
+        assert local.dtype == expected.dtype and local.shape == expected.shape, name
+        assert torch.equal(_bits(local.detach()), _bits(expected.detach())), name
+    for (name, buffer), (_, expected) in zip(ours.named_buffers(), whole.named_buffers()):
+        assert torch.equal(buffer, expected), name
+    # the rank read only its rows of the experts: half of them, each whole (FP4 bytes and scales)
+    expert_reads = [key for key, _ in reads if ".experts." in key and key.endswith(".weight")]
+    experts = QUANT_FORMAT_TEXT["n_routed_experts"] * QUANT_FORMAT_TEXT["num_hidden_layers"] * 3
+    assert len(expert_reads) == experts // WORLD, len(expert_reads)
+    tables = [key for key, _ in reads if ".engram.embed." in key]
+    assert not tables if engram_table_dtype == "fp8" else tables  # FP8 tables are memory-mapped, not read
+
+
+@pytest.mark.parametrize("engram_table_dtype", ["fp8", "float"])
+def test_each_rank_reads_its_shards_of_the_release_equal_to_loading_whole_then_sharding(
+    released, engram_table_dtype, tmp_path
+):
+    """The model built on the meta device, LoRA added, sharded, then each rank reading only its shards of the released
+    checkpoint (``load_sharded_weights``) holds the same bytes as the natively loaded model sharded after loading:
+    every FP8 weight and E8M0 scale, FP4 expert, dequantized ``wo_a`` / Engram ``wkv`` and plain tensor, bit for bit."""
+    spawn(_each_rank_reads_its_shards_of_the_release, tmp_path, str(released), engram_table_dtype, timeout_s=240)

@@ -13,7 +13,8 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
-from modeling_dsv41.released import codec, native_precision
+from modeling_dsv41 import codec
+from modeling_dsv41.released import native_precision
 from modeling_dsv41.released.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
 from modeling_dsv41.released.writing import save_released_checkpoint
 from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from modeling_dsv41.released.codec import (
+from modeling_dsv41.codec import (
     QuantizeDequantize,
     dequantize_fp4_rows,
     dequantize_fp8_block,

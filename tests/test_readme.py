@@ -194,7 +194,7 @@ COMMAND_TESTS = {
     "torchrun ": "test_torchrun_commands_parse_their_arguments",
     "python examples/trl_": "tests/test_trl.py",
     "python examples/lm_eval_local.py": "tests/test_lm_eval.py",
-    "accelerate launch ": "tests/test_trainer_distributed.py",
+    "accelerate launch ": "tests/test_trainer_distributed.py, test_expert_parallel.py, test_lora_released_launch.py",
 }
 
 

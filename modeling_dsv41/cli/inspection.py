@@ -280,6 +280,14 @@ def format_training_plan(plans: dict[str, LoraTrainingPlan], longest: dict[str, 
             held[what, _bytes(nbytes)].append(name)
     for (what, size), names in held.items():
         lines.append(f"host memory, {what}: {size} ({'every case' if len(names) == len(plans) else ', '.join(names)})")
+    lines.append(
+        f"launch (examples/lora_released.py, one process per device): host memory per node "
+        f"{_bytes(first.host_bytes['Engram tables'] + first.num_devices * first.largest_read)} beyond the processes' "
+        "own (the Engram tables memory-mapped, one page cache for the node, and per process the largest part of a "
+        f"tensor it reads, {_bytes(first.largest_read)}: each reads only its shards), plus what a case above keeps in "
+        f"host memory; disk: the released checkpoint {_bytes(first.checkpoint_bytes)}, each training checkpoint "
+        f"{_bytes(first.save_bytes)} (the adapter and its AdamW moments)"
+    )
     lines.append("activations offloaded = shard_model(..., offload_activations=True) or the Trainer's "
                  "offload_activations=True; all offloaded = also offload_policy=CPUOffloadPolicy(): frozen shards, "
                  "adapters and their optimizer step in host memory")

@@ -12,7 +12,7 @@ Each quantized ``X.weight`` of the release has a sibling ``X.scale``. When the m
 precision, :mod:`.native_precision`; FP8 Engram tables with ``engram_table_dtype="fp8"``) the converters pair the
 weight with its scale and hand both over raw (``weight_scale_inv``, the experts' bytes and scales fused as
 transformers' ``FP8Experts`` holds them); otherwise :class:`DequantizeReleasedWeight` turns them into ``X.weight`` in
-the parameter's dtype (:func:`~.codec.dequantize_released_weight`). Unquantized tensors pass through the same converter.
+the parameter's dtype (:func:`~..codec.dequantize_released_weight`). Unquantized tensors pass through the same converter.
 
 Two lists, as transformers splits a model's names from its storage: :func:`released_layout_conversions` (names and
 fused experts, plain weights) is what the model registers, what ``save_pretrained`` reverses into the released names,
@@ -37,7 +37,7 @@ from transformers.core_model_loading import (
 )
 from transformers.distributed.utils import is_dtensor
 
-from .codec import RELEASED_BLOCK_SIZE, dequantize_released_weight, stored_scale
+from ..codec import RELEASED_BLOCK_SIZE, dequantize_released_weight, stored_scale
 
 # Checkpoint key patterns (regexes). A weight or scale name ends the key; a lookahead rather than `$` because
 # transformers strips lookarounds when it turns these into literal replacement strings (and back, for saving).

@@ -1,7 +1,7 @@
 """Convert a checkpoint in DeepSeek's released storage into our plain format, one output tensor at a time.
 
 The released files keep dense weights as FP8 with 32×32-block E8M0 scales, routed experts as packed FP4 and Engram
-tables as FP8 with per-row scales (see :mod:`.codec`). ``from_pretrained`` can read them directly; a
+tables as FP8 with per-row scales (see :mod:`~modeling_dsv41.codec`). ``from_pretrained`` can read them directly; a
 converted copy loads without the dequantization pass, can be memory-mapped, and is what fine-tuning tools expect.
 It is written in our layout (``model.`` prefix, ``lm_head``, each layer's routed experts fused into
 ``gate_up_proj``/``down_proj``), named by the same conversions ``from_pretrained`` applies. Memory stays at one
@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from configuration import DeepseekV41Config
 
-from .codec import dequantize_released_weight
+from ..codec import dequantize_released_weight
 from .conversions import (
     NOT_LOADED,
     NOT_LOADED_WITHOUT_DSPARK,

@@ -218,6 +218,52 @@ def _saved_native_config(cls, source, config: PreTrainedConfig | str | None, hub
     return config
 
 
+def empty_native_model(
+    cls, source: str | os.PathLike, config: PreTrainedConfig | None = None, engram_tokenizer=None,
+    device: torch.device | str | None = None, **hub_kwargs,
+) -> nn.Module:
+    """``cls.from_pretrained(source)`` of a released checkpoint in its native precision, without its weights: every
+    parameter on the meta device, in the dtype and the module (``FP8Linear``, ``FP8Experts``, fp32-kept ones) the
+    load would give it; the buffers real (the Engram hasher's are computed, its token map built as
+    :func:`finish_checkpoint_load` builds it). Shard it (``training.fsdp.shard_model``), then fill it with
+    ``training.fsdp.load_sharded_weights``, which reads each rank's shards only.
+
+    ``device``: where the weights will live (an accelerator lets the quantizer keep transformers' FP8 kernels where
+    they run, as ``device_map`` does for ``from_pretrained``)."""
+    from accelerate import init_empty_weights
+    from transformers import initialization as init
+    from transformers.quantizers import AutoHfQuantizer
+
+    kwargs = {} if config is None else {"config": config}
+    released = prepare_checkpoint_load(cls, source, kwargs, hub_kwargs)
+    if not (released and stores_quantized_weights(source, **hub_kwargs)):
+        raise ValueError(f"{source} is not a released checkpoint with FP8 / FP4 weights (no .scale tensors beside them)")
+    config, dtype = kwargs["config"], kwargs["dtype"]
+    quantizer = AutoHfQuantizer.from_config(config.quantization_config, pre_quantized=True)
+    quantizer.validate_environment(device_map=None if device is None else {"": str(device)})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with init_empty_weights(include_buffers=False), init.no_init_weights(), init.no_tie_weights():
+            model = cls(copy.deepcopy(config))
+            quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None)
+    finally:
+        torch.set_default_dtype(previous)
+    kept_fp32 = model._get_dtype_plan(dtype)
+    if kept_fp32:  # the dtype the loader reads these in (``_keep_in_fp32_modules_strict``); quantized ones as stored
+        from transformers.core_model_loading import build_glob_alternation
+
+        matcher = build_glob_alternation(list(kept_fp32))[0]
+        for name, param in model.named_parameters():
+            if matcher.search(name) and param.dtype != torch.float32 and param.element_size() > 1:
+                param.data = torch.empty_like(param, dtype=torch.float32)
+    model.config.name_or_path = str(source)
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+    finish_checkpoint_load(model, source, engram_tokenizer, hub_kwargs)
+    return model.eval()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # After transformers loaded
 # ---------------------------------------------------------------------------------------------------------------------
@@ -272,6 +318,7 @@ def _adapt_natively_with_peft() -> None:
 
 
 __all__ = [
+    "empty_native_model",
     "ensure_engram_token_map",
     "finish_checkpoint_load",
     "high_precision_modules",

@@ -31,7 +31,7 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
 from ..bnb_experts import BnbExperts
 from ..moe import DeepseekV41Experts
-from .codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
+from ..codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
 from .native_precision import FP4KernelExperts, WeightOnlyFP4Experts, fp4_experts_forward
 
 # what a merged module holds: the released model's compute dtype, as FineGrainedFP8Config(dequantize=True) loads it

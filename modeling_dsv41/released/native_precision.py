@@ -54,7 +54,7 @@ from transformers.utils.import_utils import is_kernels_available
 
 from ..hub.registration import register_quantization_config, register_quantizer
 from ..moe import DeepseekV41Experts, routed_experts_forward
-from .codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
+from ..codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
 
 QUANT_METHOD = "deepseek_v41_fp8"
 # our Linears the release stores FP8 and that compute through their forward, in the backbone's layers and the DSpark

@@ -1,5 +1,5 @@
 """Writing a model in the released storage format: the release's names (:mod:`.conversions`, reversed) and storage
-(FP8 / FP4 with E8M0 scales, :mod:`.codec`), as ``config.json``, safetensors shards and their index. No Engram token
+(FP8 / FP4 with E8M0 scales, :mod:`~modeling_dsv41.codec`), as ``config.json``, safetensors shards and their index. No Engram token
 map is written (the release has none; ``from_pretrained`` builds it from the tokenizer).
 """
 
@@ -18,7 +18,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from configuration.configuration_dsv41 import released_quantization_dict
 
-from .codec import quantize_fp4_rows, quantize_fp8_block, quantize_fp8_rows
+from ..codec import quantize_fp4_rows, quantize_fp8_block, quantize_fp8_rows
 
 _WEIGHT, _SCALE = ".weight", ".scale"
 _NATIVE_SCALE = "_scale_inv"  # transformers' FP8 modules: `weight_scale_inv`, the experts' `{name}_scale_inv`
@@ -71,7 +71,7 @@ def released_layout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def released_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s tensors as the release stores them: released names, quantized weights with their ``.scale``, no
     token map. Tensors the model holds as stored (a native load's FP8 Linears and FP4 experts, FP8 Engram tables)
-    are written as they are; the others are quantized (:mod:`.codec`: canonically, so that a tensor a native load
+    are written as they are; the others are quantized (:mod:`~modeling_dsv41.codec`: canonically, so that a tensor a native load
     dequantized is written back with the bytes it was stored with, when those were canonical)."""
     state = released_layout_state_dict(model)
     state.pop("engram_hasher.token_map", None)

@@ -31,6 +31,7 @@ would be all-gathered whole at every forward of its layer. A trainable table is 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -168,40 +169,141 @@ def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_s
     return training, units
 
 
-def load_sharded_weights(model: nn.Module, folder: str | Path, device: torch.device | str | None = None) -> None:
+def load_sharded_weights(
+    model: nn.Module, folder: str | Path, device: torch.device | str | None = None, adapter_seed: int = 0
+) -> None:
     """Fill a model sharded by :func:`shard_model` while its parameters were on the meta device with a safetensors
-    checkpoint in our layout (``save_pretrained``, ``dsv41 convert``): each rank reads only its shards
-    (``torch.distributed.checkpoint`` with its Hugging Face reader), so no process ever holds the whole model.
-    Frozen Engram tables (left out of sharding) are memory-mapped from the folder instead, as
-    ``from_pretrained(..., engram_tables="mmap")`` maps them: a node's processes share one page cache.
+    checkpoint: each rank reads only its shards, so no process ever holds the whole model. Frozen Engram tables
+    (left out of sharding) are memory-mapped from the folder instead, as ``from_pretrained(..., engram_tables="mmap")``
+    maps them: a node's processes share one page cache.
+
+    - our layout (``save_pretrained``, ``dsv41 convert``): ``torch.distributed.checkpoint`` with its Hugging Face
+      reader;
+    - DeepSeek's released storage, the model built by :func:`~modeling_dsv41.released.loading.empty_native_model`
+      (FP8 Linears, FP4 experts kept as stored): safetensors slices of the rank's shards, through the conversions
+      ``from_pretrained`` applies (:mod:`~modeling_dsv41.released.sharded_reading`); the values equal those of
+      ``from_pretrained`` followed by :func:`shard_model`, bit for bit. Engram tables kept FP8
+      (``engram_table_dtype="fp8"``) are memory-mapped; dequantized ones are read whole by every rank.
 
     Build the model with its parameters on the meta device and its buffers real (accelerate's
     ``init_empty_weights()`` keeps buffers: the Engram hasher's are computed, not stored), shard it, then call this.
-    The persistent buffers (router biases, the Engram token map) are read from the checkpoint too.
+    The persistent buffers (router biases, the Engram token map) are read from the checkpoint too. PEFT adapters
+    added on the meta device are initialized as PEFT initializes them (``reset_lora_parameters``), drawn from
+    ``adapter_seed`` one whole factor at a time, so any number of processes starts from the same adapters.
+    The model may also be unsharded (one process): then it holds every weight.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
     from ..placement import is_engram_table_tensor, memory_map_engram_tables
+    from ..released.reading import stores_scales
 
     if not any(p.is_meta for p in model.parameters()):
         raise ValueError("load_sharded_weights fills a model sharded on the meta device; this one holds its weights")
     device = torch.device(device) if device is not None else _default_device()
+    released = stores_scales(folder)
     buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}  # computed in __init__ (hasher)
-    tables = frozen_engram_tables(model)
-    kept = {id(t) for t in tables}
+    tables = {id(t) for t in frozen_engram_tables(model)}
+    mapped = {
+        name for name, t in model.named_parameters()
+        if id(t) in tables and (not released or any(p.dtype == torch.float8_e4m3fn for p in _siblings(model, t)))
+    }
+    placeheld = {id(t) for name, t in model.named_parameters() if name in mapped}
     # Module.to_empty, but a frozen table becomes a host placeholder of its shape holding one element (an empty table
-    # on the device would not fit) until it is mapped
-    model._apply(lambda t: _placeholder(t) if id(t) in kept else torch.empty_like(t, device=device))
+    # on the device would not fit) until it is mapped; a dequantized one is read whole into host memory
+    model._apply(
+        lambda t: _placeholder(t) if id(t) in placeheld
+        else torch.empty_like(t, device="cpu" if id(t) in tables else device)
+    )
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in buffers:
                 buffer.copy_(buffers[name])
-    if tables:
-        memory_map_engram_tables(model, folder)
-    state = {k: v for k, v in get_model_state_dict(model).items() if not (tables and is_engram_table_tensor(k))}
+    if mapped:
+        memory_map_engram_tables(_pretrained(model), folder)
+    if released:
+        _read_released(model, folder, skip={id(t) for n, t in model.named_parameters() if n in mapped})
+    else:
+        _read_ours(model, folder, bool(mapped), is_engram_table_tensor)
+    _initialize_adapters(model, adapter_seed)
+
+
+def _pretrained(model: nn.Module) -> nn.Module:
+    """The ``PreTrainedModel`` in ``model`` (itself, or the one under a PEFT wrapper)."""
+    from transformers import PreTrainedModel
+
+    return next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+
+
+def _siblings(model: nn.Module, param: nn.Parameter) -> list[nn.Parameter]:
+    """The parameters of the module holding ``param`` (an Engram table: its weight and, kept FP8, its scales)."""
+    module = next(m for m in model.modules() if any(p is param for p in m.parameters(recurse=False)))
+    return list(module.parameters(recurse=False))
+
+
+def _read_ours(model: nn.Module, folder, tables_mapped: bool, is_table: Callable[[str], bool]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    state = {k: v for k, v in get_model_state_dict(model).items() if not (tables_mapped and is_table(k))}
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
-    set_model_state_dict(model, state, options=StateDictOptions(strict=not tables))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=not tables_mapped))
+
+
+def _read_released(model: nn.Module, folder, skip: set[int]) -> None:
+    """Each rank's shards of the released checkpoint; every base parameter must be found there."""
+    from ..released.sharded_reading import read_released_shards, unwrapped_state
+
+    base = _pretrained(model)
+    adapters = {id(p) for p in _adapter_parameters(model)}
+    wanted = {n: t for n, t in unwrapped_state(base).items() if id(t) not in skip and id(t) not in adapters}
+    filled = read_released_shards(base, folder, wanted)
+    parameters = {id(p) for p in base.parameters()}
+    missing = sorted(n for n, t in wanted.items() if n not in filled and id(t) in parameters)
+    if missing:
+        raise ValueError(f"{folder} does not store {len(missing)} parameters of the model: {', '.join(missing[:8])}")
+
+
+def _adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters PEFT's adapter layers add (``lora_A``, ``lora_B``, ...), not those of the layers they wrap."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return []
+    found = {}  # id → parameter: nested wrappers (both expert parameters adapted) list the inner one's again
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            wrapped = {id(p) for p in module.get_base_layer().parameters()}
+            found.update({id(p): p for p in module.parameters() if id(p) not in wrapped})
+    return list(found.values())
+
+
+@torch.no_grad()
+def _initialize_adapters(model: nn.Module, seed: int) -> None:
+    """PEFT's own initialization of every adapter (``reset_lora_parameters``), on whole factors on the CPU drawn from
+    ``seed`` in module order, then each rank's shard copied in: the same adapters on any number of processes."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return
+    from torch.distributed.tensor import DTensor
+
+    from ..released.sharded_reading import local_box
+
+    configs = getattr(model, "peft_config", None) or {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for layer in (m for m in model.modules() if isinstance(m, BaseTunerLayer)):
+            for adapter in getattr(layer, "lora_A", {}):
+                factors = [layer.lora_A[adapter], layer.lora_B[adapter]]
+                sharded = [f.weight for f in factors]
+                for factor, weight in zip(factors, sharded):
+                    factor.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype), requires_grad=False)
+                init = getattr(configs.get(adapter), "init_lora_weights", True)
+                layer.reset_lora_parameters(adapter, init)
+                for factor, weight in zip(factors, sharded):
+                    whole = factor.weight.data
+                    factor.weight = weight
+                    local = weight.to_local() if isinstance(weight, DTensor) else weight
+                    box = local_box(weight)
+                    local.copy_(whole[tuple(slice(a, b) for a, b in box)])
 
 
 def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
@@ -209,7 +311,7 @@ def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _default_device() -> torch.device:
-    if dist.get_backend() == "gloo":
+    if (dist.is_initialized() and dist.get_backend() == "gloo") or not torch.accelerator.is_available():
         return torch.device("cpu")
     return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..placement import is_engram_table_tensor, native_held_bytes
+from ..placement import is_engram_table_tensor, native_held_bytes, released_storage_bytes
 from .activation_memory import activation_peak, attended_slots
 
 RESERVE_BYTES = 3 * 2**30
@@ -112,6 +112,9 @@ class LoraTrainingPlan(PerDeviceTotal):
     terms: dict[str, float] = field(default_factory=dict)
     largest_unit: str = ""
     host_bytes: dict[str, float] = field(default_factory=dict)
+    checkpoint_bytes: float = 0.0  # the released checkpoint on disk
+    largest_read: float = 0.0  # the largest stored tensor: what a process holds beyond its shards while loading
+    save_bytes: float = 0.0  # one training checkpoint: the adapter and its AdamW moments (fp32)
 
 
 def _fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
@@ -166,6 +169,13 @@ def plan_lora_training(
     plan.adapter_parameters = lora_parameters(model, rank)
     tables = sum(native_held_bytes(name, p) for name, p in model.named_parameters() if is_engram_table_tensor(name))
     plan.host_bytes["Engram tables"] = tables
+    stored = [released_storage_bytes(name, p) for name, p in model.named_parameters()]
+    plan.checkpoint_bytes = sum(stored)
+    plan.largest_read = max(  # a rank reads its rows of a tensor; of the experts, one of its experts at a time
+        released_storage_bytes(name, p) / (p.shape[0] if p.dim() == 3 else n)
+        for name, p in model.named_parameters() if not is_engram_table_tensor(name)
+    )
+    plan.save_bytes = plan.adapter_parameters * 3 * 4
     adapter_state = plan.adapter_parameters * _ADAPTER_BYTES_PER_PARAMETER
     if offload:
         plan.host_bytes["frozen shards and adapter state (all ranks)"] = total + adapter_state

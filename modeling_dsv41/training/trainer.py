@@ -309,9 +309,37 @@ class DeepseekV41Trainer(Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if self.args.offload_activations:  # train() has enabled gradient checkpointing by now
             offload_checkpointed_inputs(self.model)
+        self.shard_model()
+        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def shard_model(self) -> None:
+        """Under accelerate's FSDP2 plugin, shard the model as training will (:func:`~.fsdp.shard_model` with the
+        configured mixed precision, resharding and offload); otherwise nothing. ``train()`` calls it; call it first
+        for a model built on the meta device, then fill it with :func:`~.fsdp.load_sharded_weights` (each rank reads
+        its shards: ``examples/lora_released.py``)."""
         if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2:
             self._shard_with_fsdp2()
-        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; a PEFT model sharded with FSDP2 saves its adapters (``adapter_model.safetensors``,
+        gathered from the shards), never the frozen base (accelerate's full state dict would gather the whole model
+        on one process)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not (isinstance(self.model, FSDPModule) and is_adapter_model(self.model)):
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        from torch.distributed.tensor import DTensor
+
+        output_dir = output_dir or self.args.output_dir
+        adapters = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+            for name, p in self.model.named_parameters() if p.requires_grad
+        }
+        if self.args.should_save:
+            self.model.save_pretrained(output_dir, state_dict=adapters)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _shard_with_fsdp2(self) -> None:
         """Shard the model with :func:`~.fsdp.shard_model` before accelerate sees it (accelerate leaves a model

@@ -1,0 +1,215 @@
+"""docs/released-model.md's launch of LoRA on the release (``examples/lora_released.py`` under
+``examples/accelerate/fsdp2_lora.yaml``), run as printed on 4 CPU processes (gloo) on a released-format stand-in: the
+flags that size the run (processes, sequence length, steps, rank) and the paths are the only ones changed.
+
+- Training: the adapters after 3 steps equal those of one process running the same script unsharded (the same
+  rows, in 4 micro-batches of accumulation instead of 4 processes), and a checkpoint holds the adapter.
+- Resuming (not met yet: an expected failure, see the test): the run stopped after its checkpoint and launched
+  again with ``--resume_from_checkpoint last`` ends with the same adapters.
+- The adapter saved at the end loads on the natively loaded base in one process (``PeftModel.from_pretrained``),
+  as saved, and changes its logits.
+- Memory (not met yet: an expected failure, see the test): each process's peak proportional set size (PSS: a page
+  of the page cache or of a shared library counted divided among the processes mapping it, ``tests/pss_probe``),
+  while loading and from the end of its imports to its exit, stays within 1.3 x (its shards of the stored weights +
+  its quarter of the Engram tables) above its PSS at the end of its imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from documentation import REPO_ROOT, command_lines
+
+LAUNCH_TIMEOUT_S = 900  # ~2 min on 2 idle cores; a loaded machine is several times slower
+PROCESSES = 4
+PSS_BUDGET = 1.3
+# ~130 MB stored: 8 decoder layers, FP4 experts the largest part after two FP8 Engram tables of 26 MB each
+STAND_IN = dict(
+    vocab_size=512, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+    head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2, n_routed_experts=32,
+    num_experts_per_tok=2, sliding_window=16, compress_ratios=[0, 2] * 4, kv_source_layer_ids=[1],
+    index_source_layer_ids=[1], index_n_heads=4, index_head_dim=64, index_topk=8, candidate_source_layer_id=-1,
+    engram_layer_ids=[0, 4], engram_num_embeddings=[200000, 200000], engram_vocab_size=100, engram_n_heads=2,
+    engram_head_dim=128, engram_compressed_vocab_size=256, num_nextn_predict_layers=0,
+)
+SEQ_LEN, STEPS, RANK = 16, 3, 2
+
+
+def printed_launch() -> list[str]:
+    """The docs' launch of examples/lora_released.py (argv)."""
+    found = [shlex.split(line) for line in command_lines("accelerate launch") if "examples/lora_released.py" in line]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def with_flags(argv: list[str], **values) -> list[str]:
+    """``argv`` with the values of the given ``--flags`` replaced (each must be printed)."""
+    argv = list(argv)
+    for name, value in values.items():
+        argv[argv.index(f"--{name}") + 1] = str(value)
+    return argv
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A folder laid out as the docs' command expects: the repository's ``examples/``, the stand-in in the released
+    format (as ``hf download`` leaves it) and a JSON-lines data file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import modeling_dsv41  # noqa: F401
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.released.writing import save_released_checkpoint
+
+    root = tmp_path_factory.mktemp("lora_launch")
+    (root / "examples").symlink_to(REPO_ROOT / "examples")
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=STAND_IN)).to(torch.bfloat16)
+    argv = printed_launch()
+    folder = root / argv[argv.index("--model") + 1]
+    save_released_checkpoint(model, folder, max_shard_bytes=8 << 20)
+    del model
+    vocab = {f"{'t' if i % 2 == 0 else 'T'}{i // 2}": i for i in range(STAND_IN["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    words = torch.randint(0, STAND_IN["vocab_size"], (16, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    texts = [" ".join(f"{'t' if w % 2 == 0 else 'T'}{w // 2}" for w in row.tolist()) for row in words]
+    lines = [json.dumps({"text": text}) for text in texts]
+    (root / argv[argv.index("--data") + 1]).write_text("\n".join(lines) + "\n")
+    return root
+
+
+def run(argv: list[str], cwd: Path, pss_dir: Path | None = None) -> str:
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    python_path = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
+    if pss_dir is not None:
+        python_path.insert(0, str(REPO_ROOT / "tests" / "pss_probe"))
+        env["DSV41_PSS_DIR"] = str(pss_dir)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in python_path if p)
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=cwd)
+    errors = [line for line in result.stderr.splitlines() if "Error" in line or "error:" in line]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:] + "\n".join(errors[:20])
+    return result.stderr
+
+
+def stored_bytes(folder: Path) -> tuple[int, int]:
+    """(bytes of every stored tensor but the Engram tables, bytes of the Engram tables) of a safetensors folder."""
+    from safetensors import safe_open
+
+    weights = tables = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                sliced = f.get_slice(key)
+                size = torch.Size(sliced.get_shape()).numel() * torch.empty((), dtype=getattr(torch, {
+                    "F8_E4M3": "float8_e4m3fn", "F8_E8M0": "float8_e8m0fnu", "I8": "int8", "U8": "uint8",
+                    "BF16": "bfloat16", "F32": "float32", "I64": "int64"}[sliced.get_dtype()])).element_size()
+                if ".engram.embed." in key:
+                    tables += size
+                else:
+                    weights += size
+    return weights, tables
+
+
+def adapters(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def runs(workspace, tmp_path_factory) -> dict[str, Path]:
+    """The printed launch on 4 processes (each process's PSS recorded) and the script on one process."""
+    out = tmp_path_factory.mktemp("lora_runs")
+    argv = printed_launch()
+    sized = {"num_processes": PROCESSES, "seq_len": SEQ_LEN, "max_steps": STEPS, "save_steps": 2, "rank": RANK,
+             "output_dir": out / "sharded"}
+    launch = with_flags(argv, **sized)
+    (out / "pss").mkdir()
+    run(launch, workspace, out / "pss")
+    # one process, the script itself: the same rows as 4 micro-batches of one
+    script = with_flags(launch[launch.index("examples/lora_released.py"):], output_dir=out / "single")
+    run([sys.executable, *script, "--gradient_accumulation_steps", str(PROCESSES)], workspace)
+    return {"sharded": out / "sharded", "single": out / "single", "pss": out / "pss", "launch": launch,
+            "model": workspace / argv[argv.index("--model") + 1], "workspace": workspace}
+
+
+@pytest.mark.slow
+def test_four_processes_train_the_adapters_one_process_trains(runs):
+    ours, theirs = adapters(runs["sharded"]), adapters(runs["single"])
+    assert ours.keys() == theirs.keys() and any(".experts." in k for k in ours) and any("wo_b" in k for k in ours)
+    assert (runs["sharded"] / "checkpoint-2" / "adapter_model.safetensors").is_file()
+    initial = {k: v for k, v in ours.items() if "lora_B" in k}  # PEFT starts lora_B at zero: it must have moved
+    assert all(v.abs().max() > 0 for v in initial.values())
+    for name, tensor in ours.items():
+        # the same products on the same rows; only the mean over the 4 rows' gradients is summed in another order
+        torch.testing.assert_close(tensor, theirs[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "the resumed launch runs and loads its checkpoint, but its step-3 adapters differ from the uninterrupted run's by "
+    "up to 8.6e-6 (5.7% relative), half the step's learning rate (1.7e-5): the AdamW state or the scheduler is not "
+    "restored exactly from the sharded checkpoint (not yet found)"))
+def test_the_launch_resumed_from_its_checkpoint_ends_with_the_same_adapters(runs, tmp_path):
+    """The run stopped after its checkpoint at step 2 (the later checkpoint and the final adapter gone) and launched
+    again with ``--resume_from_checkpoint last``: the adapter and AdamW state load from the checkpoint."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(runs["sharded"] / "checkpoint-2", resumed / "checkpoint-2")
+    run([*with_flags(runs["launch"], output_dir=resumed), "--resume_from_checkpoint", "last"], runs["workspace"])
+    ours, theirs = adapters(resumed), adapters(runs["sharded"])
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_the_saved_adapter_loads_on_the_natively_loaded_base(runs):
+    from peft import PeftModel, get_peft_model_state_dict
+
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+
+    ids = torch.randint(3, STAND_IN["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(4))
+    base = DeepseekV41ForCausalLM.from_pretrained(runs["model"]).eval()
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+    adapted = PeftModel.from_pretrained(base, runs["sharded"]).eval()
+    loaded, saved = get_peft_model_state_dict(adapted), adapters(runs["sharded"])
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+    with torch.no_grad():
+        after = adapted(input_ids=ids).logits
+    assert not torch.equal(before, after)  # the adapter acts
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "not met on this stand-in (81 MiB stored, a 20.3 MiB share per process): measured peak PSS rise 2.75-3.14 x the "
+    "share while loading and 7.3-8.1 x over the run (tests/test_lora_released_launch.py, issue 38's note); the "
+    "per-process costs beyond the shards (heap, adapters' AdamW state and their gathering for the checkpoint, "
+    "activations) are not yet found and bounded"))
+def test_each_process_holds_its_shards_and_its_share_of_the_engram_tables(runs):
+    weights, tables = stored_bytes(runs["model"])
+    share = (weights + tables) / PROCESSES
+    reports = [json.loads(p.read_text()) for p in runs["pss"].glob("pss_*.json")]
+    reports = [r for r in reports if r["script"] == "lora_released.py"]
+    assert len(reports) == PROCESSES, reports
+    loading = sorted(r["loaded"] - r["baseline"] for r in reports)
+    rises = sorted(r["peak"] - r["baseline"] for r in reports)
+    print(f"stored: {weights / 2**20:.1f} MiB + Engram {tables / 2**20:.1f} MiB; per process: shards + Engram share "
+          f"{share / 2**20:.1f} MiB; peak PSS rise while loading {[round(r / 2**20, 1) for r in loading]} MiB = "
+          f"{[round(r / share, 2) for r in loading]} x, over the run {[round(r / 2**20, 1) for r in rises]} MiB = "
+          f"{[round(r / share, 2) for r in rises]} x")
+    assert loading[-1] <= PSS_BUDGET * share, f"loading: {loading[-1] / 2**20:.1f} MiB > {PSS_BUDGET} x the share"
+    assert rises[-1] <= PSS_BUDGET * share, f"run: {rises[-1] / 2**20:.1f} MiB > {PSS_BUDGET} x the share"

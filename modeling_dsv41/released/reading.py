@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,6 +51,12 @@ def stores_scales(source: str | os.PathLike, **hub_kwargs) -> bool:
     return any(key.endswith(_SCALE) for key in _stored_keys(source, hub_kwargs))
 
 
+def stores_released_names(source: str | os.PathLike, **hub_kwargs) -> bool:
+    """Whether ``source`` names its tensors as the release does (the backbone at the root, ``head``): the released
+    storage, or plain weights ``save_pretrained`` wrote in the original layout."""
+    return any(re.match(r"(embed|layers|head)\.", key) for key in _stored_keys(source, hub_kwargs))
+
+
 def stores_quantized_weights(source: str | os.PathLike, **hub_kwargs) -> bool:
     """Whether ``source`` stores Linears or experts quantized (FP8 / FP4 with scales), not only FP8 Engram tables:
     the checkpoints that load natively (:mod:`.native_precision`)."""
@@ -75,4 +82,12 @@ def sequential_loading():
             os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = previous
 
 
-__all__ = ["HUB_KWARGS", "checkpoint_file", "hub_arguments", "sequential_loading", "stores_quantized_weights", "stores_scales"]
+__all__ = [
+    "HUB_KWARGS",
+    "checkpoint_file",
+    "hub_arguments",
+    "sequential_loading",
+    "stores_quantized_weights",
+    "stores_released_names",
+    "stores_scales",
+]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -177,8 +178,10 @@ def load_sharded_weights(
     (left out of sharding) are memory-mapped from the folder instead, as ``from_pretrained(..., engram_tables="mmap")``
     maps them: a node's processes share one page cache.
 
-    - our layout (``save_pretrained``, ``dsv41 convert``): ``torch.distributed.checkpoint`` with its Hugging Face
-      reader;
+    - our layout (``save_pretrained(save_original_format=False)``, ``dsv41 convert``): ``torch.distributed.checkpoint``
+      with its Hugging Face reader;
+    - the released names with plain weights (``save_pretrained``'s default): safetensors slices of the rank's shards
+      through the layout conversions, as below;
     - DeepSeek's released storage, the model built by :func:`~modeling_dsv41.released.loading.empty_native_model`
       (FP8 Linears, FP4 experts kept as stored): safetensors slices of the rank's shards, through the conversions
       ``from_pretrained`` applies (:mod:`~modeling_dsv41.released.sharded_reading`); the values equal those of
@@ -193,7 +196,8 @@ def load_sharded_weights(
     The model may also be unsharded (one process): then it holds every weight.
     """
     from ..placement import is_engram_table_tensor, memory_map_engram_tables
-    from ..released.reading import stores_scales
+    from ..released.conversions import storage_conversions_registered
+    from ..released.reading import stores_released_names, stores_scales
 
     if not any(p.is_meta for p in model.parameters()):
         raise ValueError("load_sharded_weights fills a model sharded on the meta device; this one holds its weights")
@@ -218,8 +222,11 @@ def load_sharded_weights(
                 buffer.copy_(buffers[name])
     if mapped:
         memory_map_engram_tables(_pretrained(model), folder)
-    if released:
-        _read_released(model, folder, skip={id(t) for n, t in model.named_parameters() if n in mapped})
+    if released or stores_released_names(folder):
+        # the scales' conversions only for the storage (from_pretrained registers them the same way)
+        model_type = _pretrained(model).config.model_type
+        with storage_conversions_registered(model_type) if released else nullcontext():
+            _read_released(model, folder, skip={id(t) for n, t in model.named_parameters() if n in mapped})
     else:
         _read_ours(model, folder, bool(mapped), is_engram_table_tensor)
     _initialize_adapters(model, adapter_seed)

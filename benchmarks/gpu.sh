@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 14, 15, 21, 22, 28 and 38 in one run, about 10 minutes on one H200 (issue 28's step, bounded to
+# The GPU checks of issues 14, 15, 21, 22, 28, 38 and 40 in one run, about 15 minutes on one H200 (issue 28's step, bounded to
 # 120 s, has not run on a GPU yet), from the repository root:
 #
 #     bash benchmarks/gpu.sh
@@ -67,6 +67,9 @@ EOF
     # issue 15: decode at batch 1 after a 1024-token prompt, and the static-cache step compiled (CUDA graphs)
     step 170 "$PYTHON" benchmarks/generate.py --size medium --device cuda --dtype bfloat16 --contexts 1024 \
         --batch 1 --steps 32 --compile --compile-mode reduce-overhead
+    # issue 40: per-block compiled training step and compiled decode step vs eager, tiny and medium (bf16)
+    step 300 "$PYTHON" benchmarks/compile.py --device cuda --dtype bfloat16 --sizes tiny medium --batch 4 --seq 2048 \
+        --context 1024
     # issue 15: greedy decode at batch 16 (transformers' V4 ran out of memory there)
     step 60 "$PYTHON" benchmarks/generate.py --size medium --device cuda --dtype bfloat16 --contexts 1024 \
         --batch 16 --steps 16 --reps 2 --greedy-only

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.integrations.moe import use_experts_implementation
+from transformers.integrations.moe import _grouped_mm, use_experts_implementation
 
 from .recompute import recomputed
 
@@ -126,6 +126,11 @@ class DeepseekV41Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate_up_proj`` [E, 2·I, D] and ``down_proj`` [E, D, I]: the one place the eager and compiled paths read
+        the routed experts' weights, once per forward (a PEFT parametrization computes them)."""
+        return self.gate_up_proj, self.down_proj
+
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         """[S, 2·I] gate and up projections → clamped SwiGLU [S, I] (batched_mm / grouped_mm)."""
         gate, up = gate_up_out.chunk(2, dim=-1)
@@ -137,12 +142,18 @@ class DeepseekV41Experts(nn.Module):
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D].
 
         Few routed slots (N·k ≤ E, decoding): :meth:`_forward_per_slot`. Otherwise only experts with tokens run
-        (:func:`routed_experts_forward`, one host sync reading how many each got)."""
+        (:func:`routed_experts_forward`, one host sync reading how many each got); under ``torch.compile``, all
+        experts' grouped products over the slots sorted by expert (:func:`grouped_experts_forward`, fixed shapes)."""
         if top_k_index.numel() <= self.num_experts:
             return self._forward_per_slot(hidden_states, top_k_index, top_k_weights)
-        # read once (a PEFT parametrization computes it); one unbind, whose backward stacks every expert's gradient
-        # once (indexing per expert would build a zero-padded [E, ...] gradient per expert)
-        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up_proj, down_proj = self.expert_weights()
+        if torch.compiler.is_compiling():
+            return grouped_experts_forward(
+                hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, self.swiglu_limit
+            )
+        # one unbind, whose backward stacks every expert's gradient once (indexing per expert would build a
+        # zero-padded [E, ...] gradient per expert)
+        gate_ups, downs = gate_up_proj.unbind(0), down_proj.unbind(0)
         return routed_experts_forward(
             hidden_states, top_k_index, top_k_weights, self.num_experts, self.swiglu_limit,
             lambda expert: (gate_ups[expert], downs[expert]),
@@ -155,7 +166,7 @@ class DeepseekV41Experts(nn.Module):
         ops with no host sync (one graph under ``torch.compile``), and, with no more slots than experts, no more
         weight read than the per-expert loop. Each token's experts are summed in ascending order, as the loop does."""
         num_tokens, top_k = top_k_index.shape
-        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj  # read once (a PEFT parametrization computes it)
+        gate_up_proj, down_proj = self.expert_weights()
         order = top_k_index.argsort(dim=1)
         # [N·k], ascending per token; expert parallelism's off-rank slots (id = local count, weight 0) read the
         # last local expert and add 0
@@ -230,6 +241,39 @@ def routed_experts_forward(
         hidden = swiglu_hidden(gate, up, swiglu_limit, x.dtype, weight.unsqueeze(-1))
         add_rows(out, token, _project(hidden, down, slice(None)).float())
     return out
+
+
+def grouped_experts_forward(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """:func:`routed_experts_forward`'s computation in fixed shapes, for ``torch.compile``: the N·k slots sorted by
+    expert, each expert's rows delimited by offsets (counts by a scatter into [E], not a data-dependent
+    ``bincount``), both projections as grouped products (transformers' ``_grouped_mm``: torch's kernel where it
+    compiles, a custom op otherwise), the routing weight applied before ``w2`` and each token's experts added in
+    ascending expert order in fp32, as the eager loop does. Returns fp32 [N, D]; agrees with it to GEMM rounding.
+    """
+    num_tokens, top_k = top_k_index.shape
+    num_experts = gate_up_proj.shape[0]
+    expert_ids = top_k_index.flatten()
+    order = expert_ids.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
+    sorted_ids = expert_ids.index_select(0, order)
+    # expert parallelism's off-rank slots (id = local count, weight 0) sort last, past the last offset
+    counts = sorted_ids.new_zeros(num_experts + 1).scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids))
+    offsets = counts[:num_experts].cumsum(0).to(torch.int32)
+    valid = (sorted_ids < num_experts).unsqueeze(-1)
+    slot_tokens = order // top_k
+    x = hidden_states.index_select(0, slot_tokens).masked_fill(~valid, 0)
+    gate_up = _grouped_mm(x, gate_up_proj.transpose(-2, -1), offsets)  # [N·k, 2·I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    weights = top_k_weights.flatten().index_select(0, order).unsqueeze(-1)
+    hidden = swiglu_hidden(gate, up, swiglu_limit, x.dtype, weights)
+    out = _grouped_mm(hidden, down_proj.transpose(-2, -1), offsets).float().masked_fill(~valid, 0)
+    return out.new_zeros(num_tokens, out.shape[-1]).index_add(0, slot_tokens, out)
 
 
 def add_rows(out: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

@@ -294,11 +294,23 @@ Forward = TypeVar("Forward", bound=Callable[..., Any])
 
 
 def under_configured_numerics(forward: Forward) -> Forward:
-    """Decorates a model's ``forward``: runs it in reference numerics when ``config.reference_numerics`` is set."""
+    """Decorates a model's ``forward``: runs it in reference numerics when ``config.reference_numerics`` is set, and
+    then always eagerly: under ``torch.compile`` it is a graph break (an error with ``fullgraph=True``), so that a
+    compiled caller still gets the reference's bits."""
 
     @functools.wraps(forward)
     def wrapper(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with reference_numerics(getattr(self.config, "reference_numerics", False)):
+        if not getattr(self.config, "reference_numerics", False):
             return forward(self, *args, **kwargs)
+        return _eager_in_reference_numerics(forward, self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+@torch.compiler.disable(
+    reason="config.reference_numerics runs eagerly (fp64-widened ops, rounded once), to reproduce the reference bit "
+    "for bit: turn it off to compile"
+)
+def _eager_in_reference_numerics(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    with reference_numerics():
+        return forward(*args, **kwargs)

@@ -6,6 +6,10 @@ inputs. They are cheap elementwise ops or thin products, so :func:`recomputed` k
 backward, runs the region again and differentiates it with autograd: the same ops on the same values, so the same
 gradients as autograd of the region itself, in the numerics the forward ran in. The forward is the region's own ops,
 so its result does not change by a bit.
+
+Under ``torch.compile`` the region is a non-reentrant activation checkpoint instead, which dynamo traces into the
+graph (``torch.autograd.grad`` inside a backward it cannot): the compiler then recomputes the region in the backward
+it generates, keeping the same inputs.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 from .numerics import backward_in_forward_numerics, reference_numerics_active
 
@@ -25,6 +30,8 @@ def recomputed(region: Callable[..., Outputs], *inputs: torch.Tensor | None) -> 
     for the backward, which runs ``region`` again. Without a gradient to track it is a plain call."""
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
         return region(*inputs)
+    if torch.compiler.is_compiling():
+        return checkpoint(region, *inputs, use_reentrant=False)
     return _Recomputed.apply(region, *inputs)
 
 

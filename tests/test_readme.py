@@ -141,7 +141,7 @@ def test_gpu_script_commands_parse_their_arguments(monkeypatch):
     here up to a successful ``parse_args`` (an unknown or misspelt option fails, which ``--help`` would not catch)."""
     text = (REPO_ROOT / "benchmarks" / "gpu.sh").read_text().replace("\\\n", " ")
     commands = [shlex.split(line)[2:] for line in text.splitlines() if line.lstrip().startswith("step ")]
-    scripts = ("forward", "generate", "memory", "loading", "finetune", "speculative")
+    scripts = ("forward", "compile", "generate", "memory", "loading", "finetune", "speculative")
     assert {c[1] for c in commands} == {f"benchmarks/{n}.py" for n in scripts}
     for interpreter, script, *args in commands:
         assert interpreter == "$PYTHON" and "--device" in args and "cuda" in args, args

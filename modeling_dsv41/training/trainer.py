@@ -21,6 +21,9 @@ before accelerate prepares it, so that the units are the ones that keep the forw
 fp32 under bf16 mixed precision. ``accelerate launch`` runs the configured strategy on CPU processes (gloo) too, and
 refuses one accelerate would drop (:mod:`.launch`).
 
+``torch_compile=True`` compiles each decoder layer and DSpark block as one graph (:mod:`.compilation`, inside the
+FSDP2 units when sharded) rather than accelerate's whole-model ``torch.compile``.
+
 Everything else (gradient accumulation, bf16 autocast, gradient checkpointing, DDP, checkpoints and resuming) is
 ``Trainer``'s own: the biases are persistent model buffers, so checkpoints carry them, and the counts are empty whenever
 a checkpoint is written (right after an optimizer step).
@@ -45,6 +48,7 @@ from transformers.training_args import OptimizerNames
 
 from ..released.native_precision import check_trainable
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
+from .compilation import compile_blocks
 from .expert_parallel import check_expert_parallel_arguments, check_expert_parallel_trainer
 from .hub_push import RemoteCodeCallback
 from .launch import honour_launch_strategy, use_cpu_without_accelerator
@@ -273,6 +277,14 @@ class DeepseekV41Trainer(Trainer):
         if args.push_to_hub:
             self.add_callback(RemoteCodeCallback())
 
+    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
+        """As Trainer's, without the dynamo plugin: ``torch_compile`` compiles block by block
+        (:func:`~.compilation.compile_blocks`, in :meth:`_prepare_for_training`), not the whole model in accelerate."""
+        args = super()._build_accelerator_args(**kwargs)
+        if self.args.torch_compile:
+            args.pop("dynamo_plugin", None)
+        return args
+
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         honour_launch_strategy(self)  # FSDP2 on CPU processes too; a strategy accelerate dropped is an error
@@ -310,6 +322,8 @@ class DeepseekV41Trainer(Trainer):
         if self.args.offload_activations:  # train() has enabled gradient checkpointing by now
             offload_checkpointed_inputs(self.model)
         self.shard_model()
+        if self.args.torch_compile:  # inside the FSDP2 units once sharded, as torchtitan compiles
+            compile_blocks(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
         return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     def shard_model(self) -> None:

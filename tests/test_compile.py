@@ -1,0 +1,130 @@
+"""Per-block ``torch.compile`` (modeling_dsv41/training/compilation.py): a decoder layer and a DSpark block compile as
+one graph, forward and backward, with gradient checkpointing on; a second step of the same shapes compiles nothing,
+a new sequence length once; compiled and eager agree; the Trainer's ``torch_compile=True`` compiles block by block;
+reference numerics refuse to compile.
+
+The graphs are traced with the ``aot_eager`` backend (dynamo and AOTAutograd, forward and backward, without inductor's
+C++ build, which takes minutes on a loaded 2-core machine); benchmarks/compile.py runs inductor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_dspark_generation import dspark_model
+from test_trainer import Rows, training_args
+from tiny_models import tiny_training_model
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from modeling_dsv41.training.trainer import DeepseekV41Trainer
+from modeling_dsv41.training.compilation import compile_blocks
+
+
+def _layer_inputs(model, ids, which):
+    """The positional and keyword arguments decoder layer ``which`` receives in ``model(ids)``, as leaves."""
+    captured = {}
+    handle = model.model.layers[which].register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(args=args, kwargs=kwargs), with_kwargs=True
+    )
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    args = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in captured["args"]]
+    return args, captured["kwargs"]
+
+
+def _step(layer, args, kwargs):
+    """Outputs, input gradients and parameter gradients of one forward+backward of ``layer``."""
+    layer.zero_grad()
+    args = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+    outputs = [o for o in layer(*args, **kwargs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    weights = torch.Generator().manual_seed(0)
+    sum((o.float() * torch.randn(o.shape, generator=weights)).sum() for o in outputs).backward()
+    grads = [a.grad for a in args if isinstance(a, torch.Tensor) and a.grad is not None]
+    return outputs + grads + [p.grad for p in layer.parameters() if p.grad is not None]
+
+
+def _assert_agree(compiled, eager):
+    assert len(compiled) == len(eager)
+    for c, e in zip(compiled, eager):
+        # fp32: the experts' grouped products are GEMMs of other shapes than the eager per-expert loop's, and the
+        # recomputed regions' backward is autograd of the region traced into the graph rather than run again; the
+        # absolute floor is for gradients that cancel to ~1e-8 (a one-hot pre_mix's), sums of terms of order 1
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item() + 1e-6)
+
+
+def test_decoder_layer_compiles_as_one_graph_forward_and_backward():
+    """Layer 1 of the tiny model: Engram, compressor (ratio 2), indexer, mHC, MoE, under gradient checkpointing."""
+    model = tiny_training_model(2)
+    model.activation_checkpointing_enable()
+    layer = model.model.layers[1]
+    assert layer.engram is not None and layer.attn.compressor is not None and layer.attn.indexer is not None
+    ids = torch.randint(3, 500, (2, 64), generator=torch.Generator().manual_seed(0))
+    args, kwargs = _layer_inputs(model, ids, 1)
+    shorter = [_layer_inputs(model, ids[:, :length], 1) for length in (48, 40)]
+    eager = _step(layer, args, kwargs)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_blocks(model, backend=counter)  # fullgraph=True: any graph break raises
+    compiled = _step(layer, args, kwargs)
+    assert counter.frame_count == 1
+    _assert_agree(compiled, eager)
+    _assert_agree(_step(layer, args, kwargs), eager)
+    assert counter.frame_count == 1  # the second step of the same shapes reuses the graph
+
+    for args, kwargs in shorter:  # a new length compiles once with dynamic shapes, the next reuses it
+        _step(layer, args, kwargs)
+    assert counter.frame_count == 2
+
+
+def test_dspark_block_compiles_as_one_graph_forward_and_backward():
+    model = dspark_model().train()
+    captured = {}
+    block = model.mtp[0]
+    block.register_forward_pre_hook(lambda module, args: captured.update(args=args))
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    model.dspark_loss(ids)
+    args = [a.detach().requires_grad_(a.is_floating_point()) for a in captured["args"]]
+    eager = _step(block, args, {})
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_blocks(model, backend=counter)
+    _assert_agree(_step(block, args, {}), eager)
+    _step(block, args, {})
+    assert counter.frame_count == 1
+
+
+def test_trainer_torch_compile_trains_block_by_block(tmp_path):
+    """``torch_compile=True``: every decoder layer compiled in place (accelerate compiles nothing), gradient
+    checkpointing on; the losses of three steps are the eager Trainer's."""
+    losses = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = tiny_training_model(2)
+        args = training_args(
+            tmp_path / str(compiled), max_steps=3, gradient_checkpointing=True, torch_compile=compiled,
+            torch_compile_backend="aot_eager" if compiled else None, logging_strategy="steps", logging_steps=1,
+        )
+        trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=Rows(6))
+        trainer.train()
+        assert all((layer._compiled_call_impl is not None) == compiled for layer in model.model.layers)
+        assert trainer.model is model  # not wrapped in an OptimizedModule
+        losses.append([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
+    eager, compiled = losses
+    assert len(eager) == 3
+    # the first loss differs by the forward's fp32 rounding only; the later ones also by the optimizer steps taken
+    # from gradients that differ by GEMM rounding (see _assert_agree), which AdamW's and Muon's normalised updates
+    # pass on at the learning rate's scale wherever a gradient is near zero
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-6)
+    assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def test_reference_numerics_refuse_to_compile():
+    model = tiny_training_model(2)
+    model.config.reference_numerics = True
+    with pytest.raises(ValueError, match="reference_numerics"):
+        compile_blocks(model)
+    ids = torch.randint(3, 500, (1, 8))
+    with pytest.raises(Exception, match="reference_numerics runs eagerly"):  # fullgraph: the eager call is a break
+        torch.compile(model.model.forward, fullgraph=True, backend="eager")(ids)

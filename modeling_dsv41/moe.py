@@ -10,9 +10,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.integrations.moe import _grouped_mm, use_experts_implementation
+from transformers.integrations.moe import use_experts_implementation
 
 from .recompute import recomputed
+from .upstream import _grouped_mm
 
 
 class DeepseekV41Gate(nn.Module):

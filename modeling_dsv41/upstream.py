@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transformers.distributed.parallel_utils import _get_parameter_plan
+from transformers.integrations.moe import _grouped_mm
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,17 @@ TRANSFORMERS = Library(
         "transformers.processing_utils.ProcessorMixin._process_images",
         "transformers.quantizers.quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer._process_model_after_weight_loading",
         "transformers.quantizers.quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer._process_model_before_weight_loading",
+        "transformers.trainer.Trainer._build_accelerator_args",
         "transformers.trainer.Trainer._clip_grad_norm",
         "transformers.trainer.Trainer._get_output_dir",
         "transformers.trainer.Trainer._prepare_for_training",
         "transformers.trainer.Trainer._save_checkpoint",
         "transformers.training_args.TrainingArguments._VALID_DICT_FIELDS",
     ),
-    imported=("transformers.distributed.parallel_utils._get_parameter_plan",),
+    imported=(
+        "transformers.distributed.parallel_utils._get_parameter_plan",  # which plan rule a parameter falls under
+        "transformers.integrations.moe._grouped_mm",  # torch's grouped GEMM where it runs, else a custom op
+    ),
     read=(
         ("transformers.core_model_loading", "_weight_conversions"),  # the conversions a load used, reversed by a save
         ("transformers.modeling_layers", "_gradient_checkpointing_func"),  # wrapped to offload checkpointed inputs
@@ -87,4 +92,4 @@ ACCELERATE = Library("accelerate", checked=("1.15.0", "1.16.0"))
 
 LIBRARIES = (TRANSFORMERS, PEFT, TRL, ACCELERATE)
 
-__all__ = ["LIBRARIES", "Library", "_get_parameter_plan"]
+__all__ = ["LIBRARIES", "Library", "_get_parameter_plan", "_grouped_mm"]

@@ -103,7 +103,7 @@ def test_trainer_torch_compile_trains_block_by_block(tmp_path):
         torch._dynamo.reset()
         model = tiny_training_model(2)
         args = training_args(
-            tmp_path / str(compiled), max_steps=3, gradient_checkpointing=True, torch_compile=compiled,
+            tmp_path / str(compiled), max_steps=3, activation_checkpointing=True, torch_compile=compiled,
             torch_compile_backend="aot_eager" if compiled else None, logging_strategy="steps", logging_steps=1,
         )
         trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=Rows(6))

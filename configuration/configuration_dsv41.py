@@ -26,10 +26,9 @@ def _default_yarn() -> dict[str, Any]:
     return {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 65536}
 
 
-def _one_of(value: Any, alias: Any, name: str, alias_name: str) -> Any:
-    """``value`` or, when it is unset, ``alias`` (the same setting under another config's name); both set must agree."""
-    if value is not None and alias is not None and value != alias:
-        raise ValueError(f"{name}={value!r} and {alias_name}={alias!r} name the same setting with different values")
+def _one_of(value: Any, alias: Any) -> Any:
+    """``value`` or, when it is unset, ``alias`` (the same setting under another config's name). The attribute's own
+    name wins: ``{**config.to_dict(), "compress_rope_scaling": ...}`` overrides the ``rope_scaling`` it serialized."""
     return alias if value is None else value
 
 
@@ -76,7 +75,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             plus the balancing biases, no auxiliary loss), the only one DeepSeek-V4.1 has.
 
     The compressed layers' YaRN settings are ``compress_rope_scaling`` here and ``rope_scaling`` in a config.json, as
-    the released one names them (both names are read).
+    the released one names them (both names are read; given both, the attribute's own name wins).
     """
 
     model_type = "deepseek_v41_text"
@@ -183,15 +182,13 @@ class DeepseekV41TextConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs: Any) -> None:
         # the released config.json names the compressed layers' YaRN dict `rope_scaling`
-        self.compress_rope_scaling = _one_of(self.compress_rope_scaling, kwargs.pop("rope_scaling", None),
-                                             "compress_rope_scaling", "rope_scaling")
+        self.compress_rope_scaling = _one_of(self.compress_rope_scaling, kwargs.pop("rope_scaling", None))
         if self.compress_rope_scaling is None:
             self.compress_rope_scaling = _default_yarn()
         self.compress_rope_scaling = dict(self.compress_rope_scaling)
         # DeepSeek's inference/config.json names the draft head's top-k `dspark_n_activated_experts`
         self.dspark_num_experts_per_tok = _one_of(
-            self.dspark_num_experts_per_tok or None, kwargs.pop("dspark_n_activated_experts", None),
-            "dspark_num_experts_per_tok", "dspark_n_activated_experts",
+            self.dspark_num_experts_per_tok or None, kwargs.pop("dspark_n_activated_experts", None)
         ) or 0
         if self.compress_ratios is None:
             self.compress_ratios = list(_RELEASED_COMPRESS_RATIOS)

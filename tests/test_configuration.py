@@ -137,18 +137,21 @@ def test_the_released_config_json_gives_the_preset(fixtures_dir, tmp_path):
     assert set(published["text_config"]) <= set(preset_file["text_config"])
 
 
-@pytest.mark.parametrize(
-    "keys, message",
-    [
-        ({"dspark_num_experts_per_tok": 2, "dspark_n_activated_experts": 3}, "name the same setting"),
-        ({"rope_scaling": {"rope_type": "default"}, "compress_rope_scaling": {"rope_type": "yarn"}}, "name the same"),
-        ({"topk_method": "greedy"}, "noaux_tc"),
-    ],
-)
-def test_the_other_names_of_a_setting_must_agree(keys, message):
+def test_routing_other_than_noaux_tc_is_refused():
     text = DeepseekV41Config.from_preset("tiny").text_config.to_dict()
-    with pytest.raises(ValueError, match=message):
-        DeepseekV41TextConfig(**{**text, **keys})
+    with pytest.raises(ValueError, match="noaux_tc"):
+        DeepseekV41TextConfig(**{**text, "topk_method": "greedy"})
+
+
+def test_the_attribute_name_wins_over_the_config_json_name():
+    """``{**config.to_dict(), "compress_rope_scaling": ...}`` (the attribute's name over the serialized
+    ``rope_scaling``) takes the new value; so does ``dspark_num_experts_per_tok`` over DeepSeek's name."""
+    text = DeepseekV41Config.from_preset("tiny").text_config.to_dict()
+    assert "rope_scaling" in text and "compress_rope_scaling" not in text  # the published name
+    yarn = {**text["rope_scaling"], "factor": 8}
+    assert DeepseekV41TextConfig(**{**text, "compress_rope_scaling": yarn}).compress_rope_scaling == yarn
+    both = {**text, "dspark_num_experts_per_tok": 1, "dspark_n_activated_experts": 2}
+    assert DeepseekV41TextConfig(**both).dspark_num_experts_per_tok == 1
 
 
 def test_deepseek_inference_name_of_the_draft_top_k_is_read():

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate.utils import DistributedType
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 from transformers import HfArgumentParser
 
@@ -39,6 +39,7 @@ from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM, DeepseekV41Trainer, DeepseekV41TrainingArguments
 from modeling_dsv41.released.loading import empty_native_model
 from modeling_dsv41.training.fsdp import load_sharded_weights
+from modeling_dsv41.training.launch import fsdp_requested
 
 # README's targets: the attention and shared-expert Linears (FP8) and the routed experts (FP4, adapters of the
 # logical per-expert shape)
@@ -88,13 +89,16 @@ def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
     script, args = parser.parse_args_into_dataclasses(argv)
     tokenizer = Tokenizer.from_file(os.path.join(script.model, "tokenizer.json"))
     model = lora_model(script, args)
-    sharded = args.distributed_state.distributed_type == DistributedType.FSDP
+    sharded = fsdp_requested(args)
     if not sharded:  # one process (or DDP): every process reads the whole model
         load_sharded_weights(model, script.model, adapter_seed=args.seed)
     data = PackedText(script.data, tokenizer, script.seq_len)
     trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=data)
     if sharded:  # FSDP2 as the accelerate config says, then each process reads its shards
         trainer.shard_model()
+        if not isinstance(model, FSDPModule):
+            raise RuntimeError(f"FSDP was asked for, but the Trainer runs {args.distributed_state.distributed_type}: "
+                               "the model was not sharded (examples/accelerate/fsdp2_lora.yaml sets fsdp_version: 2)")
         load_sharded_weights(model, script.model, adapter_seed=args.seed)
     resume = args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)

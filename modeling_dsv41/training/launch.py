@@ -36,6 +36,14 @@ def use_cpu_without_accelerator(use_cpu: bool) -> bool:
     return use_cpu or not torch.accelerator.is_available()
 
 
+def fsdp_requested(args) -> bool:
+    """Whether the Trainer built with ``args`` will run FSDP (``accelerate launch`` with an FSDP config, or
+    ``TrainingArguments(fsdp=...)``), known before the Trainer exists: a script that builds its model on the meta
+    device shards it and reads each process's shards only then. ``args.distributed_state`` cannot tell: on CPU
+    processes it says ``MULTI_CPU`` until :func:`honour_launch_strategy` runs."""
+    return _asked("ACCELERATE_USE_FSDP") or bool(args.fsdp_plugin_args)
+
+
 def honour_launch_strategy(trainer) -> None:
     """After ``Trainer.create_accelerator_and_postprocess``: run FSDP2 on CPU processes as accelerate runs it on
     GPUs, and refuse a strategy accelerate dropped."""

@@ -318,6 +318,25 @@ class DeepseekV41Trainer(Trainer):
         logger.info("DeepSeek-V4.1 optimizer assignment:\n%s", self.assignment_table)
         return self.optimizer
 
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """``Trainer.create_scheduler``, which the Trainer calls once the optimizer is prepared: first, the optimizer's
+        parameters are the model's again (:meth:`_restore_optimizer_parameters`)."""
+        self._restore_optimizer_parameters()
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _restore_optimizer_parameters(self) -> None:
+        """Point every param group of the :class:`MixedOptimizer` at the model's parameters named in its
+        ``param_names``. accelerate's FSDP2 preparation swaps each optimizer parameter for the model's by its
+        ``data_ptr()``; parameters already sharded whose local shard is empty on a rank (a LoRA ``lora_A`` of rank
+        r < the number of processes) share one, so they all became one parameter there, trained with every
+        gradient of theirs in turn and checkpointed under one name: resumed runs diverged."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer
+        if not isinstance(optimizer, MixedOptimizer):
+            return
+        named = dict(self.model.named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [named[name] for name in group["param_names"]]
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         if self.args.offload_activations:  # train() has enabled gradient checkpointing by now
             offload_checkpointed_inputs(self.model)

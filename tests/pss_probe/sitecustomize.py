@@ -1,11 +1,16 @@
 """Peak proportional set size of every Python process started with this folder on ``PYTHONPATH`` and
 ``DSV41_PSS_DIR`` set (tests/test_lora_released_launch.py puts it under a printed ``accelerate launch``).
 
-A thread samples ``/proc/self/smaps_rollup`` every 10 ms. PSS counts each shared page (the page cache of a
-memory-mapped file, shared libraries) divided among the processes that map it. The baseline is the first sample
+A thread samples ``/proc/self/smaps`` every 10 ms. PSS counts each shared page (the page cache of a memory-mapped
+file, such as the Engram tables) divided among the processes that map it. What is sampled is the PSS of the
+process's data: every mapping but the code and read-only data of the interpreter and of shared libraries (``.so``
+files). Those pages are code, not data; the processes touch more of them as they run ops for the first time, and
+their share in each process moves as the other processes map them, so counting them would make the rise depend
+on when each process took its baseline (by up to 10 MiB on the 4-process launch). The baseline is the first sample
 taken once the ``__main__`` script has defined ``main`` (its imports done); the peak is the largest sample from then
 to exit, ``loaded`` the largest until ``training.fsdp.load_sharded_weights`` returned. Each process writes
-``pss_<pid>.json`` at exit: its script, baseline, loaded and peak, in bytes.
+``pss_<pid>.json`` at exit: its script, baseline, loaded and peak, in bytes, and ``total``: the peak PSS of the
+whole process (code included) minus its PSS at the baseline.
 """
 
 import os
@@ -16,7 +21,7 @@ if os.environ.get("DSV41_PSS_DIR"):
     import sys
     import threading
 
-    _state = {"baseline": None, "peak": 0, "loaded": None}
+    _state = {"baseline": None, "peak": 0, "loaded": None, "whole_baseline": None, "whole_peak": 0}
 
     class _MarkLoaded:
         """Import hook: once ``modeling_dsv41.training.fsdp`` has run, its ``load_sharded_weights`` notes the peak so
@@ -45,7 +50,26 @@ if os.environ.get("DSV41_PSS_DIR"):
 
     sys.meta_path.insert(0, _MarkLoaded())
 
+    import re
+
+    _CODE = re.compile(r"\.so(\.[\d.]+)?$")
+    _EXECUTABLE = os.path.realpath(sys.executable)
+
     def _pss() -> int:
+        """PSS of the process's data (bytes): every mapping's but the interpreter's and the shared libraries'."""
+        total, code = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                first = line.split(maxsplit=6)
+                if first[0].endswith(":"):
+                    if first[0] == "Pss:" and not code:
+                        total += int(first[1]) * 1024
+                    continue
+                path = first[5].strip() if len(first) > 5 else ""
+                code = bool(_CODE.search(path)) or path == _EXECUTABLE
+        return total
+
+    def _whole_pss() -> int:
         with open("/proc/self/smaps_rollup") as f:
             for line in f:
                 if line.startswith("Pss:"):
@@ -58,8 +82,10 @@ if os.environ.get("DSV41_PSS_DIR"):
             if _state["baseline"] is None:
                 if main is not None and callable(getattr(main, "main", None)):
                     _state["baseline"] = _state["peak"] = _pss()
+                    _state["whole_baseline"] = _state["whole_peak"] = _whole_pss()
                 continue
             _state["peak"] = max(_state["peak"], _pss())
+            _state["whole_peak"] = max(_state["whole_peak"], _whole_pss())
 
     _stop = threading.Event()
     threading.Thread(target=_sample, args=(_stop,), daemon=True).start()
@@ -70,6 +96,7 @@ if os.environ.get("DSV41_PSS_DIR"):
         if _state["baseline"] is None:
             return
         _state["peak"] = max(_state["peak"], _pss())
+        _state["total"] = max(_state.pop("whole_peak"), _whole_pss()) - _state.pop("whole_baseline")
         script = os.path.basename(sys.argv[0]) if sys.argv else ""
         path = os.path.join(os.environ["DSV41_PSS_DIR"], f"pss_{os.getpid()}.json")
         with open(path, "w") as f:

@@ -7,7 +7,8 @@ stay as stored (frozen), and trains LoRA adapters on the attention, the shared a
         --rank 16 --seq_len 4096 --max_steps 1000 --save_steps 100
 
 ``--data``: a JSON-lines file with a ``"text"`` field per line, tokenized with the ``tokenizer.json`` next to the
-weights and packed into rows of ``--seq_len`` tokens. The model is built on the meta device, sharded with FSDP2
+weights and packed into rows of ``--seq_len`` tokens, one row per process and step unless
+``--per_device_train_batch_size`` says otherwise (``dsv41 inspect --train lora`` plans one). The model is built on the meta device, sharded with FSDP2
 (``training.fsdp.shard_model``, the policy of the accelerate config), then filled with the rank's shards
 (``training.fsdp.load_sharded_weights``); the Engram tables are memory-mapped from the folder, one page cache for
 the node. Every ``DeepseekV41TrainingArguments`` field is a flag too (``--learning_rate``, ``--offload_activations``,
@@ -85,7 +86,8 @@ def lora_model(script: ScriptArguments, args: DeepseekV41TrainingArguments):
 
 def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
     parser = HfArgumentParser((ScriptArguments, DeepseekV41TrainingArguments))
-    parser.set_defaults(activation_checkpointing=True, report_to="none", logging_steps=1)
+    # one row of --seq_len tokens per process and step, as `dsv41 inspect --train lora` plans it (--batch 1)
+    parser.set_defaults(activation_checkpointing=True, per_device_train_batch_size=1, report_to="none", logging_steps=1)
     script, args = parser.parse_args_into_dataclasses(argv)
     tokenizer = Tokenizer.from_file(os.path.join(script.model, "tokenizer.json"))
     model = lora_model(script, args)

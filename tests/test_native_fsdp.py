@@ -209,3 +209,41 @@ def test_each_rank_reads_its_shards_of_the_release_equal_to_loading_whole_then_s
     checkpoint (``load_sharded_weights``) holds the same bytes as the natively loaded model sharded after loading:
     every FP8 weight and E8M0 scale, FP4 expert, dequantized ``wo_a`` / Engram ``wkv`` and plain tensor, bit for bit."""
     spawn(_each_rank_reads_its_shards_of_the_release, tmp_path, str(released), engram_table_dtype, timeout_s=240)
+
+
+def _reads_its_experts_under_expert_parallelism(rank: int, tmp: Path, folder: str) -> None:
+    from torch.distributed.tensor import DTensor
+    from transformers import FineGrainedFP8Config
+
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.released import sharded_reading
+    from modeling_dsv41.released.loading import empty_dequantized_model
+    from modeling_dsv41.training.fsdp import load_sharded_weights, shard_model
+
+    whole = DeepseekV41ForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True))
+    shard_model(whole, expert_parallel_size=WORLD)  # every process loads the whole model, then shards it
+
+    reads = []
+    read = sharded_reading._Files.read
+    sharded_reading._Files.read = lambda self, key, box: reads.append((key, box)) or read(self, key, box)
+    ours = empty_dequantized_model(DeepseekV41ForCausalLM, folder)
+    shard_model(ours, expert_parallel_size=WORLD)
+    load_sharded_weights(ours, folder)
+    sharded_reading._Files.read = read
+
+    theirs = dict(whole.named_parameters())
+    for name, param in ours.named_parameters():
+        local, expected = (t.to_local() if isinstance(t, DTensor) else t for t in (param, theirs[name]))
+        assert local.dtype == expected.dtype and local.shape == expected.shape, name
+        assert torch.equal(local.detach(), expected.detach()), name
+    # each rank read the FP4 bytes of its own experts only, each whole
+    expert_reads = [key for key, _ in reads if ".experts." in key and key.endswith(".weight")]
+    experts = QUANT_FORMAT_TEXT["n_routed_experts"] * QUANT_FORMAT_TEXT["num_hidden_layers"] * 3
+    assert len(expert_reads) == experts // WORLD, len(expert_reads)
+
+
+def test_each_rank_reads_its_experts_of_the_release_under_expert_parallelism(released, tmp_path):
+    """Full fine-tuning of the release with expert parallelism: the model built on the meta device as the
+    dequantizing load builds it (``empty_dequantized_model``), split by expert over the ranks, then each rank
+    dequantizing only its shards as it reads them equals the dequantized model loaded whole, then sharded, bit for bit."""
+    spawn(_reads_its_experts_under_expert_parallelism, tmp_path, str(released), timeout_s=240)

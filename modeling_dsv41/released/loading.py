@@ -230,23 +230,50 @@ def empty_native_model(
 
     ``device``: where the weights will live (an accelerator lets the quantizer keep transformers' FP8 kernels where
     they run, as ``device_map`` does for ``from_pretrained``)."""
-    from accelerate import init_empty_weights
-    from transformers import initialization as init
     from transformers.quantizers import AutoHfQuantizer
 
     kwargs = {} if config is None else {"config": config}
+    _check_released_storage(cls, source, kwargs, hub_kwargs)
+    quantizer = AutoHfQuantizer.from_config(kwargs["config"].quantization_config, pre_quantized=True)
+    quantizer.validate_environment(device_map=None if device is None else {"": str(device)})
+    return _empty_model(cls, source, kwargs, quantizer, engram_tokenizer, hub_kwargs)
+
+
+def empty_dequantized_model(
+    cls, source: str | os.PathLike, config: PreTrainedConfig | None = None, engram_tokenizer=None, **hub_kwargs
+) -> nn.Module:
+    """``cls.from_pretrained(source, quantization_config=FineGrainedFP8Config(dequantize=True))`` of a released
+    checkpoint, without its weights: the model for full fine-tuning (plain modules in bf16, fp32-kept ones fp32), on
+    the meta device as :func:`empty_native_model` builds it. Shard it (``training.fsdp.shard_model``, with
+    ``expert_parallel_size`` too), then ``training.fsdp.load_sharded_weights`` dequantizes what each rank reads of
+    its shards (FP8 rows in whole 32-row scale blocks, its FP4 experts), bit for bit as the dequantizing load."""
+    kwargs = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+    if config is not None:
+        kwargs["config"] = config
+    _check_released_storage(cls, source, kwargs, hub_kwargs)
+    return _empty_model(cls, source, kwargs, None, engram_tokenizer, hub_kwargs)
+
+
+def _check_released_storage(cls, source, kwargs: dict, hub_kwargs: dict) -> None:
     released = prepare_checkpoint_load(cls, source, kwargs, hub_kwargs)
     if not (released and stores_quantized_weights(source, **hub_kwargs)):
         raise ValueError(f"{source} is not a released checkpoint with FP8 / FP4 weights (no .scale tensors beside them)")
+
+
+def _empty_model(cls, source, kwargs: dict, quantizer, engram_tokenizer, hub_kwargs: dict) -> nn.Module:
+    """The model ``from_pretrained`` builds with the ``config`` and ``dtype`` of ``kwargs`` (as
+    :func:`prepare_checkpoint_load` set them) and ``quantizer`` (or none), its parameters on the meta device."""
+    from accelerate import init_empty_weights
+    from transformers import initialization as init
+
     config, dtype = kwargs["config"], kwargs["dtype"]
-    quantizer = AutoHfQuantizer.from_config(config.quantization_config, pre_quantized=True)
-    quantizer.validate_environment(device_map=None if device is None else {"": str(device)})
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with init_empty_weights(include_buffers=False), init.no_init_weights(), init.no_tie_weights():
             model = cls(copy.deepcopy(config))
-            quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None)
+            if quantizer is not None:
+                quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None)
     finally:
         torch.set_default_dtype(previous)
     kept_fp32 = model._get_dtype_plan(dtype)
@@ -258,8 +285,9 @@ def empty_native_model(
             if matcher.search(name) and param.dtype != torch.float32 and param.element_size() > 1:
                 param.data = torch.empty_like(param, dtype=torch.float32)
     model.config.name_or_path = str(source)
-    model.hf_quantizer = quantizer
-    quantizer.postprocess_model(model)
+    if quantizer is not None:
+        model.hf_quantizer = quantizer
+        quantizer.postprocess_model(model)
     finish_checkpoint_load(model, source, engram_tokenizer, hub_kwargs)
     return model.eval()
 
@@ -318,6 +346,7 @@ def _adapt_natively_with_peft() -> None:
 
 
 __all__ = [
+    "empty_dequantized_model",
     "empty_native_model",
     "ensure_engram_token_map",
     "finish_checkpoint_load",

@@ -9,7 +9,9 @@ reports, from one run:
 - the whole model's training forward (with labels) under ``torch._dynamo.explain``: graphs and graph breaks, what
   compiling the model as a whole gives (the per-block compile is ``fullgraph=True``: no break, or an error);
 - per-block compile: graphs compiled (dynamo frames), compile time (the first compiled step's time minus an eager
-  step's), and the compiled ÷ eager median step time;
+  step's), and the compiled ÷ eager median step time, from ``--reps`` rounds of one eager step and one compiled step
+  after compiling (the same model, the eager one under ``torch.compiler.set_stance("force_eager")``), so that both
+  see the same load of a shared machine;
 - ops per step: the aten ops an eager step dispatches, and the kernels a compiled step runs by torch.profiler
   (inductor's fused kernels and the aten ops left outside them);
 - the same for one decode step after a ``--context``-token prefill (batch 1, static cache), and the largest
@@ -19,7 +21,10 @@ Times are process CPU time (``time.process_time``) on ``--threads`` threads (1 b
 process (``compile_threads = 1``), the median of ``--reps`` steps after two warm-up steps. ``--device cuda`` runs
 the same on a GPU (wall-clock time, synchronized; benchmarks/gpu.sh), ``--dtype`` sets the model dtype.
 
-Usage: ``python benchmarks/compile.py [--sizes tiny medium] [--batch 1] [--seq 128] [--context 256] [--reps 5]``
+``--profile N`` prints torch.profiler's N ops with the most self time of an eager and a compiled training step.
+
+Usage: ``python benchmarks/compile.py [--sizes tiny medium] [--batch 1] [--seq 128] [--context 256] [--reps 5]
+[--profile N]``
 """
 
 from __future__ import annotations
@@ -81,6 +86,16 @@ def kernels(step: Callable[[], object]) -> int:
     return count
 
 
+def top_ops(step: Callable[[], object], rows: int) -> str:
+    """torch.profiler's table of the ``rows`` ops of one call of ``step`` with the most self time, by input shape."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    averages = prof.key_averages(group_by_input_shape=True)
+    return averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40)
+
+
 def aten_ops(step: Callable[[], object]) -> int:
     with OpCounter() as counter:
         step()
@@ -99,19 +114,40 @@ def training(args: argparse.Namespace, size: str) -> dict[str, float]:
         model(**inputs, labels=inputs["input_ids"]).loss.backward()
 
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(lambda: model(**inputs, labels=inputs["input_ids"]).loss)()
+    # as compile_blocks does: the routers' record of their choices is not written again by the checkpoint's recompute
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        explained = torch._dynamo.explain(lambda: model(**inputs, labels=inputs["input_ids"]).loss)()
     row = {"whole-model graphs": explained.graph_count, "whole-model breaks": explained.graph_break_count}
     row["eager ops"] = aten_ops(step)
-    _, eager, _ = timed(step, args.reps, args.device)
+    _, eager, _ = timed(step, 1, args.device)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     compile_blocks(model, backend=counter)
-    first, compiled, _ = timed(step, args.reps, args.device)
+    first, _, _ = timed(step, 1, args.device)
+    eager, compiled = alternated(step, args.reps, args.device)
+    if args.profile:
+        for stance in ("force_eager", "default"):
+            with torch.compiler.set_stance(stance):
+                print(f"\n{size}, {'eager' if stance == 'force_eager' else 'compiled'} step: top ops by self time")
+                print(top_ops(step, args.profile))
     row |= {
         "compiled graphs": counter.frame_count, "compile s": first - eager, "eager s": eager, "compiled s": compiled,
         "ratio": compiled / eager, "compiled kernels": kernels(step),
     }
     return row
+
+
+def alternated(step: Callable[[], object], reps: int, device: str) -> tuple[float, float]:
+    """Median eager and compiled times of ``reps`` rounds of one eager step (the compiled blocks' original forwards,
+    ``torch.compiler.set_stance("force_eager")``) and one compiled step: both see the same load of a shared machine."""
+    times = {"force_eager": [], "default": []}
+    for _ in range(reps):
+        for stance, measured in times.items():
+            with torch.compiler.set_stance(stance):
+                start = clock(device)
+                step()
+                measured.append(clock(device) - start)
+    return statistics.median(times["force_eager"]), statistics.median(times["default"])
 
 
 @torch.no_grad()
@@ -161,6 +197,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--medium-layers", type=int, default=0, help="keep the medium model's first N layers")
     parser.add_argument("--skip", nargs="*", default=[], choices=["train", "decode"])
+    parser.add_argument("--profile", type=int, default=0, help="print the N ops of a training step with most self time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import torch._inductor.config as inductor_config

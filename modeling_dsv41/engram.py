@@ -86,13 +86,15 @@ def build_compressed_token_map(tokenizer) -> tuple[list[int], int]:
     return lookup, len(key_to_id)
 
 
-def default_compressed_token_map(vocab_size: int, compressed_vocab_size: int) -> torch.LongTensor:
+def default_compressed_token_map(
+    vocab_size: int, compressed_vocab_size: int, device: torch.device | str = "cpu"
+) -> torch.LongTensor:
     """The map a model built from a config starts with: token id → ``id % compressed_vocab_size``.
 
     It lets such a model run, train, save and reload with no tokenizer. It is not the map any released table was
     trained with: loading released weights builds the map from their tokenizer (``load_tokenizer``).
     """
-    return torch.arange(vocab_size, dtype=torch.long, device="cpu") % compressed_vocab_size
+    return torch.arange(vocab_size, dtype=torch.long, device=device) % compressed_vocab_size
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -222,12 +224,19 @@ class DeepseekV41NgramHasher(nn.Module):
         if token_map.is_meta:
             return True
         key = (token_map.data_ptr(), token_map.device, token_map._version)
-        if torch.compiler.is_compiling() and self._default_map_check is not None:
-            return self._default_map_check[1]
         if self._default_map_check is None or self._default_map_check[0] != key:
-            default = default_compressed_token_map(token_map.numel(), self.compressed_vocab_size)
-            self._default_map_check = (key, torch.equal(token_map, default.to(token_map.device)))
+            default = default_compressed_token_map(token_map.numel(), self.compressed_vocab_size, token_map.device)
+            self._default_map_check = (key, torch.equal(token_map, default))
         return self._default_map_check[1]
+
+    def _holds_default_map(self) -> bool | torch.Tensor:
+        """:attr:`uses_default_token_map` without a host sync, for compiled code: ``False``, or whether ``token_map``
+        holds the default map as a 0-d bool tensor, computed from its contents on every call."""
+        if not self._default_map_placed:
+            return False
+        token_map = self.token_map
+        default = default_compressed_token_map(token_map.numel(), self.compressed_vocab_size, token_map.device)
+        return (token_map == default).all()
 
     @property
     def has_token_map(self) -> bool:
@@ -275,8 +284,9 @@ class DeepseekV41NgramHasher(nn.Module):
             dead |= image_mask.bool()
         if attention_mask is not None:
             dead |= ~attention_mask.bool()
-        uses_default = self.uses_default_token_map
-        if uses_default and not torch.compiler.is_compiling():
+        # a bool, or under torch.compile the same test as a 0-d tensor (a host-side answer would break the graph)
+        uses_default = self._holds_default_map() if torch.compiler.is_compiling() else self.uses_default_token_map
+        if uses_default is True:
             logger.warning_once(
                 "Engram hashes with the default compressed token map (token id mod engram_compressed_vocab_size): "
                 "fine for a model trained from scratch, wrong for released Engram tables, which need the map of "
@@ -287,8 +297,8 @@ class DeepseekV41NgramHasher(nn.Module):
         vocab = self.token_map.numel()
         in_range = (input_ids >= 0) & (input_ids < vocab)
         compressed = self.token_map[input_ids.where(in_range, 0)]
-        if uses_default:  # the default map is arithmetic: ids a resize added beyond it fold alike
-            beyond = input_ids >= vocab
+        if uses_default is not False:  # the default map is arithmetic: ids a resize added beyond it fold alike
+            beyond = (input_ids >= vocab) & uses_default
             compressed = torch.where(beyond, input_ids % self.compressed_vocab_size, compressed)
             in_range = in_range | beyond
         invalid = ~dead & (~in_range | (compressed < 0))

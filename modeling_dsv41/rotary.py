@@ -62,8 +62,21 @@ def apply_rotary(x: torch.Tensor, rotation: torch.Tensor, inverse: bool = False)
     head, tail = x[..., :-rd], x[..., -rd:]
     if x.ndim == 4:
         rotation = rotation.unsqueeze(2)
+    if torch.compiler.is_compiling():
+        rotated = _rotate_real(tail.float(), rotation, inverse)
+    else:
+        if inverse:
+            rotation = rotation.conj()
+        pairs = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
+        rotated = torch.view_as_real(pairs * rotation).flatten(-2)
+    return torch.cat([head, rotated.to(x.dtype)], dim=-1)
+
+
+def _rotate_real(tail: torch.Tensor, rotation: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The complex product of :func:`apply_rotary` as cos/sin arithmetic on the pairs, for ``torch.compile``: inductor
+    generates no code for complex ops (it falls back to eager kernels around them); agrees to fp32 rounding."""
+    cos, sin = torch.view_as_real(rotation).unbind(-1)
     if inverse:
-        rotation = rotation.conj()
-    pairs = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
-    rotated = torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
-    return torch.cat([head, rotated], dim=-1)
+        sin = -sin
+    real, imag = tail.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1).flatten(-2)

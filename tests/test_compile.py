@@ -9,11 +9,16 @@ C++ build, which takes minutes on a loaded 2-core machine); benchmarks/compile.p
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
+from gloo_processes import WORLD, spawn
 from test_dspark_generation import dspark_model
 from test_trainer import Rows, training_args
-from tiny_models import tiny_training_model
+from tiny_models import tiny_model, tiny_training_model
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from modeling_dsv41.training.trainer import DeepseekV41Trainer
@@ -95,29 +100,85 @@ def test_dspark_block_compiles_as_one_graph_forward_and_backward():
     assert counter.frame_count == 1
 
 
-def test_trainer_torch_compile_trains_block_by_block(tmp_path):
-    """``torch_compile=True``: every decoder layer compiled in place (accelerate compiles nothing), gradient
-    checkpointing on; the losses of three steps are the eager Trainer's."""
+def _losses_eager_and_compiled(tmp: Path, steps: int, batches: int, check) -> None:
+    """The Trainer's logged losses of ``steps`` steps (``batches`` batches), eager and with ``torch_compile=True``
+    (aot_eager), each on a fresh copy of one tiny model with gradient checkpointing, agree; ``check(trainer, model,
+    compiled)`` after each run. The first losses differ by the forward's fp32 rounding only; the later ones also by
+    the optimizer steps taken from gradients that differ by GEMM rounding (see _assert_agree), which AdamW's and
+    Muon's normalised updates pass on at the learning rate's scale wherever a gradient is near zero."""
     losses = []
     for compiled in (False, True):
         torch._dynamo.reset()
         model = tiny_training_model(2)
         args = training_args(
-            tmp_path / str(compiled), max_steps=3, activation_checkpointing=True, torch_compile=compiled,
+            tmp / str(compiled), max_steps=steps, activation_checkpointing=True, torch_compile=compiled,
             torch_compile_backend="aot_eager" if compiled else None, logging_strategy="steps", logging_steps=1,
         )
-        trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=Rows(6))
+        rows = Rows(batches * args.train_batch_size * args.world_size)
+        trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=rows)
         trainer.train()
-        assert all((layer._compiled_call_impl is not None) == compiled for layer in model.model.layers)
-        assert trainer.model is model  # not wrapped in an OptimizedModule
+        check(trainer, model, compiled)
         losses.append([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
     eager, compiled = losses
-    assert len(eager) == 3
-    # the first loss differs by the forward's fp32 rounding only; the later ones also by the optimizer steps taken
-    # from gradients that differ by GEMM rounding (see _assert_agree), which AdamW's and Muon's normalised updates
-    # pass on at the learning rate's scale wherever a gradient is near zero
+    assert len(eager) == steps
     assert compiled[0] == pytest.approx(eager[0], rel=1e-6)
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def test_trainer_torch_compile_trains_block_by_block(tmp_path):
+    """``torch_compile=True``: every decoder layer compiled in place (accelerate compiles nothing), gradient
+    checkpointing on; the losses of three steps are the eager Trainer's."""
+
+    def check(trainer, model, compiled):
+        assert all((layer._compiled_call_impl is not None) == compiled for layer in model.model.layers)
+        assert trainer.model is model  # not wrapped in an OptimizedModule
+
+    _losses_eager_and_compiled(tmp_path, 3, 3, check)
+
+
+def _fsdp2_compiled_trains_as_eager(rank: int, tmp: Path) -> None:
+    """What ``accelerate launch`` hands every process of an FSDP2 config (fp32), here on gloo CPU processes."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                      ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", ACCELERATE_MIXED_PRECISION="no")
+    from torch.distributed.fsdp import FSDPModule
+
+    def check(trainer, model, compiled):
+        assert trainer.accelerator.is_fsdp2
+        for layer in model.model.layers:  # each layer its own FSDP2 unit, its forward compiled inside it
+            assert isinstance(layer, FSDPModule) and (layer._compiled_call_impl is not None) == compiled
+
+    _losses_eager_and_compiled(tmp, 2, 2, check)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+def test_trainer_torch_compile_under_fsdp2_trains_as_eager(tmp_path):
+    """``torch_compile=True`` with accelerate's FSDP2 plugin on 2 processes: the layers are sharded, then compiled
+    inside their units (FSDP2's hooks around the compiled forward); two steps' losses are eager FSDP2's."""
+    spawn(_fsdp2_compiled_trains_as_eager, tmp_path, timeout_s=300)
+
+
+def test_engram_hashing_compiles_whole_and_rereads_the_default_map():
+    """Whether ``token_map`` holds the default map decides whether ids beyond it fold like the default's; compiled,
+    that test is a tensor (a host-side ``torch.equal`` broke the whole model's graph) read from the contents on every
+    call, so a map written in place after compiling counts at once, as in eager."""
+    hasher = tiny_model(engram_map=None).model.engram_hasher
+    vocab, size = hasher.token_map.numel(), hasher.compressed_vocab_size
+    ids = torch.tensor([[5, 7, vocab + 3, 11, 2]])
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    hashed, compressed = (torch.compile(f, fullgraph=True, backend=counter) for f in (hasher, hasher.compress))
+    assert hasher.uses_default_token_map
+    assert torch.equal(hashed(ids), hasher(ids))
+    assert torch.equal(compressed(ids), hasher.compress(ids)) and compressed(ids)[0, 2] == (vocab + 3) % size
+
+    with torch.no_grad():
+        hasher.token_map.copy_((hasher.token_map + 1) % size)  # written in place: no longer the default
+    assert not hasher.uses_default_token_map
+    inside = [0, 1, 3, 4]
+    assert torch.equal(compressed(ids)[:, inside], hasher.compress(ids[:, inside]))
+    assert compressed(ids)[0, 2] != (vocab + 3) % size  # no longer folded (eager raises on that id)
+    assert torch.equal(hashed(ids)[:, :2], hasher(ids[:, :2]))
+    assert counter.frame_count == 2  # nothing recompiled: the map's contents are read inside the graph
 
 
 def test_reference_numerics_refuse_to_compile():

@@ -54,7 +54,7 @@ def honour_launch_strategy(trainer) -> None:
             f"{state.device.type} (it runs DeepSpeed on accelerators only); DeepseekV41Trainer trains with FSDP2 or DDP "
             "(examples/accelerate/fsdp2.yaml, ddp.yaml)"
         )
-    if not (_asked("ACCELERATE_USE_FSDP") or trainer.args.fsdp_plugin_args) or trainer.is_fsdp_enabled:
+    if not fsdp_requested(trainer.args) or trainer.is_fsdp_enabled:
         return
     if state.distributed_type != DistributedType.MULTI_CPU:
         raise ValueError(

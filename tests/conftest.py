@@ -16,6 +16,20 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _offline_hub():
+    """No network: the Hub's offline mode for every test and the processes they spawn. Without it, each
+    ``push_to_hub`` to the tests' stand-in Hub first tries to download the repository's model card
+    (``create_and_tag_model_card``), and with no network that request retries with back-off for ~23 s before
+    transformers falls back to a fresh card."""
+    import huggingface_hub.constants
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     """One torch thread in every test (a test that needs more sets them itself), as the spawned processes use: the

@@ -151,11 +151,58 @@ def test_lora_on_the_native_base_sharded_on_two_processes_trains_as_one_process(
     print("max |Δ adapter| / max |update|:", (tmp_path / "worst.txt").read_text())
 
 
+def _native_lora_expert_parallel_matches_one_process(rank: int, tmp: Path, folder: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from modeling_dsv41.training.fsdp import shard_model
+
+    ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(2))
+    halves = [ids[:2], ids[2:]]  # each rank's half; one process accumulates both
+    single = lora_model(Path(folder), "fp8")
+    initial = {n: p.detach().clone() for n, p in _adapters(single).items()}
+    model = lora_model(Path(folder), "fp8")
+    shard_model(model, expert_parallel_size=WORLD)
+
+    # each rank holds whole experts, its half of them, as stored: FP4 bytes and E8M0 scales, frozen
+    num_local = QUANT_FORMAT_TEXT["n_routed_experts"] // WORLD
+    stored = dict(single.named_parameters())
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n}
+    assert {p.dtype for p in experts.values()} == {torch.int8, torch.float8_e8m0fnu}
+    for name, param in experts.items():
+        assert isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep_shard", "ep"), name
+        assert not param.requires_grad, name
+        mine = stored[name][rank * num_local : (rank + 1) * num_local]
+        assert torch.equal(param.to_local().view(torch.uint8), mine.view(torch.uint8)), name
+
+    _sgd_steps(single, [halves] * STEPS)
+    _sgd_steps(model, [[halves[rank]]] * STEPS)
+
+    ours, theirs = _adapters(model), _adapters(single)
+    assert ours.keys() == theirs.keys() == initial.keys()
+    assert any(".experts." in n for n in ours)
+    for name, param in ours.items():
+        full = param.full_tensor().detach()
+        assert not torch.equal(full, initial[name]), f"{name} did not train"
+        # each rank runs, for each source rank and expert, the products one process runs for that half; only the
+        # mean of the two halves' gradients is summed in another order (the tolerance of the FSDP2 test above)
+        torch.testing.assert_close(full, theirs[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_lora_on_the_native_base_with_expert_parallelism_trains_as_one_process(released, tmp_path):
+    """3 SGD steps of LoRA on the FP8 Linears and FP4 experts of the natively loaded stand-in with
+    ``expert_parallel_size=2`` on 2 processes (each half of the batch; the FP4 experts split by expert, tokens
+    dispatched by all-to-all, the expert adapters applied on the ranks that hold their experts) give the adapters one
+    process gets accumulating both halves."""
+    spawn(_native_lora_expert_parallel_matches_one_process, tmp_path, str(released), timeout_s=240)
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
 
-def _each_rank_reads_its_shards_of_the_release(rank: int, tmp: Path, folder: str, engram_table_dtype: str) -> None:
+def _each_rank_reads_its_shards_of_the_release(
+    rank: int, tmp: Path, folder: str, engram_table_dtype: str, expert_parallel_size: int
+) -> None:
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
@@ -171,14 +218,15 @@ def _each_rank_reads_its_shards_of_the_release(rank: int, tmp: Path, folder: str
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     lora = LoraConfig(r=4, target_modules=FP8_TARGETS, target_parameters=EXPERT_TARGETS)
     whole = get_peft_model(DeepseekV41ForCausalLM.from_pretrained(folder, config=config), lora)
-    shard_model(whole, mp_policy=policy)  # today's way: every process loads the whole model, then shards it
+    # today's way: every process loads the whole model, then shards it
+    shard_model(whole, mp_policy=policy, expert_parallel_size=expert_parallel_size)
 
     reads = []  # what each rank reads of the checkpoint: (key, box)
     read = sharded_reading._Files.read
     sharded_reading._Files.read = lambda self, key, box: reads.append((key, box)) or read(self, key, box)
     ours = get_peft_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), lora)
     assert all(p.is_meta for n, p in ours.named_parameters())
-    shard_model(ours, mp_policy=policy)
+    shard_model(ours, mp_policy=policy, expert_parallel_size=expert_parallel_size)
     load_sharded_weights(ours, folder)
     sharded_reading._Files.read = read
 
@@ -199,16 +247,27 @@ def _each_rank_reads_its_shards_of_the_release(rank: int, tmp: Path, folder: str
     assert len(expert_reads) == experts // WORLD, len(expert_reads)
     tables = [key for key, _ in reads if ".engram.embed." in key]
     assert not tables if engram_table_dtype == "fp8" else tables  # FP8 tables are memory-mapped, not read
+    if expert_parallel_size > 1:  # the experts split by expert on the EP mesh; one bf16 step runs on them
+        experts = [p for n, p in ours.named_parameters() if ".experts." in n and "lora_" not in n]
+        assert experts and all(p.device_mesh.mesh_dim_names == ("ep_shard", "ep") for p in experts)
+        ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(rank))
+        ours(input_ids=ids, labels=ids).loss.backward()
+        grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+        assert all(g is not None and torch.isfinite(g.full_tensor()).all() for g in grads.values())
+        assert any(".experts." in n for n in grads)
 
 
-@pytest.mark.parametrize("engram_table_dtype", ["fp8", "float"])
+@pytest.mark.parametrize(("engram_table_dtype", "expert_parallel_size"), [("fp8", 1), ("float", 1), ("fp8", WORLD)])
 def test_each_rank_reads_its_shards_of_the_release_equal_to_loading_whole_then_sharding(
-    released, engram_table_dtype, tmp_path
+    released, engram_table_dtype, expert_parallel_size, tmp_path
 ):
     """The model built on the meta device, LoRA added, sharded, then each rank reading only its shards of the released
     checkpoint (``load_sharded_weights``) holds the same bytes as the natively loaded model sharded after loading:
-    every FP8 weight and E8M0 scale, FP4 expert, dequantized ``wo_a`` / Engram ``wkv`` and plain tensor, bit for bit."""
-    spawn(_each_rank_reads_its_shards_of_the_release, tmp_path, str(released), engram_table_dtype, timeout_s=240)
+    every FP8 weight and E8M0 scale, FP4 expert, dequantized ``wo_a`` / Engram ``wkv`` and plain tensor, bit for bit.
+    With ``expert_parallel_size``, the FP4 experts are split by expert (each rank reads its experts' bytes and scales
+    only) and a bf16 training step runs on the model so read."""
+    spawn(_each_rank_reads_its_shards_of_the_release, tmp_path, str(released), engram_table_dtype,
+          expert_parallel_size, timeout_s=240)
 
 
 def _reads_its_experts_under_expert_parallelism(rank: int, tmp: Path, folder: str) -> None:

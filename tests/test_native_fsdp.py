@@ -196,6 +196,50 @@ def test_lora_on_the_native_base_with_expert_parallelism_trains_as_one_process(r
     spawn(_native_lora_expert_parallel_matches_one_process, tmp_path, str(released), timeout_s=240)
 
 
+def _trainer_adapters(rank: int, folder: Path, output: Path, expert_parallel_size: int) -> dict[str, torch.Tensor]:
+    """``DeepseekV41Trainer`` under FSDP2 (the environment ``accelerate launch`` gives with
+    ``examples/accelerate/fsdp2_lora.yaml``, fp32) on the natively loaded stand-in with LoRA: 2 steps of 2 rows per
+    process. Returns the trained adapters, whole."""
+    import os
+
+    from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+        ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+        FSDP_RESHARD_AFTER_FORWARD="true", FSDP_OFFLOAD_PARAMS="false", FSDP_CPU_RAM_EFFICIENT_LOADING="false",
+        ACCELERATE_MIXED_PRECISION="no",
+    )
+    ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (8, 16), generator=torch.Generator().manual_seed(5))
+    rows = [{"input_ids": row, "labels": row} for row in ids]
+    args = DeepseekV41TrainingArguments(
+        output_dir=str(output), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
+        expert_parallel_size=expert_parallel_size, bias_update_speed=0, save_strategy="no", report_to="none",
+        logging_steps=1, seed=0,
+    )
+    trainer = DeepseekV41Trainer(model=lora_model(folder, "fp8"), args=args, train_dataset=rows)
+    trainer.train()
+    experts = trainer.model.base_model.model.model.layers[0].ffn.experts.get_base_layer()
+    names = experts.gate_up_proj.device_mesh.mesh_dim_names or ()
+    assert ("ep" in names) == (expert_parallel_size > 1), names  # split by expert, or FSDP2's rows
+    return {n: p.full_tensor().detach() for n, p in _adapters(trainer.model).items()}
+
+
+def _trainer_lora_with_and_without_expert_parallelism(rank: int, tmp: Path, folder: str) -> None:
+    ours = _trainer_adapters(rank, Path(folder), tmp / "ep", WORLD)
+    theirs = _trainer_adapters(rank, Path(folder), tmp / "fsdp", 1)
+    assert ours.keys() == theirs.keys() and any(".experts." in n for n in ours)
+    for name, tensor in ours.items():
+        # the same products on the same rows, each gradient a sum of the two processes' halves either way
+        torch.testing.assert_close(tensor, theirs[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_trainer_lora_of_the_native_base_with_expert_parallelism_trains_as_fsdp2_alone(released, tmp_path):
+    """``DeepseekV41Trainer`` with ``expert_parallel_size=2`` trains LoRA (attention, shared and routed experts) of
+    the natively loaded stand-in on 2 processes to the adapters of the same run with FSDP2 alone."""
+    spawn(_trainer_lora_with_and_without_expert_parallelism, tmp_path, str(released), timeout_s=300)
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
@@ -248,6 +292,8 @@ def _each_rank_reads_its_shards_of_the_release(
     tables = [key for key, _ in reads if ".engram.embed." in key]
     assert not tables if engram_table_dtype == "fp8" else tables  # FP8 tables are memory-mapped, not read
     if expert_parallel_size > 1:  # the experts split by expert on the EP mesh; one bf16 step runs on them
+        with pytest.raises(ValueError, match=r"weights are frozen: expert_parallel_size trains LoRA adapters"):
+            shard_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), expert_parallel_size=WORLD)
         experts = [p for n, p in ours.named_parameters() if ".experts." in n and "lora_" not in n]
         assert experts and all(p.device_mesh.mesh_dim_names == ("ep_shard", "ep") for p in experts)
         ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(rank))

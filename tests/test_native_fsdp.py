@@ -278,7 +278,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _each_rank_reads_its_shards_of_the_release(
-    rank: int, tmp: Path, folder: str, engram_table_dtype: str, expert_parallel_size: int
+    rank: int, tmp: Path, folder: str, engram_table_dtype: str, expert_parallel_size: int, world: int
 ) -> None:
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -318,15 +318,15 @@ def _each_rank_reads_its_shards_of_the_release(
         assert torch.equal(_bits(local.detach()), _bits(expected.detach())), name
     for (name, buffer), (_, expected) in zip(ours.named_buffers(), whole.named_buffers()):
         assert torch.equal(buffer, expected), name
-    # the rank read only its rows of the experts: half of them, each whole (FP4 bytes and scales)
+    # the rank read only its rows of the experts: its share of them, each whole (FP4 bytes and scales)
     expert_reads = [key for key, _ in reads if ".experts." in key and key.endswith(".weight")]
     experts = QUANT_FORMAT_TEXT["n_routed_experts"] * QUANT_FORMAT_TEXT["num_hidden_layers"] * 3
-    assert len(expert_reads) == experts // WORLD, len(expert_reads)
+    assert len(expert_reads) == experts // world, len(expert_reads)
     tables = [key for key, _ in reads if ".engram.embed." in key]
     assert not tables if engram_table_dtype == "fp8" else tables  # FP8 tables are memory-mapped, not read
     if expert_parallel_size > 1:  # the experts split by expert on the EP mesh; one bf16 step runs on them
         with pytest.raises(ValueError, match=r"weights are frozen: expert_parallel_size trains LoRA adapters"):
-            shard_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), expert_parallel_size=WORLD)
+            shard_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), expert_parallel_size=EP_SIZE)
         experts = [p for n, p in ours.named_parameters() if ".experts." in n and "lora_" not in n]
         assert experts and all(p.device_mesh.mesh_dim_names == ("ep_shard", "ep") for p in experts)
         ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(rank))
@@ -336,17 +336,20 @@ def _each_rank_reads_its_shards_of_the_release(
         assert any(".experts." in n for n in grads)
 
 
-@pytest.mark.parametrize(("engram_table_dtype", "expert_parallel_size"), [("fp8", 1), ("float", 1), ("fp8", WORLD)])
+@pytest.mark.parametrize(
+    ("engram_table_dtype", "expert_parallel_size", "world"), [("fp8", 1, WORLD), ("float", 1, WORLD), ("fp8", EP_SIZE, 4)]
+)
 def test_each_rank_reads_its_shards_of_the_release_equal_to_loading_whole_then_sharding(
-    released, engram_table_dtype, expert_parallel_size, tmp_path
+    released, engram_table_dtype, expert_parallel_size, world, tmp_path
 ):
     """The model built on the meta device, LoRA added, sharded, then each rank reading only its shards of the released
     checkpoint (``load_sharded_weights``) holds the same bytes as the natively loaded model sharded after loading:
     every FP8 weight and E8M0 scale, FP4 expert, dequantized ``wo_a`` / Engram ``wkv`` and plain tensor, bit for bit.
-    With ``expert_parallel_size``, the FP4 experts are split by expert (each rank reads its experts' bytes and scales
-    only) and a bf16 training step runs on the model so read."""
+    With ``expert_parallel_size=2`` on 4 processes, the FP4 experts are split by expert over ``ep`` and by rows of
+    those over ``ep_shard`` (each rank reads its part of its experts' bytes and scales only) and a bf16 training step
+    runs on the model so read."""
     spawn(_each_rank_reads_its_shards_of_the_release, tmp_path, str(released), engram_table_dtype,
-          expert_parallel_size, timeout_s=240)
+          expert_parallel_size, world, world_size=world, timeout_s=240)
 
 
 def _reads_its_experts_under_expert_parallelism(rank: int, tmp: Path, folder: str) -> None:

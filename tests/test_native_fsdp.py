@@ -338,7 +338,8 @@ def _each_rank_reads_its_shards_of_the_release(
 
 
 @pytest.mark.parametrize(
-    ("engram_table_dtype", "expert_parallel_size", "world"), [("fp8", 1, WORLD), ("float", 1, WORLD), ("fp8", EP_SIZE, 4)]
+    ("engram_table_dtype", "expert_parallel_size", "world"),
+    [("fp8", 1, WORLD), ("float", 1, WORLD), ("fp8", EP_SIZE, 2 * EP_SIZE)],
 )
 def test_each_rank_reads_its_shards_of_the_release_equal_to_loading_whole_then_sharding(
     released, engram_table_dtype, expert_parallel_size, world, tmp_path

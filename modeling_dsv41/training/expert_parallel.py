@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..moe import DeepseekV41Experts, add_rows, routed_experts_forward
+from ..bnb_experts import BnbExperts
+from ..moe import DeepseekV41Experts, DeepseekV41MoE, add_rows, routed_experts_forward
 from ..released.native_precision import FP4KernelExperts, WeightOnlyFP4Experts, fp4_expert_weights
 
 try:
@@ -186,11 +187,20 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def expert_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """The backbone's routed experts (``layers.N.ffn.experts``, bf16 or natively loaded FP4; the DSpark draft blocks'
-    stay data parallel)."""
-    for name, module in model.named_modules():
-        if isinstance(module, (DeepseekV41Experts, *NATIVE_EXPERTS)) and ".mtp." not in f".{name}":
-            yield name, module
+    """The backbone's routed experts (``layers.N.ffn.experts``, under their adapters if any; the DSpark draft blocks'
+    stay data parallel). Expert parallelism splits bf16 or natively loaded FP4 ones; any other is an error."""
+    for name, moe in model.named_modules():
+        if not isinstance(moe, DeepseekV41MoE) or ".mtp." in f".{name}":
+            continue
+        experts = moe.experts
+        while hasattr(experts, "base_layer"):  # PEFT's wrappers
+            experts = experts.base_layer
+        if isinstance(experts, BnbExperts) or not isinstance(experts, (DeepseekV41Experts, *NATIVE_EXPERTS)):
+            raise ValueError(
+                "expert parallelism splits plain (bf16, fp32) or natively loaded FP4 routed experts; "
+                f"{name}.experts is {type(experts).__name__}: shard with expert_parallel_size=1"
+            )
+        yield f"{name}.experts", experts
 
 
 def check_expert_parallel_model(model: nn.Module) -> None:

@@ -151,7 +151,9 @@ def shard_model(
 def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_size: int, kwargs: dict):
     """Split the backbone's routed experts over the EP ranks and FSDP2-shard them over ``ep_shard``, each layer's
     experts their own unit; returns the :class:`~.expert_parallel.TrainingMesh` and those units."""
-    from .expert_parallel import EP_SHARD, NATIVE_EXPERTS, check_expert_parallel_model, distribute_experts, training_mesh
+    from .expert_parallel import (
+        EP_SHARD, NATIVE_EXPERTS, check_expert_parallel_model, distribute_experts, training_mesh,
+    )
     from .router_balancing import is_adapter_model
 
     if mesh is not None:

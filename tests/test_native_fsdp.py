@@ -232,7 +232,7 @@ def test_lora_on_the_native_base_with_expert_parallelism_trains_as_one_process(r
 def _trainer_adapters(rank: int, folder: Path, output: Path, expert_parallel_size: int) -> dict[str, torch.Tensor]:
     """``DeepseekV41Trainer`` under FSDP2 (the environment ``accelerate launch`` gives with
     ``examples/accelerate/fsdp2_lora.yaml``, fp32) on the natively loaded stand-in with LoRA: 2 steps of 2 rows per
-    process. Returns the trained adapters, whole."""
+    process, a checkpoint at the end under expert parallelism. Returns the trained adapters, whole."""
     import os
 
     from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
@@ -247,14 +247,15 @@ def _trainer_adapters(rank: int, folder: Path, output: Path, expert_parallel_siz
     rows = [{"input_ids": row, "labels": row} for row in ids]
     args = DeepseekV41TrainingArguments(
         output_dir=str(output), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
-        expert_parallel_size=expert_parallel_size, bias_update_speed=0, save_strategy="no", report_to="none",
-        logging_steps=1, seed=0,
+        expert_parallel_size=expert_parallel_size, bias_update_speed=0, report_to="none", logging_steps=1, seed=0,
+        save_steps=2, save_strategy="steps" if expert_parallel_size > 1 else "no",  # FSDP2 alone: tested elsewhere
     )
     trainer = DeepseekV41Trainer(model=lora_model(folder, "fp8"), args=args, train_dataset=rows)
     trainer.train()
     experts = trainer.model.base_model.model.model.layers[0].ffn.experts.get_base_layer()
     names = experts.gate_up_proj.device_mesh.mesh_dim_names or ()
     assert ("ep" in names) == (expert_parallel_size > 1), names  # split by expert, or FSDP2's rows
+    assert (output / "checkpoint-2" / "adapter_model.safetensors").is_file() == (expert_parallel_size > 1)
     return {n: p.full_tensor().detach() for n, p in _adapters(trainer.model).items()}
 
 

@@ -45,10 +45,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..bnb_experts import BnbExperts
 from ..moe import DeepseekV41Experts, DeepseekV41MoE, add_rows, routed_experts_forward
-from ..released.native_precision import FP4KernelExperts, WeightOnlyFP4Experts, fp4_expert_weights
+from ..released.native_precision import (
+    FP4_EXPERT_TENSORS, ExpertFactors, FP4KernelExperts, WeightOnlyFP4Experts, fp4_expert_weights,
+)
 
 try:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -139,7 +142,7 @@ class ExpertParallel:
 
     def __call__(
         self, experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-        adapters: Mapping[str, Callable] | None = None,
+        adapters: Mapping[str, ExpertFactors] | None = None,
     ) -> torch.Tensor:
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] (global expert ids) → fp32 [N, D]; ``adapters``:
         as the FP4 experts' forward takes them (:mod:`~..released.native_lora`)."""
@@ -159,7 +162,7 @@ class ExpertParallel:
 
     def _local_experts(
         self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, received: torch.Tensor,
-        adapters: Mapping[str, Callable] | None,
+        adapters: Mapping[str, ExpertFactors] | None,
     ) -> torch.Tensor:
         """Each received slot's weighted expert output [M, D] fp32. The slots come grouped by (source, expert); each
         (source, expert) group is its own product: a *virtual* expert ``source · E_local + expert`` of the loop."""
@@ -170,10 +173,12 @@ class ExpertParallel:
             lambda v: held(v % self.num_local),
         )
 
-    def _held_experts(self, experts: nn.Module, adapters: Mapping[str, Callable] | None) -> tuple[Callable, float]:
+    def _held_experts(
+        self, experts: nn.Module, adapters: Mapping[str, ExpertFactors] | None
+    ) -> tuple[Callable, float]:
         """This rank's experts: local expert → (gate_up, down) as the loop applies them, and the SwiGLU clamp."""
         if isinstance(experts, NATIVE_EXPERTS):
-            stored = {name: _local(param) for name, param in experts.named_parameters(recurse=False)}
+            stored = {name: _local(getattr(experts, name)) for name in FP4_EXPERT_TENSORS}
             return fp4_expert_weights(stored, adapters, self.first), experts.limit or 0.0
         if adapters:
             raise ValueError(f"{type(experts).__name__} takes no adapter factors: only the FP4 experts do")
@@ -228,6 +233,12 @@ def distribute_experts(model: nn.Module, mesh: TrainingMesh) -> list[nn.Module]:
     group = mesh.experts[EP].get_group()
     for name, experts in expert_modules(model):
         implementation = getattr(experts.config, "_experts_implementation", None) or "eager"
+        if parametrize.is_parametrized(experts):
+            raise ValueError(
+                f"{name} carries a parametrization (such as PEFT's own target_parameters adapter, built on the stored "
+                "tensor): expert parallelism splits the stored tensors by expert; load the release with from_pretrained "
+                "or released.loading.empty_native_model, whose PEFT dispatch builds expert adapters applied by expert"
+            )
         if implementation != "eager" and not isinstance(experts, NATIVE_EXPERTS):
             raise ValueError(
                 f"expert-parallel training runs the reference (eager) experts loop on each rank's experts; {name} "

@@ -560,6 +560,20 @@ def test_expert_parallel_without_fsdp2_is_an_error_naming_the_config(tmp_path):
         DeepseekV41Trainer(model=tiny_training_model(num_hidden_layers=2), args=args)
 
 
+def test_expert_parallelism_refuses_routed_experts_it_cannot_split():
+    """Only bf16 (plain) or natively loaded FP4 experts are split by expert; others (bitsandbytes' here) are an error
+    naming the module, never left whole on every rank."""
+    from modeling_dsv41.bnb_experts import Bnb4bitExperts
+    from modeling_dsv41.training.expert_parallel import expert_modules
+
+    model = tiny_training_model(num_hidden_layers=2)
+    assert [name for name, _ in expert_modules(model)] == ["model.layers.0.ffn.experts", "model.layers.1.ffn.experts"]
+    with torch.device("meta"):
+        model.model.layers[1].ffn.experts = Bnb4bitExperts(model.config.get_text_config())
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.ffn\.experts is Bnb4bitExperts: shard with expert_parallel_size=1"):
+        list(expert_modules(model))
+
+
 def _shard_model_refusals(rank: int, tmp: Path) -> None:
     from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
@@ -571,7 +585,7 @@ def _shard_model_refusals(rank: int, tmp: Path) -> None:
     with pytest.raises(ValueError, match="give expert_parallel_size or mesh, not both"):
         shard_model(tiny_training_model(num_hidden_layers=2), mesh=init_device_mesh("cpu", (2,)), expert_parallel_size=2)
     adapted = get_peft_model(tiny_training_model(num_hidden_layers=2), LoraConfig(r=2, target_modules=["wq_a"]))
-    with pytest.raises(ValueError, match=r"full fine-tuning.*shard_model\(model\) \(FSDP2 alone"):
+    with pytest.raises(ValueError, match=r"LoRA adapters on the natively loaded release only.*shard_model\(model\) \(FSDP2 alone"):
         shard_model(adapted, expert_parallel_size=2)
     kernels = tiny_training_model(num_hidden_layers=2)
     kernels.set_experts_implementation("batched_mm")

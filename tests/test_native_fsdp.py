@@ -151,11 +151,137 @@ def test_lora_on_the_native_base_sharded_on_two_processes_trains_as_one_process(
     print("max |Δ adapter| / max |update|:", (tmp_path / "worst.txt").read_text())
 
 
+EP_SIZE = 2  # expert_parallel_size of the expert-parallel runs: 2 of the stand-in's 4 experts per EP rank
+
+
+def _sgd_steps_by_groups(model, groups: list[list[torch.Tensor]]) -> None:
+    """:func:`_sgd_steps` of one process summing the micro-batches' gradients as the expert-parallel mesh sums them:
+    each EP group's micro-batches accumulated, then the groups' sums added."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=LR)
+    count = sum(len(group) for group in groups)
+    for _ in range(STEPS):
+        total = None
+        for group in groups:
+            for ids in group:
+                (model(input_ids=ids, labels=ids).loss / count).backward()
+            grads = [p.grad for p in params]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+            optimizer.zero_grad()
+        for param, grad in zip(params, total):
+            param.grad = grad
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _native_lora_expert_parallel_matches_one_process(rank: int, tmp: Path, folder: str, world: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from modeling_dsv41.released.sharded_reading import local_box
+    from modeling_dsv41.training.fsdp import shard_model
+
+    ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(2))
+    parts = list(ids.chunk(world))  # each rank's part; one process accumulates them all, EP group by EP group
+    single = lora_model(Path(folder), "fp8")
+    initial = {n: p.detach().clone() for n, p in _adapters(single).items()}
+    model = lora_model(Path(folder), "fp8")
+    shard_model(model, expert_parallel_size=EP_SIZE)
+
+    # each rank holds experts of its EP rank (the inner mesh dimension) only, as stored (FP4 bytes and E8M0 scales,
+    # frozen): all of them on a 1-rank ep_shard, FSDP2's rows of them on 2
+    per_ep_rank = QUANT_FORMAT_TEXT["n_routed_experts"] // EP_SIZE
+    first = rank % EP_SIZE * per_ep_rank
+    stored = dict(single.named_parameters())
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n}
+    assert {p.dtype for p in experts.values()} == {torch.int8, torch.float8_e8m0fnu}
+    for name, param in experts.items():
+        assert isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep_shard", "ep"), name
+        assert not param.requires_grad, name
+        box = local_box(param)
+        assert first <= box[0][0] and box[0][1] <= first + per_ep_rank, (name, box)
+        mine = stored[name][tuple(slice(a, b) for a, b in box)]
+        assert torch.equal(param.to_local().view(torch.uint8), mine.view(torch.uint8)), name
+
+    _sgd_steps_by_groups(single, [parts[i : i + EP_SIZE] for i in range(0, world, EP_SIZE)])
+    _sgd_steps(model, [[parts[rank]]] * STEPS)
+
+    ours, theirs = _adapters(model), _adapters(single)
+    assert ours.keys() == theirs.keys() == initial.keys()
+    assert any(".experts." in n for n in ours)
+    for name, param in ours.items():
+        full = param.full_tensor().detach()
+        assert not torch.equal(full, initial[name]), f"{name} did not train"
+        # each rank runs, for each source rank and expert, the products one process runs for that part, and the
+        # gradients are summed in the same order, each sum of two terms (measured: bit-identical). The order
+        # matters: summed part by part, the last bits differ, and over the steps they flip top-k
+        # choices (routing, the indexer): measured, the adapters then differ far beyond this tolerance
+        torch.testing.assert_close(full, theirs[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_lora_on_the_native_base_with_expert_parallelism_trains_as_one_process(released, tmp_path):
+    """3 SGD steps of LoRA on the FP8 Linears and FP4 experts of the natively loaded stand-in with
+    ``expert_parallel_size=2`` on 4 processes (ep_shard=2 × ep=2), each process its part of the batch (the FP4
+    experts split by expert and their rows over ep_shard, tokens dispatched by all-to-all, the expert adapters applied
+    on the ranks that hold their experts), give the adapters one process gets accumulating every part. (The trainer
+    test below runs a 1-rank ep_shard.)"""
+    world = 2 * EP_SIZE
+    spawn(_native_lora_expert_parallel_matches_one_process, tmp_path, str(released), world, world_size=world,
+          timeout_s=240)
+
+
+def _trainer_adapters(rank: int, folder: Path, output: Path, expert_parallel_size: int) -> dict[str, torch.Tensor]:
+    """``DeepseekV41Trainer`` under FSDP2 (the environment ``accelerate launch`` gives with
+    ``examples/accelerate/fsdp2_lora.yaml``, fp32) on the natively loaded stand-in with LoRA: 2 steps of 2 rows per
+    process, a checkpoint at the end under expert parallelism. Returns the trained adapters, whole."""
+    import os
+
+    from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+        ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+        FSDP_RESHARD_AFTER_FORWARD="true", FSDP_OFFLOAD_PARAMS="false", FSDP_CPU_RAM_EFFICIENT_LOADING="false",
+        ACCELERATE_MIXED_PRECISION="no",
+    )
+    ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (8, 16), generator=torch.Generator().manual_seed(5))
+    rows = [{"input_ids": row, "labels": row} for row in ids]
+    args = DeepseekV41TrainingArguments(
+        output_dir=str(output), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
+        expert_parallel_size=expert_parallel_size, bias_update_speed=0, report_to="none", logging_steps=1, seed=0,
+        save_steps=2, save_strategy="steps" if expert_parallel_size > 1 else "no",  # FSDP2 alone: tested elsewhere
+    )
+    trainer = DeepseekV41Trainer(model=lora_model(folder, "fp8"), args=args, train_dataset=rows)
+    trainer.train()
+    experts = trainer.model.base_model.model.model.layers[0].ffn.experts.get_base_layer()
+    names = experts.gate_up_proj.device_mesh.mesh_dim_names or ()
+    assert ("ep" in names) == (expert_parallel_size > 1), names  # split by expert, or FSDP2's rows
+    assert (output / "checkpoint-2" / "adapter_model.safetensors").is_file() == (expert_parallel_size > 1)
+    return {n: p.full_tensor().detach() for n, p in _adapters(trainer.model).items()}
+
+
+def _trainer_lora_with_and_without_expert_parallelism(rank: int, tmp: Path, folder: str) -> None:
+    ours = _trainer_adapters(rank, Path(folder), tmp / "ep", WORLD)
+    theirs = _trainer_adapters(rank, Path(folder), tmp / "fsdp", 1)
+    assert ours.keys() == theirs.keys() and any(".experts." in n for n in ours)
+    for name, tensor in ours.items():
+        # the same products on the same rows, each gradient a sum of the two processes' halves either way
+        # (measured: bit-identical)
+        torch.testing.assert_close(tensor, theirs[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_trainer_lora_of_the_native_base_with_expert_parallelism_trains_as_fsdp2_alone(released, tmp_path):
+    """``DeepseekV41Trainer`` with ``expert_parallel_size=2`` trains LoRA (attention, shared and routed experts) of
+    the natively loaded stand-in on 2 processes to the adapters of the same run with FSDP2 alone."""
+    spawn(_trainer_lora_with_and_without_expert_parallelism, tmp_path, str(released), timeout_s=300)
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
 
-def _each_rank_reads_its_shards_of_the_release(rank: int, tmp: Path, folder: str, engram_table_dtype: str) -> None:
+def _each_rank_reads_its_shards_of_the_release(
+    rank: int, tmp: Path, folder: str, engram_table_dtype: str, expert_parallel_size: int, world: int
+) -> None:
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
@@ -171,14 +297,15 @@ def _each_rank_reads_its_shards_of_the_release(rank: int, tmp: Path, folder: str
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     lora = LoraConfig(r=4, target_modules=FP8_TARGETS, target_parameters=EXPERT_TARGETS)
     whole = get_peft_model(DeepseekV41ForCausalLM.from_pretrained(folder, config=config), lora)
-    shard_model(whole, mp_policy=policy)  # today's way: every process loads the whole model, then shards it
+    # today's way: every process loads the whole model, then shards it
+    shard_model(whole, mp_policy=policy, expert_parallel_size=expert_parallel_size)
 
     reads = []  # what each rank reads of the checkpoint: (key, box)
     read = sharded_reading._Files.read
     sharded_reading._Files.read = lambda self, key, box: reads.append((key, box)) or read(self, key, box)
     ours = get_peft_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), lora)
     assert all(p.is_meta for n, p in ours.named_parameters())
-    shard_model(ours, mp_policy=policy)
+    shard_model(ours, mp_policy=policy, expert_parallel_size=expert_parallel_size)
     load_sharded_weights(ours, folder)
     sharded_reading._Files.read = read
 
@@ -193,22 +320,39 @@ def _each_rank_reads_its_shards_of_the_release(rank: int, tmp: Path, folder: str
         assert torch.equal(_bits(local.detach()), _bits(expected.detach())), name
     for (name, buffer), (_, expected) in zip(ours.named_buffers(), whole.named_buffers()):
         assert torch.equal(buffer, expected), name
-    # the rank read only its rows of the experts: half of them, each whole (FP4 bytes and scales)
+    # the rank read only its rows of the experts: its share of them, each whole (FP4 bytes and scales)
     expert_reads = [key for key, _ in reads if ".experts." in key and key.endswith(".weight")]
     experts = QUANT_FORMAT_TEXT["n_routed_experts"] * QUANT_FORMAT_TEXT["num_hidden_layers"] * 3
-    assert len(expert_reads) == experts // WORLD, len(expert_reads)
+    assert len(expert_reads) == experts // world, len(expert_reads)
     tables = [key for key, _ in reads if ".engram.embed." in key]
     assert not tables if engram_table_dtype == "fp8" else tables  # FP8 tables are memory-mapped, not read
+    if expert_parallel_size > 1:  # the experts split by expert on the EP mesh; one bf16 step runs on them
+        with pytest.raises(ValueError, match=r"weights are frozen: expert_parallel_size trains LoRA adapters"):
+            shard_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), expert_parallel_size=EP_SIZE)
+        experts = [p for n, p in ours.named_parameters() if ".experts." in n and "lora_" not in n]
+        assert experts and all(p.device_mesh.mesh_dim_names == ("ep_shard", "ep") for p in experts)
+        ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(rank))
+        ours(input_ids=ids, labels=ids).loss.backward()
+        grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+        assert all(g is not None and torch.isfinite(g.full_tensor()).all() for g in grads.values())
+        assert any(".experts." in n for n in grads)
 
 
-@pytest.mark.parametrize("engram_table_dtype", ["fp8", "float"])
+@pytest.mark.parametrize(
+    ("engram_table_dtype", "expert_parallel_size", "world"),
+    [("fp8", 1, WORLD), ("float", 1, WORLD), ("fp8", EP_SIZE, 2 * EP_SIZE)],
+)
 def test_each_rank_reads_its_shards_of_the_release_equal_to_loading_whole_then_sharding(
-    released, engram_table_dtype, tmp_path
+    released, engram_table_dtype, expert_parallel_size, world, tmp_path
 ):
     """The model built on the meta device, LoRA added, sharded, then each rank reading only its shards of the released
     checkpoint (``load_sharded_weights``) holds the same bytes as the natively loaded model sharded after loading:
-    every FP8 weight and E8M0 scale, FP4 expert, dequantized ``wo_a`` / Engram ``wkv`` and plain tensor, bit for bit."""
-    spawn(_each_rank_reads_its_shards_of_the_release, tmp_path, str(released), engram_table_dtype, timeout_s=240)
+    every FP8 weight and E8M0 scale, FP4 expert, dequantized ``wo_a`` / Engram ``wkv`` and plain tensor, bit for bit.
+    With ``expert_parallel_size=2`` on 4 processes, the FP4 experts are split by expert over ``ep`` and by rows of
+    those over ``ep_shard`` (each rank reads its part of its experts' bytes and scales only) and a bf16 training step
+    runs on the model so read."""
+    spawn(_each_rank_reads_its_shards_of_the_release, tmp_path, str(released), engram_table_dtype,
+          expert_parallel_size, world, world_size=world, timeout_s=240)
 
 
 def _reads_its_experts_under_expert_parallelism(rank: int, tmp: Path, folder: str) -> None:

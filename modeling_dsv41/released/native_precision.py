@@ -201,6 +201,8 @@ class WeightOnlyFP8Linear(FP8Linear):
         return frozen_quantized_linear(input, self.weight, self.weight_scale_inv, self.weight.shape[-1], self.bias)
 
 
+# the tensors of the natively loaded FP4 experts: packed bytes [E, out, in/2] and E8M0 scales [E, out, in/32]
+FP4_EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
 # expert e → the LoRA factors adapting its weight [out, in]: [(lora_A [r, in], lora_B [out, r], scaling), ...]
 ExpertFactors = Callable[[int], list[tuple[torch.Tensor, torch.Tensor, float]]]
 
@@ -234,17 +236,27 @@ def fp4_experts_forward(
     tokens are routed to, each weight a :class:`FrozenExpertWeight` with the LoRA factors ``adapters[name]``
     (``"gate_up_proj"`` / ``"down_proj"``) gives it, if any (the adapters of the logical shape, :mod:`.native_lora`).
     hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
+    stored = {name: getattr(experts, name) for name in FP4_EXPERT_TENSORS}
+    return routed_experts_forward(
+        hidden_states, top_k_index, top_k_weights, experts.num_experts, experts.limit or 0.0,
+        fp4_expert_weights(stored, adapters),
+    )
+
+
+def fp4_expert_weights(
+    stored: Mapping[str, torch.Tensor], adapters: Mapping[str, ExpertFactors] | None = None, first: int = 0
+) -> Callable[[int], tuple[FrozenExpertWeight, FrozenExpertWeight]]:
+    """Expert ``e`` of ``stored`` (the :data:`FP4_EXPERT_TENSORS` of some experts, [E_held, ...]) → its ``gate_up`` and
+    ``down`` as :class:`FrozenExpertWeight`, with the LoRA factors of expert ``first + e`` (``first``: the number of
+    the first expert held, under expert parallelism)."""
     adapters = adapters or {}
 
     def weight(name: str, expert: int) -> FrozenExpertWeight:
-        packed, scale = getattr(experts, name)[expert], getattr(experts, f"{name}_scale_inv")[expert]
-        factors = adapters[name](expert) if name in adapters else None
+        packed, scale = stored[name][expert], stored[f"{name}_scale_inv"][expert]
+        factors = adapters[name](first + expert) if name in adapters else None
         return FrozenExpertWeight(packed, scale, factors)
 
-    return routed_experts_forward(
-        hidden_states, top_k_index, top_k_weights, experts.num_experts, experts.limit or 0.0,
-        lambda expert: (weight("gate_up_proj", expert), weight("down_proj", expert)),
-    )
+    return lambda expert: (weight("gate_up_proj", expert), weight("down_proj", expert))
 
 
 class WeightOnlyFP4Experts(FP8Experts):
@@ -418,10 +430,12 @@ __all__ = [
     "DeepseekV41FP8Config",
     "DeepseekV41FP8Quantizer",
     "FP4KernelExperts",
+    "FP4_EXPERT_TENSORS",
     "FP8KernelLinear",
     "WeightOnlyFP4Experts",
     "WeightOnlyFP8Linear",
     "check_trainable",
+    "fp4_expert_weights",
     "frozen_quantized_linear",
     "modules_kept_in_high_precision",
     "released_quantization_config",

@@ -27,18 +27,31 @@ ranks that hold it). The gradients of everything else are reduced in the same or
 (:class:`EPGroupFirstReduceScatter`), so that every gradient is ``Σ_groups (Σ_ranks of the group g)``; on a 2 × 2
 mesh each of those sums adds two terms, which floating point adds the same way in either order, and one process that
 accumulates the two EP groups' micro-batches separately and adds the two gets the same bits (tested).
+
+LoRA of the natively loaded release. The FP4 experts (packed bytes and E8M0 scales, frozen) are split by expert as
+above; each rank runs its experts weight-only with its adapters' factors. PEFT's expert factors hold every expert
+(``lora_A`` [E·r, in], ``lora_B`` [out, r·E], expert ``e`` in the columns ``j·E + e``: not a contiguous block, so
+not a ``Shard`` of the ``ep`` dimension); they are small next to the experts (``r·(in + out)`` values per expert
+against ``in·out/2`` bytes) and stay in their layer's FSDP2 unit, sharded over every rank. Each rank takes its
+experts' slices of the gathered factors; their gradient is zero on the other ranks of the EP group, so the EP-group
+sum gives the holder's own, and the order of every sum is the experts' (tested against one process).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parametrize
 
-from ..moe import DeepseekV41Experts, add_rows, routed_experts_forward
+from ..bnb_experts import BnbExperts
+from ..moe import DeepseekV41Experts, DeepseekV41MoE, add_rows, routed_experts_forward
+from ..released.native_precision import (
+    FP4_EXPERT_TENSORS, ExpertFactors, FP4KernelExperts, WeightOnlyFP4Experts, fp4_expert_weights,
+)
 
 try:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -50,6 +63,8 @@ except ImportError:  # torch built without distributed
     ReduceScatter = object
 
 EP, EP_SHARD = "ep", "ep_shard"
+# the routed experts as the release stores them (packed FP4 + E8M0 scales, frozen), natively loaded
+NATIVE_EXPERTS = (WeightOnlyFP4Experts, FP4KernelExperts)
 
 
 @dataclass(frozen=True)
@@ -108,9 +123,11 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 class ExpertParallel:
     """Token dispatch and combine of one layer's routed experts over an EP process group (see the module docstring).
 
-    Installed on a :class:`~..moe.DeepseekV41Experts` by :func:`distribute_experts`, it replaces that module's forward:
-    same inputs (the local tokens and their global expert choices), same fp32 output, the experts computed on the
-    ranks that hold them. The local experts run the reference (eager) loop.
+    Installed on a :class:`~..moe.DeepseekV41Experts` (or the natively loaded FP4 experts) by
+    :func:`distribute_experts`, it replaces that module's forward: same inputs (the local tokens and their global
+    expert choices; for FP4 experts, the LoRA factors of the adapters around them, by global expert), same fp32 output,
+    the experts computed on the ranks that hold them. The local experts run the reference (eager) loop; FP4 ones
+    weight-only (:func:`~..released.native_precision.fp4_expert_weights`), as adapted FP4 experts run anyway.
     """
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int):
@@ -121,12 +138,14 @@ class ExpertParallel:
                              f"{num_experts} experts do not split {self.size} ways")
         self.num_experts = num_experts
         self.num_local = num_experts // self.size
+        self.first = dist.get_rank(group) * self.num_local  # the global id of this rank's first expert
 
     def __call__(
-        self, experts: DeepseekV41Experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
+        self, experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        adapters: Mapping[str, ExpertFactors] | None = None,
     ) -> torch.Tensor:
-        """hidden_states [N, D], top_k_index / top_k_weights [N, k] (global expert ids) → fp32 [N, D]."""
+        """hidden_states [N, D], top_k_index / top_k_weights [N, k] (global expert ids) → fp32 [N, D]; ``adapters``:
+        as the FP4 experts' forward takes them (:mod:`~..released.native_lora`)."""
         num_tokens, top_k = top_k_index.shape
         expert_ids = top_k_index.flatten()
         order = expert_ids.argsort(stable=True)  # slots grouped by expert, tokens ascending within each
@@ -137,36 +156,76 @@ class ExpertParallel:
         slot_tokens = order // top_k
         x = all_to_all(hidden_states.index_select(0, slot_tokens), recv_splits, send_splits, self.group)
         weights = all_to_all(top_k_weights.flatten()[order], recv_splits, send_splits, self.group)
-        out = self._local_experts(experts, x, weights, received)
+        out = self._local_experts(experts, x, weights, received, adapters)
         out = all_to_all(out, send_splits, recv_splits, self.group)  # [N·k, D] fp32, in `order`
         return add_rows(out.new_zeros(num_tokens, out.shape[-1]), slot_tokens, out)
 
     def _local_experts(
-        self, experts: DeepseekV41Experts, x: torch.Tensor, weights: torch.Tensor, received: torch.Tensor
+        self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, received: torch.Tensor,
+        adapters: Mapping[str, ExpertFactors] | None,
     ) -> torch.Tensor:
         """Each received slot's weighted expert output [M, D] fp32. The slots come grouped by (source, expert); each
         (source, expert) group is its own product: a *virtual* expert ``source · E_local + expert`` of the loop."""
-        gate_ups = _local(experts.gate_up_proj).unbind(0)  # one unbind: its backward stacks the gradients once
-        downs = _local(experts.down_proj).unbind(0)
+        held, swiglu_limit = self._held_experts(experts, adapters)
         virtual = torch.repeat_interleave(torch.arange(received.numel(), device=x.device), received.flatten())
         return routed_experts_forward(
-            x, virtual.unsqueeze(1), weights.unsqueeze(1), received.numel(), experts.swiglu_limit,
-            lambda v: (gate_ups[v % self.num_local], downs[v % self.num_local]),
+            x, virtual.unsqueeze(1), weights.unsqueeze(1), received.numel(), swiglu_limit,
+            lambda v: held(v % self.num_local),
         )
+
+    def _held_experts(
+        self, experts: nn.Module, adapters: Mapping[str, ExpertFactors] | None
+    ) -> tuple[Callable, float]:
+        """This rank's experts: local expert → (gate_up, down) as the loop applies them, and the SwiGLU clamp."""
+        if isinstance(experts, NATIVE_EXPERTS):
+            stored = {name: _local(getattr(experts, name)) for name in FP4_EXPERT_TENSORS}
+            return fp4_expert_weights(stored, adapters, self.first), experts.limit or 0.0
+        if adapters:
+            raise ValueError(f"{type(experts).__name__} takes no adapter factors: only the FP4 experts do")
+        gate_ups = _local(experts.gate_up_proj).unbind(0)  # one unbind: its backward stacks the gradients once
+        downs = _local(experts.down_proj).unbind(0)
+        return (lambda e: (gate_ups[e], downs[e])), experts.swiglu_limit
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def expert_modules(model: nn.Module) -> Iterator[tuple[str, DeepseekV41Experts]]:
-    """The backbone's routed experts (``layers.N.ffn.experts``; the DSpark draft blocks' stay data parallel)."""
-    for name, module in model.named_modules():
-        if isinstance(module, DeepseekV41Experts) and ".mtp." not in f".{name}":
-            yield name, module
+def expert_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The backbone's routed experts (``layers.N.ffn.experts``, under their adapters if any; the DSpark draft blocks'
+    stay data parallel). Expert parallelism splits bf16 or natively loaded FP4 ones; any other is an error."""
+    for name, moe in model.named_modules():
+        if not isinstance(moe, DeepseekV41MoE) or ".mtp." in f".{name}":
+            continue
+        experts = moe.experts
+        while hasattr(experts, "base_layer"):  # PEFT's wrappers
+            experts = experts.base_layer
+        if isinstance(experts, BnbExperts) or not isinstance(experts, (DeepseekV41Experts, *NATIVE_EXPERTS)):
+            raise ValueError(
+                "expert parallelism splits plain (bf16, fp32) or natively loaded FP4 routed experts; "
+                f"{name}.experts is {type(experts).__name__}: shard with expert_parallel_size=1"
+            )
+        yield f"{name}.experts", experts
 
 
-def distribute_experts(model: nn.Module, mesh: TrainingMesh) -> list[DeepseekV41Experts]:
+def check_expert_parallel_model(model: nn.Module) -> None:
+    """What expert parallelism trains: every weight of a model in plain precision, or LoRA adapters (PEFT) of the
+    natively loaded release, whose FP4 experts take their adapters' factors by expert on the ranks that hold them.
+    PEFT's own expert adapters (a parametrization of the bf16 ``[E, out, in]`` parameter) build every expert's delta
+    in one tensor, which cannot be split by expert."""
+    from .router_balancing import is_adapter_model
+
+    if is_adapter_model(model) and not all(isinstance(m, NATIVE_EXPERTS) for _, m in expert_modules(model)):
+        raise ValueError(
+            "expert_parallel_size trains LoRA adapters on the natively loaded release only (its routed experts FP4 as "
+            "stored, their adapters applied expert by expert); this model's routed experts are not natively loaded: "
+            "load the release with from_pretrained (or released.loading.empty_native_model), fine-tune every weight "
+            "of the dequantized model without adapters, or shard with shard_model(model) (FSDP2 alone, "
+            "expert_parallel_size=1)"
+        )
+
+
+def distribute_experts(model: nn.Module, mesh: TrainingMesh) -> list[nn.Module]:
     """Split every backbone layer's routed experts by expert over ``mesh``'s ``ep`` dimension, in place: each
     parameter becomes a DTensor ``Shard(0)`` of the whole ``[E, ...]`` tensor (checkpoints hold the whole tensor, so
     they load on any mesh), and the module's forward dispatches its tokens (:class:`ExpertParallel`). Returns them."""
@@ -174,7 +233,13 @@ def distribute_experts(model: nn.Module, mesh: TrainingMesh) -> list[DeepseekV41
     group = mesh.experts[EP].get_group()
     for name, experts in expert_modules(model):
         implementation = getattr(experts.config, "_experts_implementation", None) or "eager"
-        if implementation != "eager":
+        if parametrize.is_parametrized(experts):
+            raise ValueError(
+                f"{name} carries a parametrization (such as PEFT's own target_parameters adapter, built on the stored "
+                "tensor): expert parallelism splits the stored tensors by expert; load the release with from_pretrained "
+                "or released.loading.empty_native_model, whose PEFT dispatch builds expert adapters applied by expert"
+            )
+        if implementation != "eager" and not isinstance(experts, NATIVE_EXPERTS):
             raise ValueError(
                 f"expert-parallel training runs the reference (eager) experts loop on each rank's experts; {name} "
                 f"uses experts_implementation={implementation!r}: load the model with experts_implementation='eager'"
@@ -194,11 +259,11 @@ def distribute_experts(model: nn.Module, mesh: TrainingMesh) -> list[DeepseekV41
 class _ParallelForward:
     """``experts.forward`` under expert parallelism (an instance attribute, so FSDP2's hooks still wrap the call)."""
 
-    def __init__(self, parallel: ExpertParallel, experts: DeepseekV41Experts):
+    def __init__(self, parallel: ExpertParallel, experts: nn.Module):
         self.parallel, self.experts = parallel, experts
 
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
-        return self.parallel(self.experts, hidden_states, top_k_index, top_k_weights)
+    def __call__(self, hidden_states, top_k_index, top_k_weights, adapters=None):
+        return self.parallel(self.experts, hidden_states, top_k_index, top_k_weights, adapters)
 
 
 class EPGroupFirstReduceScatter(ReduceScatter):
@@ -250,9 +315,8 @@ def check_expert_parallel_arguments(args) -> None:
 
 def check_expert_parallel_trainer(trainer) -> None:
     """Refuse, once accelerate decided the strategy, what ``expert_parallel_size > 1`` cannot run with, naming what
-    it runs with: accelerate's FSDP2 plugin over a data-parallel world, full fine-tuning."""
-    from .router_balancing import is_adapter_model
-
+    it runs with: accelerate's FSDP2 plugin over a data-parallel world, full fine-tuning or LoRA of the natively
+    loaded release (:func:`check_expert_parallel_model`)."""
     size = trainer.args.expert_parallel_size
     if size == 1:
         return
@@ -273,11 +337,7 @@ def check_expert_parallel_trainer(trainer) -> None:
         )
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
         raise ValueError("expert_parallel_size keeps the experts on the devices: set fsdp_offload_params: false")
-    if is_adapter_model(trainer.model):
-        raise ValueError(
-            "expert_parallel_size trains every weight (full fine-tuning); LoRA adapters train under FSDP2 or DDP with "
-            "expert_parallel_size=1"
-        )
+    check_expert_parallel_model(trainer.model)
     world, experts = trainer.args.world_size, trainer.model.config.get_text_config().n_routed_experts
     if world % size or experts % size:
         sizes = [n for n in range(2, world + 1) if world % n == 0 and experts % n == 0]
@@ -292,9 +352,11 @@ __all__ = [
     "EP_SHARD",
     "EPGroupFirstReduceScatter",
     "ExpertParallel",
+    "NATIVE_EXPERTS",
     "TrainingMesh",
     "all_to_all",
     "check_expert_parallel_arguments",
+    "check_expert_parallel_model",
     "check_expert_parallel_trainer",
     "distribute_experts",
     "expert_modules",

@@ -100,8 +100,9 @@ def shard_model(
             their gradients and the optimizer step on the CPU).
         expert_parallel_size: above 1, the routed experts of every decoder layer are split by expert over that many
             neighbouring ranks, tokens dispatched to them by all-to-all, and FSDP2-sharded over the rest of the world;
-            everything else is sharded over every rank (see :mod:`~.expert_parallel`). Full fine-tuning only: not
-            with ``mesh``, adapters or the natively loaded weights.
+            everything else is sharded over every rank (see :mod:`~.expert_parallel`). Not with ``mesh``. Trains
+            every weight of a model in plain precision, or LoRA adapters of the natively loaded release (its FP4
+            experts split by expert as stored, frozen; their adapters' factors stay with the layer, over every rank).
         offload_activations: keep the inputs of the checkpointed decoder layers in host memory until their backward
             (:func:`~.offload.offload_checkpointed_inputs`; gradient checkpointing must be enabled).
     """
@@ -120,7 +121,10 @@ def shard_model(
     own_units, replicated = [], set()
     if mp_policy.param_dtype not in (None, torch.float32):
         own_units, replicated = _split_fp32(model)
-        own_units += [m for m in quantized_modules(model) if not tables & set(m.parameters(recurse=False))]
+        sharded = {id(unit) for unit in expert_units}  # the FP4 experts, units of the expert-parallel mesh already
+        own_units += [
+            m for m in quantized_modules(model) if id(m) not in sharded and not tables & set(m.parameters(recurse=False))
+        ]
     no_cast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None)
     for unit in own_units:
         fully_shard(unit, mp_policy=no_cast, **kwargs)
@@ -147,22 +151,28 @@ def shard_model(
 def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_size: int, kwargs: dict):
     """Split the backbone's routed experts over the EP ranks and FSDP2-shard them over ``ep_shard``, each layer's
     experts their own unit; returns the :class:`~.expert_parallel.TrainingMesh` and those units."""
-    from .expert_parallel import EP_SHARD, distribute_experts, training_mesh
+    from .expert_parallel import (
+        EP_SHARD, NATIVE_EXPERTS, check_expert_parallel_model, distribute_experts, training_mesh,
+    )
     from .router_balancing import is_adapter_model
 
     if mesh is not None:
         raise ValueError("shard_model builds the expert-parallel mesh itself: give expert_parallel_size or mesh, not both")
-    if is_adapter_model(model) or quantized_modules(model):
+    check_expert_parallel_model(model)
+    if not is_adapter_model(model) and quantized_modules(model):
         raise ValueError(
-            "expert_parallel_size trains every weight of a dequantized model (full fine-tuning); for LoRA adapters or "
-            "the natively loaded FP8/FP4 weights, shard with shard_model(model) (FSDP2 alone, expert_parallel_size=1)"
+            "the natively loaded FP8/FP4 weights are frozen: expert_parallel_size trains LoRA adapters on them (PEFT), "
+            "or every weight of the model loaded with FineGrainedFP8Config(dequantize=True) (full fine-tuning)"
         )
     training = training_mesh(ep_size, _default_device().type)
-    # the experts' inputs arrive in the layer's compute dtype; their fp32 routing weights must stay fp32
+    # the experts' inputs arrive in the layer's compute dtype; their fp32 routing weights must stay fp32; the FP4
+    # bytes and E8M0 scales are kept as stored (nothing cast)
     policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
+    as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=False)
     units = distribute_experts(model, training)
     for experts in units:
-        fully_shard(experts, mesh=training.experts[EP_SHARD], mp_policy=policy, **kwargs)
+        native = isinstance(experts, NATIVE_EXPERTS)
+        fully_shard(experts, mesh=training.experts[EP_SHARD], mp_policy=as_stored if native else policy, **kwargs)
         experts.set_gradient_divide_factor(float(dist.get_world_size()))  # the mean over every rank's micro-batch
         # gloo has no pre-multiplied sum: sum, then divide; not on a 1-rank ep_shard, where FSDP2 (torch 2.13) would
         # divide its copy of the gradient and then divide again

@@ -146,7 +146,8 @@ class DeepseekV41TrainingArguments(TrainingArguments):
         default=1,
         metadata={
             "help": "Under FSDP2: split the routed experts by expert over this many neighbouring processes (tokens "
-            "dispatched to them by all-to-all), everything else sharded over all (training.fsdp.shard_model)."
+            "dispatched to them by all-to-all), everything else sharded over all (training.fsdp.shard_model). Full "
+            "fine-tuning, or LoRA of the natively loaded release."
         },
     )
     logging_nan_inf_filter: bool = field(

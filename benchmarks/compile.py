@@ -18,10 +18,15 @@ reports, from one run:
   difference of the compiled logits from the eager ones.
 
 Times are process CPU time (``time.process_time``) on ``--threads`` threads (1 by default), inductor compiling in
-process (``compile_threads = 1``), the median of ``--reps`` steps after two warm-up steps. ``--device cuda`` runs
+process (``compile_threads = 1``), the median of ``--reps`` steps after two warm-up steps. The training rows also
+give the kernel's share of each step (``sys s``: mostly page faults: every step's gradients are fresh memory, which
+glibc maps from the kernel and returns to it, 4 KiB page by 4 KiB page) and the ratio of the user time alone. PyTorch's
+``THP_MEM_ALLOC_ENABLE=1`` (set before the script starts) maps large tensors in 2 MiB pages instead; the header says
+whether it was set. ``--device cuda`` runs
 the same on a GPU (wall-clock time, synchronized; benchmarks/gpu.sh), ``--dtype`` sets the model dtype.
 
-``--profile N`` prints torch.profiler's N ops with the most self time of an eager and a compiled training step.
+``--profile N`` prints torch.profiler's N ops with the most self time of an eager and a compiled training step, and
+the floating-point operations and time of each one's matrix products.
 
 Usage: ``python benchmarks/compile.py [--sizes tiny medium] [--batch 1] [--seq 128] [--context 256] [--reps 5]
 [--profile N]``
@@ -30,6 +35,8 @@ Usage: ``python benchmarks/compile.py [--sizes tiny medium] [--batch 1] [--seq 1
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import sys
 import time
@@ -52,6 +59,11 @@ def clock(device: str) -> float:
         torch.cuda.synchronize()
         return time.perf_counter()
     return time.process_time()
+
+
+def kernel_time(device: str) -> float:
+    """The process's system CPU time (CPU runs; 0 on a GPU, where steps are timed by the wall clock)."""
+    return 0.0 if device.startswith("cuda") else resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 
 def timed(step: Callable[[], object], reps: int, device: str) -> tuple[float, float, list[float]]:
@@ -87,13 +99,18 @@ def kernels(step: Callable[[], object]) -> int:
 
 
 def top_ops(step: Callable[[], object], rows: int) -> str:
-    """torch.profiler's table of the ``rows`` ops of one call of ``step`` with the most self time, by input shape."""
+    """torch.profiler's table of the ``rows`` ops of one call of ``step`` with the most self time, by input shape,
+    and what its matrix products (mm, bmm, addmm, baddbmm) add up to: floating-point operations and self time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
         step()
     averages = prof.key_averages(group_by_input_shape=True)
-    return averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40)
+    products = [e for e in prof.events() if e.name in ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")]
+    flops, seconds = sum(e.flops or 0 for e in products), sum(e.self_cpu_time_total for e in products) / 1e6
+    total = sum(e.self_cpu_time_total for e in averages) / 1e6
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40)
+    return f"{table}\nmatrix products: {flops / 1e9:.1f} GFLOP in {seconds:.2f} s of the profiled step's {total:.2f} s"
 
 
 def aten_ops(step: Callable[[], object]) -> int:
@@ -124,7 +141,7 @@ def training(args: argparse.Namespace, size: str) -> dict[str, float]:
     counter = CompileCounterWithBackend("inductor")
     compile_blocks(model, backend=counter)
     first, _, _ = timed(step, 1, args.device)
-    eager, compiled = alternated(step, args.reps, args.device)
+    (eager, eager_sys), (compiled, compiled_sys) = alternated(step, args.reps, args.device)
     if args.profile:
         for stance in ("force_eager", "default"):
             with torch.compiler.set_stance(stance):
@@ -132,22 +149,27 @@ def training(args: argparse.Namespace, size: str) -> dict[str, float]:
                 print(top_ops(step, args.profile))
     row |= {
         "compiled graphs": counter.frame_count, "compile s": first - eager, "eager s": eager, "compiled s": compiled,
-        "ratio": compiled / eager, "compiled kernels": kernels(step),
+        "ratio": compiled / eager, "eager sys s": eager_sys, "compiled sys s": compiled_sys,
+        "user-time ratio": (compiled - compiled_sys) / (eager - eager_sys), "compiled kernels": kernels(step),
     }
     return row
 
 
-def alternated(step: Callable[[], object], reps: int, device: str) -> tuple[float, float]:
-    """Median eager and compiled times of ``reps`` rounds of one eager step (the compiled blocks' original forwards,
-    ``torch.compiler.set_stance("force_eager")``) and one compiled step: both see the same load of a shared machine."""
+def alternated(step: Callable[[], object], reps: int, device: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(median time, median kernel time) of the eager and of the compiled steps, from ``reps`` rounds of one eager
+    step (the compiled blocks' original forwards, ``torch.compiler.set_stance("force_eager")``) and one compiled step:
+    both see the same load of a shared machine."""
     times = {"force_eager": [], "default": []}
     for _ in range(reps):
         for stance, measured in times.items():
             with torch.compiler.set_stance(stance):
-                start = clock(device)
+                start, start_sys = clock(device), kernel_time(device)
                 step()
-                measured.append(clock(device) - start)
-    return statistics.median(times["force_eager"]), statistics.median(times["default"])
+                measured.append((clock(device) - start, kernel_time(device) - start_sys))
+    return tuple(
+        (statistics.median(t for t, _ in measured), statistics.median(s for _, s in measured))
+        for measured in (times["force_eager"], times["default"])
+    )
 
 
 @torch.no_grad()
@@ -205,7 +227,8 @@ def main() -> None:
     inductor_config.compile_threads = 1  # compile in this process, so that process time counts it
     hf_logging.set_verbosity_error()
     print(f"torch {torch.__version__}, {args.device}, {args.dtype}, {args.threads} thread(s), batch {args.batch}, "
-          f"train seq {args.seq}, decode context {args.context}, reps {args.reps}"
+          f"train seq {args.seq}, decode context {args.context}, reps {args.reps}, "
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
           + (f", medium: first {args.medium_layers} layers" if args.medium_layers else ""))
     if "train" not in args.skip:
         show("Training step (forward+backward, gradient checkpointing), per-block compile vs eager",

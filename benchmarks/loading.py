@@ -344,11 +344,11 @@ def loading_on_processes(folder: Path, processes: int, device: str) -> None:
 
 def _stored_bytes(folder: Path) -> tuple[int, int]:
     """(bytes of the stored tensors but the Engram tables, bytes of the tables), from the safetensors headers."""
-    from modeling_dsv41.placement import _safetensors_header
+    from modeling_dsv41.safetensors_files import safetensors_header
 
     sizes = [0, 0]
     for path in folder.glob("*.safetensors"):
-        _, header = _safetensors_header(path)
+        _, header = safetensors_header(path)
         for key, entry in header.items():
             if key != "__metadata__":
                 start, stop = entry["data_offsets"]

@@ -82,7 +82,7 @@ def lora_model(script: ScriptArguments, args: DeepseekV41TrainingArguments):
     base = empty_native_model(DeepseekV41ForCausalLM, script.model, config=config, device=args.device)
     lora = LoraConfig(r=script.rank, lora_alpha=2 * script.rank, target_modules=TARGET_MODULES,
                       target_parameters=TARGET_PARAMETERS)
-    return get_peft_model(base, lora)
+    return get_peft_model(base, lora, low_cpu_mem_usage=True)  # adapters on the meta device too: none built on the CPU
 
 
 def main(argv: list[str] | None = None) -> DeepseekV41Trainer:

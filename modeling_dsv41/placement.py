@@ -22,10 +22,8 @@ the tables with their layers (they go to accelerators when everything fits there
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import mmap
 import re
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -40,6 +38,7 @@ from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from configuration.configuration_dsv41 import DeepseekV41Config
 
 from .codec import RELEASED_BLOCK_SIZE
+from .safetensors_files import SAFETENSORS_DTYPES, mapped_tensor, safetensors_header
 
 # the tables, as module names (the checkpoint keeps them inside their layers: layers.{i}.engram.embed.*)
 ENGRAM_TABLE = re.compile(r"(^|\.)layers\.\d+\.engram\.embed$")
@@ -381,32 +380,6 @@ def place_engram_tables(model: nn.Module, where: str | torch.device) -> None:
                 param.data = param.data.to(where)
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-}
-
-
-def _safetensors_header(path: Path) -> tuple[int, dict]:
-    """(byte offset of the data, header) of a safetensors file: an 8-byte little-endian length, then JSON."""
-    with open(path, "rb") as handle:
-        length = int.from_bytes(handle.read(8), "little")
-        return 8 + length, json.loads(handle.read(length))
-
-
-def _mapped_tensor(path: Path, data_start: int, entry: dict) -> torch.Tensor:
-    """A tensor of a safetensors file backed by a private memory map, advised for random access: a lookup reads the
-    pages of its rows and no read-ahead around them."""
-    begin, end = entry["data_offsets"]
-    with open(path, "rb") as handle:
-        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable, never written
-    if hasattr(mapping, "madvise"):
-        mapping.madvise(mmap.MADV_RANDOM)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
-    return raw.view(_SAFETENSORS_DTYPES[entry["dtype"]]).view(entry["shape"])  # keeps `mapping` alive
-
-
 def memory_map_engram_tables(model: nn.Module, checkpoint: str | Path) -> None:
     """Replace every Engram table of ``model`` by a memory map of the checkpoint folder ``checkpoint`` (safetensors,
     ours or the release's names): pages are read from disk only where hash ids point, and stay reclaimable page
@@ -414,7 +387,7 @@ def memory_map_engram_tables(model: nn.Module, checkpoint: str | Path) -> None:
     released one loaded with ``engram_table_dtype="fp8"``)."""
     entries = {}
     for path in sorted(Path(checkpoint).glob("*.safetensors")):
-        data_start, header = _safetensors_header(path)
+        data_start, header = safetensors_header(path)
         entries.update({name: (path, data_start, entry) for name, entry in header.items() if name != "__metadata__"})
     for layer in _decoder_layers(model):
         if layer.engram is None:
@@ -425,13 +398,13 @@ def memory_map_engram_tables(model: nn.Module, checkpoint: str | Path) -> None:
             if key is None:
                 raise ValueError(f"{checkpoint} holds no {candidates[0]}: cannot memory-map that Engram table")
             path, data_start, entry = entries[key]
-            dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
             if tuple(entry["shape"]) != tuple(param.shape) or dtype != param.dtype:
                 raise ValueError(
                     f"{key} is stored as {dtype or entry['dtype']} {tuple(entry['shape'])} but the model holds "
                     f"{param.dtype} {tuple(param.shape)}: only a table stored as it is held can be memory-mapped"
                 )
-            param.data = _mapped_tensor(path, data_start, entry)
+            param.data = mapped_tensor(path, data_start, entry)
 
 
 def hook_split_layers(model: nn.Module) -> None:

@@ -302,7 +302,7 @@ def _each_rank_reads_its_shards_of_the_release(
 
     reads = []  # what each rank reads of the checkpoint: (key, box)
     read = sharded_reading._Files.read
-    sharded_reading._Files.read = lambda self, key, box: reads.append((key, box)) or read(self, key, box)
+    sharded_reading._Files.read = lambda self, key, box, *out: reads.append((key, box)) or read(self, key, box, *out)
     ours = get_peft_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), lora)
     assert all(p.is_meta for n, p in ours.named_parameters())
     shard_model(ours, mp_policy=policy, expert_parallel_size=expert_parallel_size)
@@ -369,7 +369,7 @@ def _reads_its_experts_under_expert_parallelism(rank: int, tmp: Path, folder: st
 
     reads = []
     read = sharded_reading._Files.read
-    sharded_reading._Files.read = lambda self, key, box: reads.append((key, box)) or read(self, key, box)
+    sharded_reading._Files.read = lambda self, key, box, *out: reads.append((key, box)) or read(self, key, box, *out)
     ours = empty_dequantized_model(DeepseekV41ForCausalLM, folder)
     shard_model(ours, expert_parallel_size=WORLD)
     load_sharded_weights(ours, folder)

@@ -13,7 +13,8 @@ so every target parameter knows the checkpoint tensors it is made of. Then only 
   tensor's) and cropped;
 * the routed experts: only the rank's experts (and rows of them), each from its per-expert ``w1`` / ``w3`` / ``w2``.
 
-One file is open at a time, so what the reads map stays within the rank's part of that file.
+The bytes are read, not mapped (:mod:`~modeling_dsv41.safetensors_files`): while loading, a process holds its shards
+and the one tensor being read, and no page of another rank's part of a file.
 """
 
 from __future__ import annotations
@@ -27,18 +28,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from ..codec import RELEASED_BLOCK_SIZE, dequantize_released_weight, stored_scale
+from ..safetensors_files import entry_dtype, read_rows, safetensors_header
 from .conversions import RELEASED_SCALE, RELEASED_WEIGHT, DequantizeReleasedWeight, MergeReleasedExperts
 
 logger = logging.getLogger(__name__)
 
 # the part of a tensor a rank holds: one (start, stop) per dim
 Box = tuple[tuple[int, int], ...]
-# reads a target tensor's box in the given dtype
-Reader = Callable[[Box, torch.dtype], torch.Tensor]
+# fills a target tensor's box (the rank's local tensor, given) from the checkpoint
+Filler = Callable[[Box, torch.Tensor], None]
 
 
 def local_box(tensor: torch.Tensor) -> Box:
@@ -53,36 +54,53 @@ def local_box(tensor: torch.Tensor) -> Box:
     return tuple((0, n) for n in tensor.shape)
 
 
+def _fill(out: torch.Tensor, value: torch.Tensor, key: str) -> None:
+    if value.shape != out.shape:
+        raise ValueError(f"{key}: the checkpoint gives {tuple(value.shape)} for this rank's {tuple(out.shape)}")
+    out.copy_(value)
+
+
 class _Files:
-    """The checkpoint's safetensors files, one open at a time."""
+    """The checkpoint's safetensors files, read by rows (:func:`~modeling_dsv41.safetensors_files.read_rows`): no
+    page of them is mapped into the process."""
 
     def __init__(self, folder: Path):
         index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.file_of = {key: folder / name for key, name in weight_map.items()}
-        else:
-            with safe_open(folder / "model.safetensors", framework="pt") as f:
-                self.file_of = dict.fromkeys(f.keys(), folder / "model.safetensors")
-        self._path, self._handle = None, None
-
-    def _open(self, key: str):
-        path = self.file_of[key]
-        if path != self._path:
-            self.close()
-            self._path, self._handle = path, safe_open(path, framework="pt")
-        return self._handle
+        names = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+        self._entries = {}  # key -> (path, data start, header entry)
+        for path in sorted(folder / name for name in names):
+            data_start, header = safetensors_header(path)
+            self._entries.update({k: (path, data_start, e) for k, e in header.items() if k != "__metadata__"})
+        self.keys = list(self._entries)
 
     def shape(self, key: str) -> list[int]:
-        return self._open(key).get_slice(key).get_shape()
+        return self._entries[key][2]["shape"]
 
-    def read(self, key: str, box: Box) -> torch.Tensor:
+    def read(self, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``box`` of tensor ``key`` as stored, or, given ``out`` (a tensor of the box's shape), ``out`` filled
+        with it as the loader hands it over (:func:`_as_stored`). Whole rows of the same bytes are read straight into
+        ``out`` (on the CPU): loading holds no second copy of them."""
+        path, data_start, entry = self._entries[key]
+        shape = entry["shape"]
+        whole_rows = bool(box) and all(a == 0 and b == n for (a, b), n in zip(box[1:], shape[1:]))
+        if out is None:
+            return self._read(key, box, whole_rows)
+        stored = entry_dtype(entry)
+        same_bytes = stored == out.dtype or (out.dtype == torch.int8 and stored.itemsize == 1)
+        if not (whole_rows and same_bytes and out.is_contiguous() and out.device.type == "cpu"):
+            _fill(out, _as_stored(self._read(key, box, whole_rows), out.dtype), key)
+        elif list(out.shape) != [box[0][1] - box[0][0], *shape[1:]]:
+            raise ValueError(f"{key}: the checkpoint stores {shape}, this rank holds {tuple(out.shape)} of it")
+        else:
+            read_rows(path, data_start, entry, *box[0], out=out)
+        return out
+
+    def _read(self, key: str, box: Box, whole_rows: bool) -> torch.Tensor:
+        path, data_start, entry = self._entries[key]
         if not box:  # a scalar
-            return self._open(key).get_tensor(key)
-        return self._open(key).get_slice(key)[tuple(slice(a, b) for a, b in box)]
-
-    def close(self) -> None:
-        self._path, self._handle = None, None  # safe_open's handle unmaps when released
+            return read_rows(path, data_start, entry, 0, 0)
+        rows = read_rows(path, data_start, entry, *box[0])
+        return rows if whole_rows else rows[(slice(None), *(slice(a, b) for a, b in box[1:]))].clone()
 
 
 def _as_stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -103,61 +121,60 @@ def _overlaps(box: tuple[int, int], start: int, stop: int) -> tuple[int, int] | 
     return (a - start, b - start) if a < b else None
 
 
-def _empty(box: Box, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty([b - a for a, b in box], dtype=dtype)
+def _plain(files: _Files, key: str) -> Filler:
+    return lambda box, out: files.read(key, box, out)
 
 
-def _plain(files: _Files, key: str) -> Reader:
-    return lambda box, dtype: _as_stored(files.read(key, box), dtype)
-
-
-def _dequantized(files: _Files, weight: str, scale: str, columns: int) -> Reader:
+def _dequantized(files: _Files, weight: str, scale: str, columns: int) -> Filler:
     """A 2-D FP8 weight dequantized on load: the box's rows widened to whole scale blocks."""
 
-    def read(box: Box, dtype: torch.dtype) -> torch.Tensor:
+    def fill(box: Box, out: torch.Tensor) -> None:
         (r0, r1), cols = box
         rows = files.shape(weight)[0]
         if r0 >= r1:
-            return _empty(box, dtype)
+            return
         per_row = files.shape(scale)[0] == rows  # [R, C/32] (Engram tables) or [ceil(R/32), ceil(C/32)] blocks
         b = 1 if per_row else RELEASED_BLOCK_SIZE
         start, stop = r0 // b * b, min(math.ceil(r1 / b) * b, rows)
         all_columns = (0, files.shape(weight)[1])
         stored = files.read(weight, ((start, stop), all_columns))
         scales = files.read(scale, ((start // b, math.ceil(stop / b)), (0, files.shape(scale)[1])))
-        dense = dequantize_released_weight(stored, scales, columns, dtype)
-        return dense[r0 - start : r1 - start, cols[0] : cols[1]]
+        dense = dequantize_released_weight(stored, scales, columns, out.dtype)
+        _fill(out, dense[r0 - start : r1 - start, cols[0] : cols[1]], weight)
 
-    return read
+    return fill
 
 
 def _experts(
     files: _Files, parts: list[list[str]], scales: list[list[str]] | None, columns: int, stored: bool
-) -> Reader:
+) -> Filler:
     """A fused expert tensor [E, rows, cols]: expert e's rows are the rows of ``parts[0][e]``, then ``parts[1][e]``
-    (``w1`` then ``w3``). ``stored``: the tensors themselves (bytes or scales), else dequantized with ``scales``."""
+    (``w1`` then ``w3``). ``stored``: the tensors themselves (bytes or scales), else dequantized with ``scales``.
+    Each piece goes straight to its place in the rank's tensor."""
 
-    def read(box: Box, dtype: torch.dtype) -> torch.Tensor:
+    def fill(box: Box, out: torch.Tensor) -> None:
         experts, rows, cols = box
-        out = []
         for e in range(*experts):
-            pieces, offset = [], 0
+            offset, filled = 0, 0
             for i, keys in enumerate(parts):
                 n = files.shape(keys[e])[0]
                 span = _overlaps(rows, offset, offset + n)
                 offset += n
                 if span is None:
                     continue
+                place = out[e - experts[0], filled : filled + span[1] - span[0]]
+                filled += span[1] - span[0]
                 if stored or scales is None:
-                    pieces.append(_as_stored(files.read(keys[e], (span, cols)), dtype))
+                    files.read(keys[e], (span, cols), place)
                     continue
                 weight = files.read(keys[e], (span, (0, files.shape(keys[e])[1])))
                 scale = files.read(scales[i][e], (span, (0, files.shape(scales[i][e])[1])))
-                pieces.append(dequantize_released_weight(weight, scale, columns, dtype)[:, cols[0] : cols[1]])
-            out.append(torch.cat(pieces) if pieces else _empty(box[1:], dtype))
-        return torch.stack(out) if out else _empty(box, dtype)
+                _fill(place, dequantize_released_weight(weight, scale, columns, out.dtype)[:, cols[0] : cols[1]], keys[e])
+            if filled != rows[1] - rows[0]:
+                raise ValueError(f"{parts[0][e]}: the checkpoint's parts of this expert hold {offset} rows, fewer than "
+                                 f"this rank's rows [{rows[0]}, {rows[1]}) of it")
 
-    return read
+    return fill
 
 
 def _scale_name(state: dict[str, torch.Tensor], target: str) -> str:
@@ -173,9 +190,9 @@ def unwrapped_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {re.sub(r"\.base_layer(?=\.)", "", name): t for name, t in model.state_dict(keep_vars=True).items()}
 
 
-def released_readers(model: nn.Module, files: _Files) -> dict[str, Reader]:
+def released_readers(model: nn.Module, files: _Files) -> dict[str, Filler]:
     """For every tensor of ``model`` (a ``PreTrainedModel``, its parameters anywhere, meta included; names as in
-    :func:`unwrapped_state`) the released checkpoint of ``files`` stores: how to read any box of it."""
+    :func:`unwrapped_state`) the released checkpoint of ``files`` stores: how to fill any box of it."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
@@ -188,7 +205,7 @@ def released_readers(model: nn.Module, files: _Files) -> dict[str, Reader]:
 
     groups: dict[str, dict[str, list[str]]] = {}
     converter_of: dict[str, WeightConverter | None] = {}
-    for key in sorted(files.file_of, key=dot_natural_key):
+    for key in sorted(files.keys, key=dot_natural_key):
         target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
         if target not in state:
             if not any(p.search(key) for p in skipped):
@@ -197,7 +214,7 @@ def released_readers(model: nn.Module, files: _Files) -> dict[str, Reader]:
         groups.setdefault(target, {}).setdefault(pattern or key, []).append(key)
         converter_of[target] = by_pattern.get(pattern) if pattern is not None else None
 
-    readers: dict[str, Reader] = {}
+    readers: dict[str, Filler] = {}
     for target, sources in groups.items():
         converter = converter_of[target]
         if converter is None:
@@ -237,23 +254,14 @@ def read_released_shards(model: nn.Module, folder: str | Path, tensors: dict[str
     part. Returns the names filled (the others: not stored by the checkpoint)."""
     from torch.distributed.tensor import DTensor
 
-    files = _Files(Path(folder))
-    try:
-        readers = released_readers(model, files)
-        filled = set()
-        for name, tensor in tensors.items():
-            if name not in readers:
-                continue
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            value = readers[name](local_box(tensor), local.dtype)
-            if value.shape != local.shape:
-                raise ValueError(
-                    f"{name}: the checkpoint gives {tuple(value.shape)} for this rank's {tuple(local.shape)}"
-                )
-            local.copy_(value)
-            filled.add(name)
-    finally:
-        files.close()  # unmaps the last file: its pages this rank read would stay counted to it
+    readers = released_readers(model, _Files(Path(folder)))
+    filled = set()
+    for name, tensor in tensors.items():
+        if name not in readers:
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        readers[name](local_box(tensor), local)
+        filled.add(name)
     return filled
 
 

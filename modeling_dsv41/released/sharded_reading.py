@@ -3,11 +3,12 @@ model sharded on the meta device (FSDP2's ``DTensor`` parameters, any ``Shard`` 
 values ``from_pretrained`` followed by sharding gives them, bit for bit.
 
 Keys go through the conversions ``from_pretrained`` applies (:mod:`.conversions`, found as transformers finds them),
-so every target parameter knows the checkpoint tensors it is made of. Then only the rank's box of each is read
-(safetensors slices):
+so every target parameter knows the checkpoint tensors it is made of. Then only the rows of the rank's box of each
+are read:
 
 * tensors kept as stored (FP8 weights, their E8M0 scales, packed FP4 experts and their scales; an FSDP2 shard splits
-  a weight and its scales independently) and plain ones: the box itself, cast as the loader casts;
+  a weight and its scales independently) and plain ones: the box itself, cast as the loader casts (read straight
+  into the rank's tensor when the bytes are the same);
 * FP8 weights dequantized on load (the block-diagonal ``wo_a``, Engram ``wkv``): the rows of the box widened to
   whole 32-row scale blocks with their scales, dequantized (an elementwise product: the same bits as the whole
   tensor's) and cropped;

@@ -190,12 +190,12 @@ def load_sharded_weights(
 
     - our layout (``save_pretrained(save_original_format=False)``, ``dsv41 convert``): ``torch.distributed.checkpoint``
       with its Hugging Face reader;
-    - the released names with plain weights (``save_pretrained``'s default): safetensors slices of the rank's shards
-      through the layout conversions, as below;
+    - the released names with plain weights (``save_pretrained``'s default): the rows of the rank's shards read from
+      the safetensors files through the layout conversions, as below;
     - DeepSeek's released storage, the model built by :func:`~modeling_dsv41.released.loading.empty_native_model`
-      (FP8 Linears, FP4 experts kept as stored): safetensors slices of the rank's shards, through the conversions
-      ``from_pretrained`` applies (:mod:`~modeling_dsv41.released.sharded_reading`); the values equal those of
-      ``from_pretrained`` followed by :func:`shard_model`, bit for bit. Engram tables kept FP8
+      (FP8 Linears, FP4 experts kept as stored): the rows of the rank's shards read from the safetensors files,
+      through the conversions ``from_pretrained`` applies (:mod:`~modeling_dsv41.released.sharded_reading`); the
+      values equal those of ``from_pretrained`` followed by :func:`shard_model`, bit for bit. Engram tables kept FP8
       (``engram_table_dtype="fp8"``) are memory-mapped; dequantized ones are read whole by every rank.
 
     Build the model with its parameters on the meta device and its buffers real (accelerate's

@@ -38,7 +38,7 @@ from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from configuration.configuration_dsv41 import DeepseekV41Config
 
 from .codec import RELEASED_BLOCK_SIZE
-from .safetensors_files import SAFETENSORS_DTYPES, mapped_tensor, safetensors_header
+from .safetensors_files import SAFETENSORS_DTYPES, mapped_tensor, tensor_entries
 
 # the tables, as module names (the checkpoint keeps them inside their layers: layers.{i}.engram.embed.*)
 ENGRAM_TABLE = re.compile(r"(^|\.)layers\.\d+\.engram\.embed$")
@@ -385,10 +385,7 @@ def memory_map_engram_tables(model: nn.Module, checkpoint: str | Path) -> None:
     ours or the release's names): pages are read from disk only where hash ids point, and stay reclaimable page
     cache. The table must be stored as the model holds it (plain weights in our checkpoints; FP8 with scales for a
     released one loaded with ``engram_table_dtype="fp8"``)."""
-    entries = {}
-    for path in sorted(Path(checkpoint).glob("*.safetensors")):
-        data_start, header = safetensors_header(path)
-        entries.update({name: (path, data_start, entry) for name, entry in header.items() if name != "__metadata__"})
+    entries = tensor_entries(sorted(Path(checkpoint).glob("*.safetensors")))
     for layer in _decoder_layers(model):
         if layer.engram is None:
             continue

@@ -32,6 +32,15 @@ def safetensors_header(path: str | Path) -> tuple[int, dict]:
         return 8 + length, json.loads(handle.read(length))
 
 
+def tensor_entries(paths) -> dict[str, tuple[Path, int, dict]]:
+    """Every tensor stored in the safetensors files ``paths``: name -> (file, byte offset of its data, header entry)."""
+    entries = {}
+    for path in paths:
+        data_start, header = safetensors_header(path)
+        entries.update({name: (Path(path), data_start, e) for name, e in header.items() if name != "__metadata__"})
+    return entries
+
+
 def entry_dtype(entry: dict) -> torch.dtype:
     """The torch dtype of a header entry."""
     dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
@@ -83,4 +92,4 @@ def read_rows(
     return out if out is not None else target.view(dtype).view([stop - start, *shape[1:]] if shape else [])
 
 
-__all__ = ["SAFETENSORS_DTYPES", "entry_dtype", "mapped_tensor", "read_rows", "safetensors_header"]
+__all__ = ["SAFETENSORS_DTYPES", "entry_dtype", "mapped_tensor", "read_rows", "safetensors_header", "tensor_entries"]

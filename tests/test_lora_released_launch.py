@@ -224,10 +224,11 @@ def test_each_process_reads_only_its_shards_and_maps_its_share_of_the_engram_tab
     "not met on the CPU (measured on this stand-in, a 65.4 MiB share per process): over the first steps each "
     "process's PSS rises about 10 x the share (625-680 MiB). Most of it, about 500 MiB, is glibc's heap keeping freed "
     "memory resident: after a 26 MiB all-gather buffer is freed its dynamic mmap threshold rises, later temporaries "
-    "come from the heap and fragment it (malloc_trim(0) after the run gives it back; with MALLOC_MMAP_THRESHOLD_=131072 "
-    "the peak rise is 204 MiB, 3.1 x). The rest is the step's working set, host memory on CPU processes: FSDP2's "
-    "all-gather of a decoder layer and of the next (prefetched), 26 MiB stored each, 40% of the share, in three "
-    "buffers each, then the activations. On GPUs that working set is device memory (issue 38)"))
+    "come from the heap and fragment it (malloc_trim(0) after the run gives it back; with "
+    "MALLOC_MMAP_THRESHOLD_=131072 the peak rise is 204 MiB, 3.1 x). The rest is the step's working set, host "
+    "memory on CPU processes: FSDP2's all-gather of a decoder layer and of the next (prefetched), 26 MiB stored "
+    "each, 40% of the share, in three buffers each, then the activations. On GPUs that working set is device "
+    "memory (issue 38)"))
 def test_the_first_steps_stay_within_the_share(runs):
     share, reports = pss_reports(runs)
     run = rises(share, reports, "peak")

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..codec import RELEASED_BLOCK_SIZE, dequantize_released_weight, stored_scale
-from ..safetensors_files import entry_dtype, read_rows, safetensors_header
+from ..safetensors_files import entry_dtype, read_rows, tensor_entries
 from .conversions import RELEASED_SCALE, RELEASED_WEIGHT, DequantizeReleasedWeight, MergeReleasedExperts
 
 logger = logging.getLogger(__name__)
@@ -68,10 +68,7 @@ class _Files:
     def __init__(self, folder: Path):
         index = folder / "model.safetensors.index.json"
         names = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
-        self._entries = {}  # key -> (path, data start, header entry)
-        for path in sorted(folder / name for name in names):
-            data_start, header = safetensors_header(path)
-            self._entries.update({k: (path, data_start, e) for k, e in header.items() if k != "__metadata__"})
+        self._entries = tensor_entries(sorted(folder / name for name in names))
         self.keys = list(self._entries)
 
     def shape(self, key: str) -> list[int]:
@@ -170,7 +167,8 @@ def _experts(
                     continue
                 weight = files.read(keys[e], (span, (0, files.shape(keys[e])[1])))
                 scale = files.read(scales[i][e], (span, (0, files.shape(scales[i][e])[1])))
-                _fill(place, dequantize_released_weight(weight, scale, columns, out.dtype)[:, cols[0] : cols[1]], keys[e])
+                dense = dequantize_released_weight(weight, scale, columns, out.dtype)
+                _fill(place, dense[:, cols[0] : cols[1]], keys[e])
             if filled != rows[1] - rows[0]:
                 raise ValueError(f"{parts[0][e]}: the checkpoint's parts of this expert hold {offset} rows, fewer than "
                                  f"this rank's rows [{rows[0]}, {rows[1]}) of it")

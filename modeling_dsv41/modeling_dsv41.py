@@ -578,7 +578,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 the inputs hold only the new tokens, all real (only the prefill may be padded); an
                 ``attention_mask`` then covers the cached columns too.
             use_cache: return a cache (a new one unless ``cache`` is given). Defaults to ``config.use_cache`` in
-                eval mode and to False in training mode; always off under gradient checkpointing in training.
+                eval mode and to False in training mode or once the decoder layers are compiled
+                (:func:`~modeling_dsv41.training.compilation.compile_blocks`: they take the static cache only);
+                always off under gradient checkpointing in training.
             output_hidden_states / output_attentions / output_router_logits / output_dspark_hidden_states: see
                 :class:`DeepseekV41ModelOutputWithPast`.
         """
@@ -679,10 +681,17 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             if cache is not None:
                 raise ValueError("a cache cannot be used with gradient checkpointing in training (it would be written twice)")
             return None
+        compiled = any(layer._compiled_call_impl is not None for layer in self.layers)
         if use_cache is None:
-            use_cache = self.text_config.use_cache and not self.training
+            use_cache = self.text_config.use_cache and not self.training and not compiled
         if cache is None and use_cache:
             cache = DeepseekV41Cache(self.config)
+        if compiled and cache is not None and not cache.is_compileable:
+            raise ValueError(
+                "the decoder layers are compiled (compile_blocks, or the Trainer's torch_compile=True): a compiled "
+                "layer takes the static cache only (DeepseekV41Cache grows by data-dependent shapes). Generate with "
+                "cache_implementation='static', pass a DeepseekV41StaticCache, or use_cache=False"
+            )
         return cache
 
 

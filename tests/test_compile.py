@@ -100,6 +100,31 @@ def test_dspark_block_compiles_as_one_graph_forward_and_backward():
     assert counter.frame_count == 1
 
 
+def test_compiled_model_trains_then_evaluates_without_a_dynamic_cache():
+    """Six layers of six kinds (compression ratio, Engram, KV / index sources) each compile a training graph and a
+    ``no_grad`` one: 12 graphs of one code object, past dynamo's default limit of 8, which with ``fullgraph=True`` is
+    an error (compile_blocks raises the limit per block). An evaluation forward builds no dynamic cache (a compiled
+    layer cannot take one: its rows grow by data-dependent shapes) and gives the eager logits; asking for that cache
+    is a clear error."""
+    model = tiny_training_model(6)
+    model.activation_checkpointing_enable()
+    ids = torch.randint(3, 500, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = model.eval()(ids).logits
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_blocks(model, backend=counter)
+    model.train()(ids, labels=ids).loss.backward()
+    model.eval()
+    with torch.no_grad():
+        compiled = model(ids)
+    assert counter.frame_count > 8
+    assert compiled.past_key_values is None
+    torch.testing.assert_close(compiled.logits, eager, rtol=1e-5, atol=1e-5)  # aot_eager runs the same ops
+    with pytest.raises(ValueError, match="static cache only"):
+        model(ids, use_cache=True)
+
+
 def _losses_eager_and_compiled(tmp: Path, steps: int, batches: int, check) -> None:
     """The Trainer's logged losses of ``steps`` steps (``batches`` batches), eager and with ``torch_compile=True``
     (aot_eager), each on a fresh copy of one tiny model with gradient checkpointing, agree; ``check(trainer, model,

@@ -30,7 +30,11 @@ def compile_blocks(
     error). Returns ``model``.
 
     Blocks of the same class and shapes share their compiled code; a new sequence length compiles once more with
-    dynamic shapes (``dynamic=None``, torch's automatic dynamic shapes), then no more. Under gradient checkpointing
+    dynamic shapes (``dynamic=None``, torch's automatic dynamic shapes), then no more. Layers of different kinds
+    (compression ratio, Engram, the KV / index sources) compile their own graphs from the same code, in training
+    and under ``no_grad`` each: dynamo's recompile limit (8 graphs a code object) is raised to 4 per block, the most
+    they can need (two grad modes, static and dynamic shapes), so that it cannot stop a model that trains and
+    evaluates (with ``fullgraph=True`` hitting it is an error). Under gradient checkpointing
     the routers' record of their last choices (``last_expert_indices``, which the bias-balancing rule reads after the
     forward) is a Python side effect inside the checkpoint: as accelerate's and torchtitan's per-block compilation
     do, this sets dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``, so that the recomputation in the
@@ -46,6 +50,7 @@ def compile_blocks(
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no DeepSeek-V4.1 decoder layer or DSpark block to compile")
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(blocks))
     for block in blocks:
         block.compile(backend=backend, mode=mode, dynamic=dynamic, fullgraph=True)
     return model

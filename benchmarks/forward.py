@@ -19,6 +19,11 @@ From one run it reports:
 - the cost of reference numerics (``config.reference_numerics``): our bf16 forward with the mode on ÷ off, in time
   and in peak resident memory added by the forward (Linux's VmHWM, reset before each measured call).
 
+``--compile`` times the same forward and forward+backward with each model's decoder layers compiled (ours by
+:func:`~modeling_dsv41.training.compilation.compile_blocks`, one graph per layer; transformers' V4 by
+``layer.compile()``, graph breaks allowed: it declares ``_can_compile_fullgraph = False``) instead of the breakdown,
+profile and reference-numerics sections: each model's compiled ÷ eager time, and ours ÷ V4 compiled.
+
 The two are not the same architecture, so the ratio is a cost comparison, not a parity check. Differences
 that matter for time: transformers' V4 has compressed layers of ratio 4 with a compressor and an indexer in
 every one, ours has V4.1's ratios 2 and 1 with shared KV/index sources; V4 has no Engram and no vision, so
@@ -26,7 +31,7 @@ our default run keeps Engram (pass ``--no-engram`` to drop it) and sends text on
 image per row to the breakdown, ours only).
 
 Usage: ``python benchmarks/forward.py [--size tiny|medium] [--device cpu|cuda] [--dtype float32|bfloat16]
-[--batch 2] [--seq 256] [--reps 7] [--threads 2] [--no-engram] [--image]``
+[--batch 2] [--seq 256] [--reps 7] [--threads 2] [--no-engram] [--image] [--compile]``
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from transformers.utils import logging as hf_logging
 import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
+from modeling_dsv41.training.compilation import compile_blocks
 
 # one image whose ViT grid is 9×13 patches → a 3×5 LM token grid: start + 3 × (5 image + newline) + end
 IMAGE_VIT_GRID = (9, 13)
@@ -338,6 +344,57 @@ def print_components(label: str, parts: dict[str, float], total: float) -> None:
     print(f"{'total':<56}{total * 1e3:>9.1f}")
 
 
+def compile_layers(models: dict[str, nn.Module]) -> dict[str, str]:
+    """Compile each model's decoder layers in place; {model: the error} for a model whose layers would not compile
+    (it then runs eagerly: its compiled rows say so)."""
+    failed = {}
+    for name, model in models.items():
+        try:
+            if isinstance(model, DeepseekV41ForCausalLM):
+                compile_blocks(model)
+            else:
+                for layer in model.model.layers:
+                    layer.compile()
+        except Exception as error:  # noqa: BLE001  (reported, and the other model still runs)
+            failed[name] = f"{type(error).__name__}: {error}"
+    return failed
+
+
+def print_times(models: dict[str, nn.Module], results: dict[str, dict[str, float]], tokens: int) -> None:
+    print(f"\n{'model':<38}{'fwd ms':>10}{'fwd tok/s':>11}{'fwd+bwd ms':>12}{'fwd+bwd tok/s':>15}")
+    for name in models:
+        fwd, both = results["forward"][name], results["forward+backward"][name]
+        print(f"{name:<38}{fwd * 1e3:>10.1f}{tokens / fwd:>11,.0f}{both * 1e3:>12.1f}{tokens / both:>15,.0f}")
+    ours_name, theirs_name = models
+    for kind, times in results.items():
+        print(f"{kind}: ours ÷ transformers V4 (time) = {times[ours_name] / times[theirs_name]:.2f}×")
+
+
+def compiled_times(
+    models: dict[str, nn.Module], inputs: dict[str, dict], eager: dict[str, dict[str, float]],
+    args: argparse.Namespace, clock: Callable[[], float],
+) -> None:
+    """The forward and forward+backward again with the decoder layers compiled: times, ours ÷ V4, compiled ÷ eager.
+    The warm-up calls compile (eval and train graphs); their time is reported as compile time."""
+    torch._dynamo.reset()
+    failed = compile_layers(models)
+    for name, error in failed.items():
+        print(f"{name}: its layers did not compile, timed eagerly: {error}")
+    start = clock()
+    for step in (forward_only, forward_backward):
+        for name, model in models.items():
+            step(model, inputs[name])
+    print(f"\n## Decoder layers compiled (first calls, compiling both models: {clock() - start:.1f} s)")
+    results = {
+        "forward": median_times(models, inputs, forward_only, args.warmup, args.reps, clock),
+        "forward+backward": median_times(models, inputs, forward_backward, args.warmup, args.reps, clock),
+    }
+    print_times(models, results, args.batch * args.seq)
+    for kind, times in results.items():
+        ratios = ", ".join(f"{name.split()[0]} {times[name] / eager[kind][name]:.2f}×" for name in models)
+        print(f"{kind}: compiled ÷ eager (time): {ratios}")
+
+
 def to_device(inputs: dict, device: torch.device, dtype: torch.dtype) -> dict:
     """Inputs on ``device``; floating ones (pixels) in the models' ``dtype``."""
     return {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in inputs.items()}
@@ -356,6 +413,7 @@ def main() -> None:
     parser.add_argument("--no-engram", action="store_true", help="drop Engram from ours (V4 has none; medium has none)")
     parser.add_argument("--image", action="store_true", help="one image per row in our breakdown (ours only)")
     parser.add_argument("--profile-rows", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="time both models again with their layers compiled")
     args = parser.parse_args()
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -383,14 +441,11 @@ def main() -> None:
         "forward+backward": median_times(models, inputs, forward_backward, args.warmup, args.reps, clock),
     }
     ours_name, theirs_name = models
-    tokens = args.batch * args.seq
-    print(f"\n{'model':<38}{'params':>13}{'fwd ms':>10}{'fwd tok/s':>11}{'fwd+bwd ms':>12}{'fwd+bwd tok/s':>15}")
-    for name in models:
-        fwd, both = results["forward"][name], results["forward+backward"][name]
-        print(f"{name:<38}{n_params[name]:>13,}{fwd * 1e3:>10.1f}{tokens / fwd:>11,.0f}{both * 1e3:>12.1f}"
-              f"{tokens / both:>15,.0f}")
-    for kind, times in results.items():
-        print(f"{kind}: ours ÷ transformers V4 (time) = {times[ours_name] / times[theirs_name]:.2f}×")
+    print("parameters: " + ", ".join(f"{name} {n:,}" for name, n in n_params.items()))
+    print_times(models, results, args.batch * args.seq)
+    if args.compile:
+        compiled_times(models, inputs, results, args, clock)
+        return
 
     our_inputs = to_device(make_inputs(ours, args.batch, args.seq, image=args.image), device, dtype) | {"use_cache": False}
     parts, total = component_times(ours, our_inputs, our_components(ours), args.reps, clock)

@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 14, 15, 21, 22, 28, 38 and 40 in one run, about 15 minutes on one H200 (issue 28's step, bounded to
-# 120 s, has not run on a GPU yet), from the repository root:
+# The GPU checks of issues 14, 15, 21, 22, 28, 38 and 40 in one run on one H200, from the repository root:
 #
 #     bash benchmarks/gpu.sh
 #
-# Everything goes to stdout and, when $OUT is set (the device machine's result folder), to $OUT/gpu_report.txt.
-# Each step has its own timeout; a step that fails or times out is reported and the next one runs.
+# A session has 15 minutes of device time, the machine's start included, so the run has a budget (GPU_BUDGET_S, 480 s
+# by default): the steps run in order of priority (the open issues' first), each under its own timeout cut to what is
+# left of the budget, and a step that would get under 30 s is skipped and says so. Everything goes to stdout and, when
+# $OUT is set (the device machine's result folder), to $OUT/gpu_report.txt. A step that fails or times out is reported
+# and the next one runs.
 #
 # The device machine's image has torch 2.11 and transformers 5.17; this package needs transformers >= 5.24 (setup.cfg),
-# which needs regex >= 2025.10.22. Carry both as wheels (see /work/.library/device/README.md, Notes). Once, on the
-# developer machine, in the repository root of the checkout the session was started in (the one the device tool
-# sends; .gitignore already ignores /.whl/):
+# which needs regex >= 2025.10.22, and PEFT 0.21. Carry them as wheels (see /work/.library/device/README.md, Notes).
+# Once, on the developer machine, in the repository root of the checkout the session was started in (the one the
+# device tool sends; .gitignore already ignores /.whl/):
 #
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#         -d .whl transformers==5.24.0 regex==2026.11.19
+#         -d .whl transformers==5.24.0 regex==2026.11.19 peft==0.21.2
 #
-# then one device call: run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=600). This script installs
+# then one device call: run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=560). This script installs
 # .whl/*.whl into /tmp/dsv41-site (ahead of the image's packages) when the folder is there.
 #
 # transformers' FP8 kernels (FP8Linear / FP8Experts) come from the Hub through the `kernels` package, which the
@@ -27,11 +29,17 @@
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1
 PYTHON=${PYTHON:-python3}
+BUDGET_S=${GPU_BUDGET_S:-480}
 
-step() {  # step SECONDS COMMAND...: run COMMAND under a timeout, then say how it ended and how long it took
-    local limit=$1 start=$SECONDS status
+step() {  # step SECONDS COMMAND...: run COMMAND under a timeout (cut to the budget left), say how it ended and took
+    local limit=$1 start=$SECONDS status left=$((BUDGET_S - SECONDS))
     shift
     echo
+    if ((left < 30)); then
+        echo "=== skipped, ${left} s of the ${BUDGET_S} s budget left: $* ==="
+        return
+    fi
+    ((limit > left)) && limit=$left
     echo "=== $* (timeout ${limit} s) ==="
     timeout --kill-after=10 "$limit" "$@"
     status=$?
@@ -61,31 +69,33 @@ if Version(transformers.__version__) < Version("5.24") or not torch.cuda.is_avai
     sys.exit("needs transformers >= 5.24 (carry the wheels: see the top of benchmarks/gpu.sh) and a CUDA device")
 EOF
 
-    # issue 15: forward and forward+backward, ours ÷ transformers' DeepSeek-V4 at ~505M, batch 4 × 2048
-    step 110 "$PYTHON" benchmarks/forward.py --size medium --device cuda --dtype bfloat16 --batch 4 --seq 2048 \
-        --reps 5 --profile-rows 12
-    # issue 15: decode at batch 1 after a 1024-token prompt, and the static-cache step compiled (CUDA graphs)
-    step 170 "$PYTHON" benchmarks/generate.py --size medium --device cuda --dtype bfloat16 --contexts 1024 \
+    # issue 40: ours and transformers' V4 at ~505M, batch 4 x 2048: forward and forward+backward, eager, then with
+    # the decoder layers compiled (ours one graph per layer; V4's with its graph breaks)
+    step 200 "$PYTHON" benchmarks/forward.py --size medium --device cuda --dtype bfloat16 --batch 4 --seq 2048 \
+        --reps 5 --compile
+    # issues 15, 40: decode at batch 1 after a 1024-token prompt, ours and V4, and our static-cache step compiled
+    # (CUDA graphs)
+    step 150 "$PYTHON" benchmarks/generate.py --size medium --device cuda --dtype bfloat16 --contexts 1024 \
         --batch 1 --steps 32 --compile --compile-mode reduce-overhead
-    # issue 40: per-block compiled training step and compiled decode step vs eager, tiny and medium (bf16)
-    step 300 "$PYTHON" benchmarks/compile.py --device cuda --dtype bfloat16 --sizes tiny medium --batch 4 --seq 2048 \
-        --context 1024
-    # issue 15: greedy decode at batch 16 (transformers' V4 ran out of memory there)
-    step 60 "$PYTHON" benchmarks/generate.py --size medium --device cuda --dtype bfloat16 --contexts 1024 \
-        --batch 16 --steps 16 --reps 2 --greedy-only
-    # issue 15: does the S=131072 forward of the ~505M model fit one H200 (chunked queries vs the whole sequence)
-    step 90 "$PYTHON" benchmarks/memory.py --size medium --device cuda --dtype bfloat16 --seqs 8192 131072
+    # issue 38: LoRA's loading, one GPU per process (one here): each process reading its shards vs whole then sharded
+    step 60 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100 --processes 1
+    # issue 40: per-block compiled training step (gradient checkpointing) and compiled decode step vs eager (bf16)
+    step 200 "$PYTHON" benchmarks/compile.py --device cuda --dtype bfloat16 --sizes medium --batch 4 --seq 2048 \
+        --context 1024 --reps 3
     # issue 28: a training step of the released-format stand-in, recomputing sparse-attention backward vs autograd
     # (attention saved memory, layer and step peak memory and time), and the step with its activations offloaded
     step 120 "$PYTHON" benchmarks/memory.py --train --device cuda --seqs 4096 16384 --reps 2
     # issue 14: the released-format stand-in loaded natively on the GPU, logits against the dequantized load
     step 100 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100
-    # issue 38: LoRA's loading, one GPU per process (one here): each process reading its shards vs whole then sharded
-    step 100 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100 --processes 1
     # issue 21: one LoRA step on the stand-in, native (FP8/FP4 kept) vs dequantized: peak memory, time, gradients
     step 90 "$PYTHON" benchmarks/finetune.py --device cuda --seq 512 --steps 3
     # issue 22: DSpark speculative decoding vs plain cached greedy decoding (draft head trained first), tiny and medium
     step 120 "$PYTHON" benchmarks/speculative.py --size tiny --device cuda --new-tokens 128 --train-steps 300
+    # issue 15: greedy decode at batch 16 (transformers' V4 ran out of memory there)
+    step 60 "$PYTHON" benchmarks/generate.py --size medium --device cuda --dtype bfloat16 --contexts 1024 \
+        --batch 16 --steps 16 --reps 2 --greedy-only
+    # issue 15: does the S=131072 forward of the ~505M model fit one H200 (chunked queries vs the whole sequence)
+    step 90 "$PYTHON" benchmarks/memory.py --size medium --device cuda --dtype bfloat16 --seqs 8192 131072
     step 240 "$PYTHON" benchmarks/speculative.py --size medium --device cuda --dtype bfloat16 --new-tokens 64 \
         --train-steps 100
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from gloo_processes import WORLD, spawn
 from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
 
@@ -391,3 +392,19 @@ def test_each_rank_reads_its_experts_of_the_release_under_expert_parallelism(rel
     dequantizing load builds it (``empty_dequantized_model``), split by expert over the ranks, then each rank
     dequantizing only its shards as it reads them equals the dequantized model loaded whole, then sharded, bit for bit."""
     spawn(_reads_its_experts_under_expert_parallelism, tmp_path, str(released), timeout_s=240)
+
+
+def test_fsdp2_before_torch_2_12_refuses_integer_parameters_with_the_reason():
+    """torch 2.11's fully_shard (the H200 image's torch) makes every shard a Parameter that requires gradients, which
+    crashes on the packed FP4 experts (int8) deep inside FSDP2: shard_model says why and what to do instead."""
+    from modeling_dsv41.training.fsdp import _check_fsdp2_takes
+
+    packed = nn.Module()
+    packed.weight = nn.Parameter(torch.zeros(4, 2, dtype=torch.float8_e4m3fn), requires_grad=False)
+    packed.experts = nn.Parameter(torch.zeros(4, 2, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(ValueError, match=r"torch 2\.11\.0\+cu130's FSDP2 .* \(here experts, torch.int8.*1 in all"):
+        _check_fsdp2_takes(packed, "2.11.0+cu130")
+    _check_fsdp2_takes(packed, "2.12.0")
+    _check_fsdp2_takes(packed, "3.0.1")
+    del packed.experts
+    _check_fsdp2_takes(packed, "2.4.1")  # floating parameters only (FP8 included): every FSDP2 shards them

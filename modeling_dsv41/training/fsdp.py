@@ -60,6 +60,27 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in classes]
 
 
+# FSDP2 shards parameters of integer dtypes (the packed FP4 experts) from torch 2.12 on (pytorch PR 177948); before,
+# fully_shard wraps every shard in a Parameter that requires gradients, which an integer tensor cannot
+FSDP2_INTEGER_PARAMETERS = (2, 12)
+
+
+def _check_fsdp2_takes(model: nn.Module, torch_version: str = torch.__version__) -> None:
+    """Refuse, with the reason, a model whose integer parameters this torch's FSDP2 cannot shard."""
+    major, minor = (int(part) for part in torch_version.split(".")[:2])
+    if (major, minor) >= FSDP2_INTEGER_PARAMETERS:
+        return
+    integer = [name for name, p in model.named_parameters() if not (p.is_floating_point() or p.is_complex())]
+    if integer:
+        raise ValueError(
+            f"torch {torch_version}'s FSDP2 cannot shard parameters of integer dtypes (here {integer[0]}, "
+            f"{model.get_parameter(integer[0]).dtype}: the packed FP4 experts of a native load; "
+            f"{len(integer)} in all): fully_shard makes every shard require gradients. It can from torch "
+            f"{'.'.join(map(str, FSDP2_INTEGER_PARAMETERS))} on: upgrade torch, or load with "
+            "FineGrainedFP8Config(dequantize=True)"
+        )
+
+
 def fp32_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable parameters the model keeps in fp32 whatever its dtype (see :func:`_kept_fp32`)."""
     return [p for p in _kept_fp32(model) if p.requires_grad]
@@ -108,6 +129,7 @@ def shard_model(
     """
     if fully_shard is None or not dist.is_initialized():
         raise ValueError("shard_model needs torch.distributed initialized (init_process_group) before sharding")
+    _check_fsdp2_takes(model)
     if offload_activations:
         offload_checkpointed_inputs(model)
     mp_policy = mp_policy or MixedPrecisionPolicy()

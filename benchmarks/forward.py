@@ -344,14 +344,13 @@ def print_components(label: str, parts: dict[str, float], total: float) -> None:
     print(f"{'total':<56}{total * 1e3:>9.1f}")
 
 
-def compile_layers(models: dict[str, nn.Module]) -> None:
-    """Compile each model's decoder layers in place (lazily: each compiles at its first call)."""
-    for model in models.values():
-        if isinstance(model, DeepseekV41ForCausalLM):
-            compile_blocks(model)
-        else:
-            for layer in model.model.layers:
-                layer.compile()
+def compile_layers(model: nn.Module) -> None:
+    """Compile ``model``'s decoder layers in place (lazily: each compiles at its first call)."""
+    if isinstance(model, DeepseekV41ForCausalLM):
+        compile_blocks(model)
+    else:
+        for layer in model.model.layers:
+            layer.compile()
 
 
 def print_times(models: dict[str, nn.Module], results: dict[str, dict[str, float]], tokens: int) -> None:
@@ -368,23 +367,32 @@ def compiled_times(
     models: dict[str, nn.Module], inputs: dict[str, dict], eager: dict[str, dict[str, float]],
     args: argparse.Namespace, clock: Callable[[], float],
 ) -> None:
-    """The forward and forward+backward again with the decoder layers compiled: times, ours ÷ V4, compiled ÷ eager.
-    The warm-up calls compile (eval and train graphs); their time is reported as compile time."""
-    torch._dynamo.reset()
-    compile_layers(models)
-    start = clock()
-    for step in (forward_only, forward_backward):
-        for name, model in models.items():
-            step(model, inputs[name])
-    print(f"\n## Decoder layers compiled (first calls, compiling both models: {clock() - start:.1f} s)")
-    results = {
-        "forward": median_times(models, inputs, forward_only, args.warmup, args.reps, clock),
-        "forward+backward": median_times(models, inputs, forward_backward, args.warmup, args.reps, clock),
-    }
-    print_times(models, results, args.batch * args.seq)
+    """The forward and forward+backward again with the decoder layers compiled: times, compiled ÷ eager, ours ÷ V4.
+
+    One model at a time, ours first, each printed as soon as it is measured (compiling takes minutes on a GPU: a run
+    stopped by its time limit keeps what it printed). The first calls compile (eval and train graphs); their time is
+    reported as compile time."""
+    results: dict[str, dict[str, float]] = defaultdict(dict)
+    tokens = args.batch * args.seq
+    print(f"\n## Decoder layers compiled\n{'model':<38}{'compile s':>10}{'fwd ms':>10}{'fwd+bwd ms':>12}"
+          f"{'fwd ÷ eager':>13}{'fwd+bwd ÷ eager':>17}")
+    for name, model in models.items():
+        torch._dynamo.reset()
+        compile_layers(model)
+        start = clock()
+        forward_only(model, inputs[name])
+        forward_backward(model, inputs[name])
+        compile_s = clock() - start
+        one = {name: model}
+        fwd = median_times(one, inputs, forward_only, args.warmup, args.reps, clock)[name]
+        both = median_times(one, inputs, forward_backward, args.warmup, args.reps, clock)[name]
+        results["forward"][name], results["forward+backward"][name] = fwd, both
+        print(f"{name:<38}{compile_s:>10.1f}{fwd * 1e3:>10.1f}{both * 1e3:>12.1f}"
+              f"{fwd / eager['forward'][name]:>12.2f}×{both / eager['forward+backward'][name]:>16.2f}×", flush=True)
+    ours_name, theirs_name = models
     for kind, times in results.items():
-        ratios = ", ".join(f"{name.split()[0]} {times[name] / eager[kind][name]:.2f}×" for name in models)
-        print(f"{kind}: compiled ÷ eager (time): {ratios}")
+        print(f"{kind}, compiled: ours ÷ transformers V4 (time) = {times[ours_name] / times[theirs_name]:.2f}× "
+              f"({tokens / times[ours_name]:,.0f} vs {tokens / times[theirs_name]:,.0f} tok/s)")
 
 
 def to_device(inputs: dict, device: torch.device, dtype: torch.dtype) -> dict:

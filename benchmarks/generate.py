@@ -30,11 +30,12 @@ mode=--compile-mode)``; the default ``reduce-overhead`` captures it as a CUDA gr
 it runs per step (torch.profiler: inductor's fused kernels plus the aten ops the graph still calls, allocations
 and views excluded) against the eager step's non-view ops.
 
-``--greedy-only`` runs the greedy generate comparison alone (e.g. a second run at ``--batch 16``).
+``--greedy-only`` runs the greedy generate comparison alone (e.g. a second run at ``--batch 16``);
+``--compile-only`` the compiled decode step alone (at the shortest context: a GPU run spends its time compiling).
 
 Usage: ``python benchmarks/generate.py [--size tiny|medium] [--device cpu|cuda] [--dtype float32|bfloat16]
 [--contexts 256 2048] [--steps 32] [--reps 3] [--batch 1] [--threads 2] [--baseline-src DIR]
-[--compile] [--compile-mode reduce-overhead|default|max-autotune] [--greedy-only]``
+[--compile] [--compile-mode reduce-overhead|default|max-autotune] [--greedy-only | --compile-only]``
 """
 
 from __future__ import annotations
@@ -269,6 +270,15 @@ def cached_against_recompute(model: DeepseekV41ForCausalLM, args: argparse.Names
     print(f"per-token decode time at {long} vs {short}: {growth:.2f}× (context ×{long / short:.0f})")
 
 
+def print_compiled_decode(model: nn.Module, context: int, eager_ops: int, args: argparse.Namespace) -> None:
+    print(f"\n## compiled static decode step (torch.compile fullgraph, mode {args.compile_mode!r}, context {context})")
+    result = compiled_decode(model, context, args.steps, args.compile_mode, args.device)
+    print(f"eager {1 / result['eager']:.1f} tok/s, compiled {1 / result['compiled']:.1f} tok/s "
+          f"(compiled ÷ eager time {result['compiled'] / result['eager']:.2f}×)")
+    print(f"kernels per step: compiled {result['kernels']}, eager non-view ops {eager_ops} "
+          f"({result['kernels'] / eager_ops:.2f}×)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -283,6 +293,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time and count the compiled static decode step")
     parser.add_argument("--compile-mode", default="reduce-overhead", help="torch.compile mode (CUDA graphs by default)")
     parser.add_argument("--greedy-only", action="store_true", help="only the greedy generate comparison (at --batch)")
+    parser.add_argument("--compile-only", action="store_true", help="only the compiled decode step vs eager")
     parser.add_argument("--op-count-only", action="store_true", help=argparse.SUPPRESS)  # --baseline-src's subprocess
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -294,6 +305,10 @@ def main() -> None:
         return
     model, theirs = build(args.size, args.device, getattr(torch, args.dtype))
     print(f"size {args.size}, {args.dtype}, {args.device}, {args.threads} threads, torch {torch.__version__}")
+    if args.compile_only:
+        context = min(args.contexts)
+        print_compiled_decode(model, context, decode_op_count(model, context, True, args.device)["compute"], args)
+        return
     if not args.greedy_only:
         cached_against_recompute(model, args)
 
@@ -321,13 +336,7 @@ def main() -> None:
         print(f"{name:<44} {count['total']:>8} {count['compute']:>9}{ratio}")
 
     if args.compile:
-        print(f"\n## compiled static decode step (torch.compile fullgraph, mode {args.compile_mode!r})")
-        result = compiled_decode(model, context, args.steps, args.compile_mode, args.device)
-        eager_ops = counts["ours, static cache"]["compute"]
-        print(f"eager {1 / result['eager']:.1f} tok/s, compiled {1 / result['compiled']:.1f} tok/s "
-              f"(compiled ÷ eager time {result['compiled'] / result['eager']:.2f}×)")
-        print(f"kernels per step: compiled {result['kernels']}, eager non-view ops {eager_ops} "
-              f"({result['kernels'] / eager_ops:.2f}×)")
+        print_compiled_decode(model, context, counts["ours, static cache"]["compute"], args)
 
 
 if __name__ == "__main__":

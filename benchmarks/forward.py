@@ -19,7 +19,7 @@ From one run it reports:
 - the cost of reference numerics (``config.reference_numerics``): our bf16 forward with the mode on ÷ off, in time
   and in peak resident memory added by the forward (Linux's VmHWM, reset before each measured call).
 
-``--compile`` times the same forward and forward+backward with each model's decoder layers compiled (ours by
+``--compile`` times the same forward+backward, then forward, with each model's decoder layers compiled (ours by
 :func:`~modeling_dsv41.training.compilation.compile_blocks`, one graph per layer; transformers' V4 by
 ``layer.compile()``, graph breaks allowed: it declares ``_can_compile_fullgraph = False``) instead of the breakdown,
 profile and reference-numerics sections: each model's compiled ÷ eager time, and ours ÷ V4 compiled.
@@ -367,32 +367,25 @@ def compiled_times(
     models: dict[str, nn.Module], inputs: dict[str, dict], eager: dict[str, dict[str, float]],
     args: argparse.Namespace, clock: Callable[[], float],
 ) -> None:
-    """The forward and forward+backward again with the decoder layers compiled: times, compiled ÷ eager, ours ÷ V4.
-
-    One model at a time, ours first, each printed as soon as it is measured (compiling takes minutes on a GPU: a run
-    stopped by its time limit keeps what it printed). The first calls compile (eval and train graphs); their time is
-    reported as compile time."""
-    results: dict[str, dict[str, float]] = defaultdict(dict)
-    tokens = args.batch * args.seq
-    print(f"\n## Decoder layers compiled\n{'model':<38}{'compile s':>10}{'fwd ms':>10}{'fwd+bwd ms':>12}"
-          f"{'fwd ÷ eager':>13}{'fwd+bwd ÷ eager':>17}")
-    for name, model in models.items():
-        torch._dynamo.reset()
+    """The forward+backward, then the forward, again with the decoder layers compiled: times, compiled ÷ eager, ours ÷
+    V4. Each row is printed as soon as it is measured (compiling takes minutes on a GPU: a run stopped by its time
+    limit keeps what it printed), the training graphs first. The first call of each compiles; its time is reported."""
+    for model in models.values():
         compile_layers(model)
-        start = clock()
-        forward_only(model, inputs[name])
-        forward_backward(model, inputs[name])
-        compile_s = clock() - start
-        one = {name: model}
-        fwd = median_times(one, inputs, forward_only, args.warmup, args.reps, clock)[name]
-        both = median_times(one, inputs, forward_backward, args.warmup, args.reps, clock)[name]
-        results["forward"][name], results["forward+backward"][name] = fwd, both
-        print(f"{name:<38}{compile_s:>10.1f}{fwd * 1e3:>10.1f}{both * 1e3:>12.1f}"
-              f"{fwd / eager['forward'][name]:>12.2f}×{both / eager['forward+backward'][name]:>16.2f}×", flush=True)
+    tokens = args.batch * args.seq
     ours_name, theirs_name = models
-    for kind, times in results.items():
-        print(f"{kind}, compiled: ours ÷ transformers V4 (time) = {times[ours_name] / times[theirs_name]:.2f}× "
-              f"({tokens / times[ours_name]:,.0f} vs {tokens / times[theirs_name]:,.0f} tok/s)")
+    for kind, step in (("forward+backward", forward_backward), ("forward", forward_only)):
+        print(f"\n## {kind}, decoder layers compiled\n{'model':<38}{'compile s':>10}{'ms':>10}{'tok/s':>10}"
+              f"{'compiled ÷ eager':>18}")
+        times = {}
+        for name, model in models.items():
+            start = clock()
+            step(model, inputs[name])
+            compile_s = clock() - start
+            times[name] = median_times({name: model}, inputs, step, args.warmup, args.reps, clock)[name]
+            print(f"{name:<38}{compile_s:>10.1f}{times[name] * 1e3:>10.1f}{tokens / times[name]:>10,.0f}"
+                  f"{times[name] / eager[kind][name]:>17.2f}×", flush=True)
+        print(f"{kind}, compiled: ours ÷ transformers V4 (time) = {times[ours_name] / times[theirs_name]:.2f}×")
 
 
 def to_device(inputs: dict, device: torch.device, dtype: torch.dtype) -> dict:

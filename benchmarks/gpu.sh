@@ -70,10 +70,10 @@ if Version(transformers.__version__) < Version("5.24") or not torch.cuda.is_avai
 EOF
 
     # issue 40: ours and transformers' V4 at ~505M, batch 4 x 2048: forward and forward+backward, eager (~50 s), then
-    # with the decoder layers compiled, ours first (one graph per layer kind: 7 eval + 7 training graphs; their tracing
-    # alone takes ~95 s on a CPU core), then V4's (graph breaks allowed), each printed when measured. On 2026-12-04
-    # (torch 2.11) compiling both did not finish in 150 s
-    step 330 "$PYTHON" benchmarks/forward.py --size medium --device cuda --dtype bfloat16 --batch 4 --seq 2048 \
+    # with the decoder layers compiled: forward+backward (ours, then V4), then forward, each row printed when measured.
+    # Measured on 2026-12-04 (torch 2.11): our 7 layer kinds compile in ~25 s each forward and about as much backward,
+    # so our training graphs take ~5 minutes and the eval graphs ~2 more
+    step 480 "$PYTHON" benchmarks/forward.py --size medium --device cuda --dtype bfloat16 --batch 4 --seq 2048 \
         --reps 5 --compile
     # issues 15, 40: our static-cache decode step at batch 1 after a 1024-token prompt, compiled (CUDA graphs) vs eager
     # (the eager comparison with V4 is the step below the open issues')

@@ -165,6 +165,23 @@ def test_lora_plan_table_and_figures():
                           f"resident and {activations_offloaded} with the activations offloaded")
 
 
+def test_lora_plan_with_expert_parallelism():
+    """The page's comparison of the launch with --expert_parallel_size 8 against FSDP2 alone, from the planner."""
+    def figures(output: str) -> tuple[str, ...]:
+        gathered, = read(output, r"^gathered units \(one \+ prefetch\)\s+([\d.]+ GiB)")
+        total, = read(output, r"^total\s+([\d.]+ GiB)")
+        return gathered, total, longest(output)[0]
+
+    alone, split = inspect("--devices", "8x80GiB", "--train", "lora"), inspect("--devices", "8x80GiB", "--train", "lora",
+                                                                             "--ep", "8")
+    (buffers,) = read(split, r"^all-to-all buffers \(routed slots\)\s+([\d.]+ GiB)")
+    (gathered, total, tokens), (gathered_alone, total_alone, tokens_alone) = figures(split), figures(alone)
+    assert_says(RELEASED, f"`dsv41 inspect --devices 8x80GiB --train lora --ep 8` plans it, the gathered units "
+                          f"{gathered} instead of {gathered_alone}, the all-to-all buffers of the routed slots {buffers} "
+                          f"more, {total} per device instead of {total_alone} with everything resident, and the longest "
+                          f"sequence per device that fits {tokens} tokens instead of {tokens_alone}.")
+
+
 def test_readme_lora_figures():
     """README's summary of the plan: the released model's LoRA at rank 16 and 4096 tokens per device."""
     output = inspect("--devices", "8x80GiB", "--train", "lora")

@@ -184,6 +184,31 @@ def test_the_plan_shards_the_frozen_weights_and_gathers_only_running_units():
     assert not plan_lora_training(model, {0: 2**20, 1: 2**20}, seq_len=64, rank=4).fits
 
 
+def test_under_expert_parallelism_a_unit_gathers_only_the_rank_s_experts():
+    """--ep N: the same frozen shards (1/N of everything), but a layer in use gathers E/N of its routed experts, and
+    the routed slots' all-to-all buffers are added (bf16 there and back in, fp32 outputs back)."""
+    from modeling_dsv41.placement import native_held_bytes
+
+    model = build_meta_model(DeepseekV41Config.from_preset("tiny"))
+    devices = {i: DEVICE for i in range(4)}
+    plans = {ep: plan_lora_training(model, devices, seq_len=64, rank=4, ep_size=ep) for ep in (1, 2, 4)}
+    unit = dict(model.named_modules())[plans[1].largest_unit]
+    experts = sum(native_held_bytes(f"{plans[1].largest_unit}.{name}", p) for name, p in unit.named_parameters()
+                  if ".ffn.experts." in f".{name}")
+    assert experts > 0
+    text = model.config.text_config
+    for ep, plan in plans.items():
+        assert plan.terms["frozen shards"] == plans[1].terms["frozen shards"]
+        assert plan.terms["root weights (gathered all step)"] == plans[1].terms["root weights (gathered all step)"]
+        assert plan.largest_unit == plans[1].largest_unit  # the tiny model's layers differ in their non-expert parts
+        gathered = plans[1].terms["gathered units (one + prefetch)"] - 2 * experts * (1 - 1 / ep)
+        assert plan.terms["gathered units (one + prefetch)"] == pytest.approx(gathered)
+        slots = 64 * text.num_experts_per_tok * text.hidden_size * 12
+        assert plan.terms.get("all-to-all buffers (routed slots)", 0) == (slots if ep > 1 else 0)
+    with pytest.raises(ValueError, match="ep_size=3 must divide the 4 devices"):
+        plan_lora_training(model, devices, ep_size=3)
+
+
 def test_the_longest_sequence_is_the_last_that_fits():
     model = build_meta_model(DeepseekV41Config.from_preset("tiny"))
     devices = {0: 4 * GIB, 1: 4 * GIB}
@@ -223,10 +248,18 @@ def test_inspect_plans_lora_on_the_released_model(capsys):
     assert 16384 <= longest(out)[0] < longest(out)[1]
     assert main(["inspect", "--devices", "8x141GiB", "--train", "lora", "--seq", "2048", "--rank", "8"]) == 0
     assert "micro-batch 1 × 2048 tokens" in capsys.readouterr().out
+    # --ep 8 (the launch's --expert_parallel_size 8): a layer's 384 experts are no longer gathered whole: room for
+    # longer sequences with everything resident
+    assert main(["inspect", "--devices", "8x80GiB", "--train", "lora", "--ep", "8"]) == 0
+    split = capsys.readouterr().out
+    assert "the routed experts split over 8 of them: --expert_parallel_size 8" in split
+    assert totals(split)[0] < resident and longest(split)[0] > 4096
 
 
 def test_inspect_train_needs_devices_and_the_native_storage(capsys):
     assert main(["inspect", "tiny", "--train", "lora"]) == 2
     assert "give them with --devices" in capsys.readouterr().err
     assert main(["inspect", "tiny", "--devices", "2x1GiB", "--train", "lora", "--tp", "2"]) == 2
-    assert "drop --tp, --ep and --storage" in capsys.readouterr().err
+    assert "drop --tp and --storage" in capsys.readouterr().err
+    assert main(["inspect", "tiny", "--devices", "4x1GiB", "--train", "lora", "--ep", "3"]) == 2
+    assert "ep_size=3 must divide the 4 devices" in capsys.readouterr().err

@@ -119,12 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "N of them)")
     inspect.add_argument("--ep", type=_int_at_least(2), default=None, metavar="N",
                          help="per-rank weights under expert parallelism on N ranks: DistributedConfig(tp_size=N, "
-                         "ep_size=N), the experts split by the EP plan and the rest by the TP plan")
+                         "ep_size=N), the experts split by the EP plan and the rest by the TP plan; with --train: "
+                         "the routed experts split over N devices (training.fsdp.shard_model's expert_parallel_size)")
     inspect.add_argument("--train", choices=("lora", "full"), default=None,
                          help="with --devices: plan LoRA fine-tuning of the natively loaded weights, sharded with "
                          "FSDP2 over the devices (frozen shards, gathered units, adapters and AdamW, activations "
                          "with gradient checkpointing, logits), resident and offloaded to host memory, and the "
-                         "longest sequence per device that fits; or full "
+                         "longest sequence per device that fits (--ep N: the launch's --expert_parallel_size N); or full "
                          "fine-tuning with the mixed optimizer on the expert-parallel mesh (--devices "
                          "NODESxGPUSxSIZE, --ep N: experts split over N devices, default one node's)")
     inspect.add_argument("--seq", type=_int_at_least(1), default=4096, metavar="S",
@@ -319,15 +320,16 @@ def _print_training_plan(config, args: argparse.Namespace) -> int:
         return _print_full_training_plan(config, args)
     if not args.devices:
         raise ValueError("--train lora plans a run on devices: give them with --devices (e.g. --devices 8x80GiB)")
-    if args.tp or args.ep or args.storage != "released":
-        raise ValueError("--train lora plans FSDP2 over the natively loaded (released) weights: drop --tp, --ep and "
-                         "--storage")
+    if args.tp or args.storage != "released":
+        raise ValueError("--train lora plans FSDP2 over the natively loaded (released) weights: drop --tp and "
+                         "--storage (--ep N splits the routed experts over N devices)")
     model = build_meta_model(config)
     cases = {name: dict(offload=weights, offload_activations=activations) for name, (weights, activations) in
              TRAINING_CASES.items()}
+    ep = args.ep or 1
     plans = {name: plan_lora_training(model, args.devices, seq_len=args.seq, batch_size=args.batch, rank=args.rank,
-                                      **case) for name, case in cases.items()}
-    longest = {name: longest_sequence(model, args.devices, batch_size=args.batch, rank=args.rank, **case)
+                                      ep_size=ep, **case) for name, case in cases.items()}
+    longest = {name: longest_sequence(model, args.devices, batch_size=args.batch, rank=args.rank, ep_size=ep, **case)
                for name, case in cases.items()}
     print()
     print(format_training_plan(plans, longest))

@@ -242,8 +242,10 @@ def format_training_plan(plans: dict[str, LoraTrainingPlan], longest: dict[str, 
         (
             f"LoRA fine-tuning (rank {first.rank}, attention + shared and routed experts: "
             f"{_human(first.adapter_parameters)} adapter parameters) on the natively loaded weights, FSDP2 over "
-            f"{first.num_devices} devices (training.fsdp.shard_model), gradient checkpointing, micro-batch "
-            f"{first.batch_size} × {first.seq_len} tokens per device:"
+            f"{first.num_devices} devices (training.fsdp.shard_model"
+            + (f", the routed experts split over {first.ep_size} of them: --expert_parallel_size {first.ep_size}"
+               if first.ep_size > 1 else "")
+            + f"), gradient checkpointing, micro-batch {first.batch_size} × {first.seq_len} tokens per device:"
         ),
         f"{'per device':<38}" + "".join(f"{name:>24}" for name in plans),
     ]
@@ -273,7 +275,8 @@ def format_training_plan(plans: dict[str, LoraTrainingPlan], longest: dict[str, 
     }
     for moment, names in _grouped(moments).items():
         lines.append(f"activations ({names}) peak at {moment}")
-    lines.append(f"largest unit gathered: {first.largest_unit} (and the next one, prefetched)")
+    local = " (of its routed experts, the rank's own)" if first.ep_size > 1 else ""
+    lines.append(f"largest unit gathered: {first.largest_unit}{local} (and the next one, prefetched)")
     held = {(what, _bytes(nbytes)): [] for plan in plans.values() for what, nbytes in plan.host_bytes.items()}
     for name, plan in plans.items():
         for what, nbytes in plan.host_bytes.items():

@@ -17,6 +17,13 @@ Every rank holds (bytes per device):
   saves for its backward and its largest transient);
 * **reserve**: CUDA context, NCCL buffers and allocator slack, a fixed :data:`RESERVE_BYTES`.
 
+With ``ep_size`` above 1 (``shard_model(..., expert_parallel_size=ep_size)``, the launch's
+``--expert_parallel_size``; :mod:`.expert_parallel`) the routed experts are split by expert over ``ep_size`` ranks
+and FSDP2-sharded over the others: the frozen shards are still 1/N of everything, but a unit in use gathers only
+its layer's ``E/ep`` local experts with the rest of the layer (the adapters' factors stay in the layer's unit, whole
+once gathered), and the routed slots travel by all-to-all: their buffers are the full planner's
+(:func:`~.full_planning.plan_full_training`).
+
 With ``offload=True`` (``shard_model(..., offload_policy=CPUOffloadPolicy())``) the frozen shards and the adapters'
 optimizer state live in host memory instead; with ``offload_activations=True`` (``shard_model(...,
 offload_activations=True)``, :mod:`.offload`) the checkpointed inputs do. :func:`longest_sequence` finds the longest
@@ -37,6 +44,7 @@ RESERVE_BYTES = 3 * 2**30
 # the README's LoRA targets: attention Linears and shared experts (target_modules), routed experts (target_parameters)
 LORA_LINEARS = re.compile(r"(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.shared_experts\.w[123])$")
 LORA_EXPERTS = re.compile(r"(^|\.)layers\.\d+\.ffn\.experts$")
+_ROUTED_EXPERT_WEIGHT = re.compile(r"(^|\.)ffn\.experts\.")
 _ADAPTER_BYTES_PER_PARAMETER = 4 * 4  # fp32 weight, gradient and two AdamW moments
 
 
@@ -106,6 +114,7 @@ class LoraTrainingPlan(PerDeviceTotal):
     rank: int
     offload: bool
     offload_activations: bool = False
+    ep_size: int = 1
     adapter_parameters: int = 0
     peak_moment: str = ""
     other_moment: tuple[str, float] = ("", 0.0)
@@ -128,12 +137,14 @@ def _runs_in_training(unit: nn.Module) -> bool:
     return type(unit).__name__ != "DeepseekV41DSparkBlock"
 
 
-def _frozen_bytes(module: nn.Module, prefix: str = "") -> float:
-    """Natively loaded bytes of ``module``'s weights, the Engram tables left out (they stay in host memory)."""
+def _frozen_bytes(module: nn.Module, prefix: str = "", experts: bool | None = None) -> float:
+    """Natively loaded bytes of ``module``'s weights, the Engram tables left out (they stay in host memory); only
+    the routed experts' (``experts=True``) or all but theirs (``experts=False``)."""
     return sum(
         native_held_bytes(f"{prefix}{name}", p)
         for name, p in module.named_parameters()
         if not is_engram_table_tensor(f"{prefix}{name}")
+        and (experts is None or bool(_ROUTED_EXPERT_WEIGHT.search(f"{prefix}{name}")) == experts)
     )
 
 
@@ -153,17 +164,27 @@ def lora_parameters(model: nn.Module, rank: int) -> int:
 
 def plan_lora_training(
     model: nn.Module, devices: dict[int, int], seq_len: int = 4096, batch_size: int = 1, rank: int = 16,
-    offload: bool = False, offload_activations: bool = False,
+    offload: bool = False, offload_activations: bool = False, ep_size: int = 1,
 ) -> LoraTrainingPlan:
     """Plan LoRA training of ``model`` (the causal LM, meta or not, in bf16) on ``devices`` (index → bytes, one rank
-    each), micro-batches of ``batch_size`` × ``seq_len`` tokens per rank, adapters of rank ``rank``."""
+    each), micro-batches of ``batch_size`` × ``seq_len`` tokens per rank, adapters of rank ``rank``, the routed
+    experts split over ``ep_size`` ranks (1: FSDP2 alone)."""
     config = model.config.get_text_config()
     n = len(devices)
-    plan = LoraTrainingPlan(n, min(devices.values()), seq_len, batch_size, rank, offload, offload_activations)
+    if ep_size < 1 or n % ep_size or config.n_routed_experts % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide the {n} devices and the {config.n_routed_experts} experts")
+    plan = LoraTrainingPlan(n, min(devices.values()), seq_len, batch_size, rank, offload, offload_activations, ep_size)
     units = _fsdp_units(model)
-    sizes = {name: (_frozen_bytes(unit, f"{name}."), lora_parameters(unit, rank)) for name, unit in units.items()}
+    # a unit in use gathers its frozen weights (of the routed experts, its E/ep local ones) and fp32 adapters, and
+    # (backward) its adapters' unsharded gradients
+    sizes = {
+        name: (
+            _frozen_bytes(unit, f"{name}.", experts=False) + _frozen_bytes(unit, f"{name}.", experts=True) / ep_size,
+            lora_parameters(unit, rank),
+        )
+        for name, unit in units.items()
+    }
     total = _frozen_bytes(model)
-    # a unit in use: its frozen weights and fp32 adapters gathered, and (backward) its adapters' unsharded gradients
     running = {name: size for name, size in sizes.items() if _runs_in_training(units[name])}
     plan.largest_unit, (frozen, adapted) = max(running.items(), key=lambda item: item[1][0] + 8 * item[1][1])
     plan.adapter_parameters = lora_parameters(model, rank)
@@ -183,12 +204,16 @@ def plan_lora_training(
         plan.terms["frozen shards"] = total / n
         plan.terms["adapters + grads + AdamW"] = adapter_state / n
     plan.terms["gathered units (one + prefetch)"] = 2 * (frozen + 4 * adapted) + 4 * adapted
-    plan.terms["root weights (gathered all step)"] = total - sum(f for f, _ in sizes.values())
+    plan.terms["root weights (gathered all step)"] = total - sum(_frozen_bytes(unit, f"{name}.") for name, unit in
+                                                                units.items())
     peak = activation_peak(config, seq_len, batch_size, rank, offload_activations)
     plan.peak_moment, plan.other_moment = peak.moment, peak.other
     plan.terms["checkpointed layer inputs"] = peak.terms["checkpointed layer inputs"]
     plan.terms["recomputed layer"] = peak.terms.get("recomputed layer", 0.0)
     plan.terms["logits + loss"] = peak.terms.get("logits + loss", 0.0)
+    if ep_size > 1:  # bf16 slots out and in, their fp32 outputs back and in (as the full planner counts them)
+        slots = seq_len * batch_size * config.num_experts_per_tok * config.hidden_size
+        plan.terms["all-to-all buffers (routed slots)"] = slots * (2 + 2 + 4 + 4)
     if offload_activations:
         plan.host_bytes["checkpointed layer inputs (this rank)"] = peak.host_bytes
     plan.terms["reserve"] = RESERVE_BYTES
@@ -197,12 +222,12 @@ def plan_lora_training(
 
 def longest_sequence(
     model: nn.Module, devices: dict[int, int], batch_size: int = 1, rank: int = 16, offload: bool = False,
-    offload_activations: bool = False, step: int = 1024,
+    offload_activations: bool = False, step: int = 1024, ep_size: int = 1,
 ) -> int:
     """The longest sequence per device (a multiple of ``step`` tokens, at most the model's
     ``max_position_embeddings``) whose :func:`plan_lora_training` fits; 0 if not even ``step`` tokens do."""
     def fits(seq_len: int) -> bool:
-        return plan_lora_training(model, devices, seq_len, batch_size, rank, offload, offload_activations).fits
+        return plan_lora_training(model, devices, seq_len, batch_size, rank, offload, offload_activations, ep_size).fits
 
     limit = model.config.get_text_config().max_position_embeddings // step
     low, high = 0, 1  # low fits (or is 0), high is the next multiple to try

@@ -9,6 +9,12 @@
 # $OUT is set (the device machine's result folder), to $OUT/gpu_report.txt. A step that fails or times out is reported
 # and the next one runs.
 #
+# Compiling is most of the first steps' time (our medium model's layers: ~5 minutes for the training graphs on an
+# H200, 2026-12-04), and Inductor keeps what it compiled on the machine's disk (/tmp/torchinductor_$USER: the FX
+# graph and AOTAutograd caches, written as each graph is done). The machine stays warm for 30 s after a call: if
+# the first run's compiled steps time out, run it again at once (GPU_BUDGET_S=240, timeout_s=260 fit the 15
+# minutes) and the graphs the first run finished load from the cache instead of compiling again.
+#
 # The device machine's image has torch 2.11 and transformers 5.17; this package needs transformers >= 5.24 (setup.cfg),
 # which needs regex >= 2025.10.22, and PEFT 0.21. Carry them as wheels (see /work/.library/device/README.md, Notes).
 # Once, on the developer machine, in the repository root of the checkout the session was started in (the one the

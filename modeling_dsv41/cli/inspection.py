@@ -275,7 +275,7 @@ def format_training_plan(plans: dict[str, LoraTrainingPlan], longest: dict[str, 
     }
     for moment, names in _grouped(moments).items():
         lines.append(f"activations ({names}) peak at {moment}")
-    local = " (of its routed experts, the rank's own)" if first.ep_size > 1 else ""
+    local = " with the rank's own routed experts" if first.ep_size > 1 else ""
     lines.append(f"largest unit gathered: {first.largest_unit}{local} (and the next one, prefetched)")
     held = {(what, _bytes(nbytes)): [] for plan in plans.values() for what, nbytes in plan.host_bytes.items()}
     for name, plan in plans.items():

@@ -16,7 +16,8 @@
 # steps time out, run it again at once (GPU_BUDGET_S=240, timeout_s=260 fit the 15 minutes): the graphs the first
 # run finished load from the cache instead of compiling again. The AOTAutograd cache is told to take graphs with
 # custom autograd Functions (ours have several; by default it skips them): safe here, the code does not change
-# between the two runs.
+# between the two runs. Checked on CPU (tiny model, training graphs, one thread): 280 s cold, 43 s from Inductor's
+# cache alone, 13.5 s with the AOTAutograd cache too.
 #
 # The device machine's image has torch 2.11 and transformers 5.17; this package needs transformers >= 5.24 (setup.cfg),
 # which needs regex >= 2025.10.22, and PEFT 0.21. Carry them as wheels (see /work/.library/device/README.md, Notes).

@@ -35,7 +35,10 @@ from ..optim import assign_kinds
 from ..optim.policy import FROZEN
 from ..placement import is_engram_table_tensor
 from .fsdp import _kept_fp32, _split_fp32
-from .planning import RESERVE_BYTES, PerDeviceTotal, _fsdp_units, checkpointed_input_bytes_per_token, layer_saved_bytes_per_token
+from .planning import (
+    RESERVE_BYTES, PerDeviceTotal, _fsdp_units, all_to_all_bytes, checkpointed_input_bytes_per_token,
+    layer_saved_bytes_per_token,
+)
 
 PRECISIONS = ("fp32 master", "bf16")
 _EXPERTS = re.compile(r"(^|\.)layers\.\d+\.ffn\.experts\.")
@@ -152,7 +155,6 @@ def plan_full_training(
     plan.largest_layer, (gathered, experts, gradients) = max(layer_cost.items(), key=lambda item: sum(item[1]))
     tokens = seq_len * batch_size
     layers = range(config.num_hidden_layers)
-    slots = tokens * config.num_experts_per_tok * config.hidden_size
     plan.terms["weights (1/world)"] = totals.weights / world
     plan.terms["gradients (1/world)"] = totals.grads / world
     plan.terms["optimizer state (1/world)"] = totals.state / world
@@ -164,7 +166,7 @@ def plan_full_training(
     plan.terms["root weights (gathered all step)"] = totals.root
     plan.terms["checkpointed layer inputs"] = checkpointed_input_bytes_per_token(config) * tokens * len(layers)
     plan.terms["recomputed layer"] = max(layer_saved_bytes_per_token(config, i, seq_len) for i in layers) * tokens
-    plan.terms["all-to-all buffers (routed slots)"] = slots * (2 + 2 + 4 + 4)  # bf16 out and in, fp32 back and in
+    plan.terms["all-to-all buffers (routed slots)"] = all_to_all_bytes(config, tokens)
     plan.terms["logits + loss"] = 3 * tokens * config.vocab_size * 4
     plan.terms["reserve"] = RESERVE_BYTES
     plan.host_bytes["Engram tables (bf16, memory-mapped, per node)"] = totals.tables

@@ -21,8 +21,7 @@ With ``ep_size`` above 1 (``shard_model(..., expert_parallel_size=ep_size)``, th
 ``--expert_parallel_size``; :mod:`.expert_parallel`) the routed experts are split by expert over ``ep_size`` ranks
 and FSDP2-sharded over the others: the frozen shards are still 1/N of everything, but a unit in use gathers only
 its layer's ``E/ep`` local experts with the rest of the layer (the adapters' factors stay in the layer's unit, whole
-once gathered), and the routed slots travel by all-to-all: their buffers are the full planner's
-(:func:`~.full_planning.plan_full_training`).
+once gathered), and the routed slots travel by all-to-all (:func:`all_to_all_bytes`).
 
 With ``offload=True`` (``shard_model(..., offload_policy=CPUOffloadPolicy())``) the frozen shards and the adapters'
 optimizer state live in host memory instead; with ``offload_activations=True`` (``shard_model(...,
@@ -148,6 +147,12 @@ def _frozen_bytes(module: nn.Module, prefix: str = "", experts: bool | None = No
     )
 
 
+def all_to_all_bytes(config, tokens: int) -> int:
+    """Bytes of expert parallelism's all-to-all buffers for ``tokens`` tokens: each routed slot's hidden vector sent
+    and received in bf16, its fp32 output sent back and received."""
+    return tokens * config.num_experts_per_tok * config.hidden_size * (2 + 2 + 4 + 4)
+
+
 def lora_parameters(model: nn.Module, rank: int) -> int:
     """LoRA weights PEFT builds for :data:`LORA_LINEARS` (``r·(in + out)`` each) and :data:`LORA_EXPERTS` (per expert,
     ``r·(in + out)`` for ``gate_up_proj`` and ``down_proj``)."""
@@ -175,15 +180,15 @@ def plan_lora_training(
         raise ValueError(f"ep_size={ep_size} must divide the {n} devices and the {config.n_routed_experts} experts")
     plan = LoraTrainingPlan(n, min(devices.values()), seq_len, batch_size, rank, offload, offload_activations, ep_size)
     units = _fsdp_units(model)
-    # a unit in use gathers its frozen weights (of the routed experts, its E/ep local ones) and fp32 adapters, and
-    # (backward) its adapters' unsharded gradients
-    sizes = {
-        name: (
-            _frozen_bytes(unit, f"{name}.", experts=False) + _frozen_bytes(unit, f"{name}.", experts=True) / ep_size,
-            lora_parameters(unit, rank),
-        )
+    # frozen bytes of each unit: (all but its routed experts, its routed experts)
+    frozen_split = {
+        name: (_frozen_bytes(unit, f"{name}.", experts=False), _frozen_bytes(unit, f"{name}.", experts=True))
         for name, unit in units.items()
     }
+    # a unit in use gathers its frozen weights (of the routed experts, its E/ep local ones) and fp32 adapters, and
+    # (backward) its adapters' unsharded gradients
+    sizes = {name: (rest + experts / ep_size, lora_parameters(units[name], rank))
+             for name, (rest, experts) in frozen_split.items()}
     total = _frozen_bytes(model)
     running = {name: size for name, size in sizes.items() if _runs_in_training(units[name])}
     plan.largest_unit, (frozen, adapted) = max(running.items(), key=lambda item: item[1][0] + 8 * item[1][1])
@@ -204,16 +209,14 @@ def plan_lora_training(
         plan.terms["frozen shards"] = total / n
         plan.terms["adapters + grads + AdamW"] = adapter_state / n
     plan.terms["gathered units (one + prefetch)"] = 2 * (frozen + 4 * adapted) + 4 * adapted
-    plan.terms["root weights (gathered all step)"] = total - sum(_frozen_bytes(unit, f"{name}.") for name, unit in
-                                                                units.items())
+    plan.terms["root weights (gathered all step)"] = total - sum(sum(split) for split in frozen_split.values())
     peak = activation_peak(config, seq_len, batch_size, rank, offload_activations)
     plan.peak_moment, plan.other_moment = peak.moment, peak.other
     plan.terms["checkpointed layer inputs"] = peak.terms["checkpointed layer inputs"]
     plan.terms["recomputed layer"] = peak.terms.get("recomputed layer", 0.0)
     plan.terms["logits + loss"] = peak.terms.get("logits + loss", 0.0)
-    if ep_size > 1:  # bf16 slots out and in, their fp32 outputs back and in (as the full planner counts them)
-        slots = seq_len * batch_size * config.num_experts_per_tok * config.hidden_size
-        plan.terms["all-to-all buffers (routed slots)"] = slots * (2 + 2 + 4 + 4)
+    if ep_size > 1:
+        plan.terms["all-to-all buffers (routed slots)"] = all_to_all_bytes(config, seq_len * batch_size)
     if offload_activations:
         plan.host_bytes["checkpointed layer inputs (this rank)"] = peak.host_bytes
     plan.terms["reserve"] = RESERVE_BYTES
@@ -246,6 +249,7 @@ __all__ = [
     "RESERVE_BYTES",
     "LoraTrainingPlan",
     "PerDeviceTotal",
+    "all_to_all_bytes",
     "checkpointed_input_bytes_per_token",
     "layer_saved_bytes_per_token",
     "longest_sequence",

@@ -178,8 +178,9 @@ def pack_fp4(values: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | codes[..., 1::2] << 4).view(torch.int8)
 
 
-# the two E2M1 values of every byte value, [256, 2]: one table lookup per byte instead of two per nibble
-_FP4_BYTE_VALUES = unpack_fp4(torch.arange(256, dtype=torch.uint8).unsqueeze(0)).view(256, 2)
+# the two fp32 E2M1 values of every byte value, as one 8-byte entry per byte [256] (int64 bits): one 1-D lookup per
+# byte instead of two per nibble; a 1-D index_select is several times faster on CPU than a lookup of [256, 2] rows
+_FP4_BYTE_PAIRS = unpack_fp4(torch.arange(256, dtype=torch.uint8).unsqueeze(0)).view(torch.int64).view(256)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -247,8 +248,9 @@ def dequantize_fp4_rows(packed: torch.Tensor, scale: torch.Tensor, block_size: i
     if cols % block_size != 0:
         raise ValueError(f"dequantize_fp4_rows: {cols} columns are not a multiple of block_size={block_size}")
     _check_scale(packed, scale, (rows, cols // block_size), "dequantize_fp4_rows")
-    values = torch.nn.functional.embedding(packed.view(torch.uint8).int(), _FP4_BYTE_VALUES.to(packed.device))
-    return (values.view(rows, -1, block_size) * scale.float().unsqueeze(-1)).view(rows, cols)
+    pairs = _FP4_BYTE_PAIRS.to(packed.device).index_select(0, packed.view(torch.uint8).flatten().int())
+    values = pairs.view(torch.float32).view(rows, cols // block_size, block_size)
+    return (values * scale.float().unsqueeze(-1)).view(rows, cols)
 
 
 def stored_scale(scale: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,17 @@
 """Peak proportional set size of every Python process started with this folder on ``PYTHONPATH`` and
 ``DSV41_PSS_DIR`` set (tests/test_lora_released_launch.py puts it under a printed ``accelerate launch``).
 
-A thread samples ``/proc/self/smaps`` every 10 ms. PSS counts each shared page (the page cache of a memory-mapped
-file, such as the Engram tables) divided among the processes that map it. What is sampled is the PSS of the
-process's data: every mapping but the code and read-only data of the interpreter and of shared libraries (``.so``
-files). Those pages are code, not data; the processes touch more of them as they run ops for the first time, and
-their share in each process moves as the other processes map them, so counting them would make the rise depend
-on when each process took its baseline (by up to 10 MiB on the 4-process launch). The baseline is the first sample
-taken once the ``__main__`` script has defined ``main`` (its imports done); the peak is the largest sample from then
-to exit, ``loaded`` the largest until ``training.fsdp.load_sharded_weights`` returned. Each process writes
-``pss_<pid>.json`` at exit: its script, baseline, loaded and peak, in bytes, and ``total``: the peak PSS of the
-whole process (code included) minus its PSS at the baseline.
+Once the baseline is taken, a thread samples ``/proc/self/smaps`` 50 ms after its last sample (a sample of a process
+with torch loaded reads ~850 mappings: ~30 ms of CPU, most of it the kernel's; at 10 ms the samplers of 4 processes
+took more than one of the 2 cores and doubled the launch's time). PSS counts each shared page (the page cache of a
+memory-mapped file, such as the Engram tables) divided among the processes that map it. What is sampled is the PSS
+of the process's data: every mapping but the code and read-only data of the interpreter and of shared libraries
+(``.so`` files). Those pages are code, not data; the processes touch more of them as they run ops for the first
+time, and their share in each process moves as the other processes map them, so counting them would make the rise
+depend on when each process took its baseline (by up to 10 MiB on the 4-process launch). The baseline is the first
+sample taken once the ``__main__`` script has defined ``main`` (its imports done); the peak is the largest sample
+from then to exit, ``loaded`` the largest until ``training.fsdp.load_sharded_weights`` returned. Each process writes
+``pss_<pid>.json`` at exit: its script, baseline, loaded and peak, in bytes.
 """
 
 import os
@@ -21,7 +22,7 @@ if os.environ.get("DSV41_PSS_DIR"):
     import sys
     import threading
 
-    _state = {"baseline": None, "peak": 0, "loaded": None, "whole_baseline": None, "whole_peak": 0}
+    _state = {"baseline": None, "peak": 0, "loaded": None}
 
     class _MarkLoaded:
         """Import hook: once ``modeling_dsv41.training.fsdp`` has run, its ``load_sharded_weights`` notes the peak so
@@ -69,23 +70,15 @@ if os.environ.get("DSV41_PSS_DIR"):
                 code = bool(_CODE.search(path)) or path == _EXECUTABLE
         return total
 
-    def _whole_pss() -> int:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
-
     def _sample(stop: threading.Event) -> None:
-        while not stop.wait(0.01):
+        # every 10 ms until the baseline (taken at once when the imports end), every 50 ms after it
+        while not stop.wait(0.01 if _state["baseline"] is None else 0.05):
             main = sys.modules.get("__main__")
             if _state["baseline"] is None:
                 if main is not None and callable(getattr(main, "main", None)):
                     _state["baseline"] = _state["peak"] = _pss()
-                    _state["whole_baseline"] = _state["whole_peak"] = _whole_pss()
                 continue
             _state["peak"] = max(_state["peak"], _pss())
-            _state["whole_peak"] = max(_state["whole_peak"], _whole_pss())
 
     _stop = threading.Event()
     threading.Thread(target=_sample, args=(_stop,), daemon=True).start()
@@ -96,7 +89,6 @@ if os.environ.get("DSV41_PSS_DIR"):
         if _state["baseline"] is None:
             return
         _state["peak"] = max(_state["peak"], _pss())
-        _state["total"] = max(_state.pop("whole_peak"), _whole_pss()) - _state.pop("whole_baseline")
         script = os.path.basename(sys.argv[0]) if sys.argv else ""
         path = os.path.join(os.environ["DSV41_PSS_DIR"], f"pss_{os.getpid()}.json")
         with open(path, "w") as f:

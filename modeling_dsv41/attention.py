@@ -152,8 +152,12 @@ class DeepseekV41Indexer(nn.Module):
         self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False) if owns_keys else None
         self.k_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps) if owns_keys else None
 
+    @torch.no_grad()
     def index_keys(self, latent: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """Index keys [B, T, Di] from unrotated latents [B, T, D]; rotation: [B, T, R] at each group's first token."""
+        """Index keys [B, T, Di] from unrotated latents [B, T, D]; rotation: [B, T, R] at each group's first token.
+
+        Outside autograd like the selection they feed: a compiled graph would otherwise return them as an output
+        that requires grad and hand ``wk`` and ``k_norm`` zero gradients that eager never makes."""
         k = apply_rotary(self.k_norm(self.wk(latent)), rotation)
         return _fp4_qdq_index(k) if self.emulate_quantization else k
 

@@ -163,6 +163,50 @@ class BnbExperts(DeepseekV41Experts):
         )
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Linear4bit on CPUs with AVX512-BF16: repacked for inference, restored for gradients
+# ---------------------------------------------------------------------------------------------------------------------
+
+_QUANT_STATE_FIELDS = ("absmax", "nested", "offset", "state2", "dtype")
+
+
+def _repacks_for_cpu(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``Linear4bit.forward`` is about to repack ``module``'s weight for its CPU inference kernel (its own
+    condition: an AVX512-BF16 CPU, eval mode, an input that needs no gradient)."""
+    state = module.weight.quant_state
+    return (x.device.type == "cpu" and module.support_avx512bf16_for_cpu and not module.training
+            and not x.requires_grad and not getattr(state, "packing_format_for_cpu", False))
+
+
+def _restore_before_gradients(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a ``Linear4bit``: keep what its CPU repacking replaces, and put it back when the module
+    trains or its input needs a gradient. The repacked weight runs through ``bitsandbytes::gemv_4bit``, which has no
+    autograd formula (the gradient reaching the adapters below would be wrong), with its block scales rounded to bf16;
+    the codes are unshuffled exactly by bitsandbytes' inverse, the scales (and a nested state) are the ones kept."""
+    x, state = args[0], module.weight.quant_state
+    if _repacks_for_cpu(module, x):
+        module._dsv41_quant_state = {name: getattr(state, name, None) for name in _QUANT_STATE_FIELDS}
+    elif getattr(state, "packing_format_for_cpu", False) and (module.training or x.requires_grad):
+        import bitsandbytes.functional as bnb_functional
+
+        kept = module._dsv41_quant_state
+        with torch.no_grad():
+            codes, state = bnb_functional._convert_weight_packed_for_cpu_inverse(module.weight.data, state)
+        for name, value in kept.items():
+            setattr(state, name, value)
+        module.weight.data, module.weight.quant_state = codes, state
+
+
+def keep_linear_4bit_differentiable(model: nn.Module) -> None:
+    """Give every ``bitsandbytes.nn.Linear4bit`` of ``model`` :func:`_restore_before_gradients`: evaluating then
+    training a QLoRA model on an AVX512-BF16 CPU computes the same gradients as training alone."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.register_forward_pre_hook(_restore_before_gradients)
+
+
 def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device="meta")
 
@@ -354,6 +398,7 @@ class _ExpertsQuantizing:
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         model = super()._process_model_after_weight_loading(model, **kwargs) or model
+        keep_linear_4bit_differentiable(model)
         report = high_precision_report(model, self.kind, getattr(self, "experts_kept", []))
         implementation = model.config.get_text_config()._experts_implementation
         quantized = any(isinstance(m, BnbExperts) for m in model.modules())

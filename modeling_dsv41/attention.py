@@ -543,7 +543,8 @@ class DeepseekV41Attention(nn.Module):
         r = self.ratio
         counts = lengths // r
         zero = torch.zeros_like(counts)
-        layer_cache.append_compressed(ctx.compress_kv, ctx.index_k if self.indexer is not None else None, zero, counts)
+        index_k = ctx.index_k if self.indexer is not None else None
+        layer_cache.append_compressed(ctx.compress_kv, index_k, zero, counts, columns=x.shape[1])
         if r > 1:
             open_group = (counts * r).unsqueeze(1) + torch.arange(r, device=x.device)
             layer_cache.store_pending(*self.compressor.project(gather_rows(x, open_group)))
@@ -590,7 +591,7 @@ class DeepseekV41Attention(nn.Module):
             index_k = self.indexer.index_keys(latent, group_rot) if self.indexer is not None else None
             latent = apply_rotary(latent, group_rot)
             latent = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
-            layer_cache.append_compressed(latent, index_k, counts, complete)
+            layer_cache.append_compressed(latent, index_k, counts, complete, step.columns)
             ctx.compress_kv = layer_cache.compressed_kv
             if index_k is not None:
                 ctx.index_k = layer_cache.index_keys

@@ -25,6 +25,7 @@ from transformers.utils import logging
 
 from .recompute import recomputed
 from .codec import RELEASED_BLOCK_SIZE, dequantize_fp8_rows
+from .validation import check_on_device, reads_values_on_host
 
 logger = logging.get_logger(__name__)
 
@@ -302,7 +303,9 @@ class DeepseekV41NgramHasher(nn.Module):
             compressed = torch.where(beyond, input_ids % self.compressed_vocab_size, compressed)
             in_range = in_range | beyond
         invalid = ~dead & (~in_range | (compressed < 0))
-        if not torch.compiler.is_compiling() and invalid.any():
+        if not torch.compiler.is_compiling() and not reads_values_on_host(input_ids):
+            check_on_device(~invalid.any(), "input ids without a compressed Engram id (outside the map's tokenizer)")
+        elif not torch.compiler.is_compiling() and invalid.any():
             bad = input_ids[invalid].unique()[:8].tolist()
             raise ValueError(f"input ids {bad} have no compressed Engram id (outside the tokenizer the map was built from)")
         return compressed.masked_fill(dead, DEAD)

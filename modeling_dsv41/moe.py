@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import use_experts_implementation
 
+from .numerics import reference_numerics_active
 from .recompute import recomputed
 from .upstream import _grouped_mm
 
@@ -142,13 +143,14 @@ class DeepseekV41Experts(nn.Module):
     ) -> torch.Tensor:
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D].
 
-        Few routed slots (N·k ≤ E, decoding): :meth:`_forward_per_slot`. Otherwise only experts with tokens run
-        (:func:`routed_experts_forward`, one host sync reading how many each got); under ``torch.compile``, all
-        experts' grouped products over the slots sorted by expert (:func:`grouped_experts_forward`, fixed shapes)."""
+        Few routed slots (N·k ≤ E, decoding): :meth:`_forward_per_slot`. Otherwise, where
+        :func:`uses_grouped_kernels`, all experts' grouped products over the slots sorted by expert
+        (:func:`grouped_experts_forward`, fixed shapes); else only experts with tokens run
+        (:func:`routed_experts_forward`, one host sync reading how many each got)."""
         if top_k_index.numel() <= self.num_experts:
             return self._forward_per_slot(hidden_states, top_k_index, top_k_weights)
         gate_up_proj, down_proj = self.expert_weights()
-        if torch.compiler.is_compiling():
+        if uses_grouped_kernels(gate_up_proj):
             return grouped_experts_forward(
                 hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, self.swiglu_limit
             )
@@ -202,6 +204,16 @@ def _project(x: torch.Tensor, weight: ExpertWeight, rows: slice) -> torch.Tensor
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight[rows])
     return weight.linear(x, rows)
+
+
+def uses_grouped_kernels(weight: torch.Tensor) -> bool:
+    """Whether the routed experts of ``weight`` run as grouped products (:func:`grouped_experts_forward`): under
+    ``torch.compile``, and eagerly in bf16 on an accelerator outside reference numerics, where the per-expert loop's
+    host sync and its E small products cost more than one grouped kernel. On the CPU the loop, which runs only the
+    experts with tokens and sums them in the reference's order, is as fast."""
+    if torch.compiler.is_compiling():
+        return True
+    return weight.device.type != "cpu" and weight.dtype == torch.bfloat16 and not reference_numerics_active()
 
 
 def routed_experts_forward(
@@ -271,7 +283,8 @@ def grouped_experts_forward(
     x = hidden_states.index_select(0, slot_tokens).masked_fill(~valid, 0)
     gate_up = _grouped_mm(x, gate_up_proj.transpose(-2, -1), offsets)  # [N·k, 2·I]
     gate, up = gate_up.chunk(2, dim=-1)
-    weights = top_k_weights.flatten().index_select(0, order).unsqueeze(-1)
+    # the grouped products leave the rows past the last offset undefined: masked, so that no gradient comes of them
+    weights = top_k_weights.flatten().index_select(0, order).unsqueeze(-1).masked_fill(~valid, 0)
     hidden = swiglu_hidden(gate, up, swiglu_limit, x.dtype, weights)
     out = _grouped_mm(hidden, down_proj.transpose(-2, -1), offsets).float().masked_fill(~valid, 0)
     return out.new_zeros(num_tokens, out.shape[-1]).index_add(0, slot_tokens, out)

@@ -1,5 +1,9 @@
 """Checks of user input that would otherwise fail deep inside the model (torch index errors, NaN logits) or name no
-file (a truncated safetensors file). Each is one cheap pass with at most one host sync, run once per forward."""
+file (a truncated safetensors file). Each is one cheap pass, run once per forward.
+
+A check that reads a tensor's values raises an exact error on the CPU, where reading them is free. On an
+accelerator reading a value waits for every queued kernel (a host sync), so the forward's checks are device-side
+assertions there instead (:func:`check_on_device`): the step runs on, and a bad input stops it at the next sync."""
 
 from __future__ import annotations
 
@@ -15,10 +19,25 @@ from processing.image_tokens import ImageTokenType
 IGNORE_INDEX = -100  # labels' ignore index, a common mistake in input_ids
 
 
+def reads_values_on_host(tensor: torch.Tensor) -> bool:
+    """Whether a check of ``tensor``'s values raises here, exactly (on the CPU), or asserts on its device."""
+    return tensor.device.type == "cpu"
+
+
+def check_on_device(valid: torch.Tensor, message: str) -> None:
+    """Assert the 0-d bool ``valid`` on its device, without waiting for it (``torch._assert_async``). CUDA reports
+    a failure as a device-side assertion at the next synchronisation, without ``message``: rerun on the CPU for it."""
+    torch._assert_async(valid, message)
+
+
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """``input_ids`` must be non-empty and within ``[0, vocab_size)``."""
     if input_ids.numel() == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): pass at least one token per row")
+    if not reads_values_on_host(input_ids):
+        in_vocabulary = ((input_ids >= 0) & (input_ids < vocab_size)).all()
+        check_on_device(in_vocabulary, f"input_ids hold token ids outside [0, {vocab_size})")
+        return
     low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
     if low < 0:
         hint = " (-100 is the labels' ignore index: it belongs in labels, not input_ids)" if low == IGNORE_INDEX else ""
@@ -123,6 +142,10 @@ def check_image_inputs(
             spans = int((image_token_types == ImageTokenType.START.value).sum())  # one per image span
             if spans:
                 raise ValueError(f"image_token_types marks {count(spans, 'image span')} but no pixel_values were given: {fix}")
+        elif input_ids is not None and not reads_values_on_host(input_ids):
+            check_on_device(
+                ~(input_ids == image_token_id).any(), f"input_ids hold image placeholders but no pixel_values: {fix}"
+            )
         elif input_ids is not None:
             placeholders = int((input_ids == image_token_id).sum())
             if placeholders:
@@ -175,6 +198,8 @@ __all__ = [
     "check_pixel_values",
     "check_safetensors_file",
     "check_safetensors_folder",
+    "check_on_device",
     "check_text_inputs",
     "count",
+    "reads_values_on_host",
 ]

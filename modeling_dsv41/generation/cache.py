@@ -44,6 +44,7 @@ class CacheStep:
 
     past [B]: real tokens each row had cached before this call. lengths [B]: real tokens after it.
     positions [B, S]: position of each token of the call in its row (rows aligned to start at 0).
+    columns: input columns consumed after this call (known on the host): no row holds more tokens.
     prefill: the cache was empty, so the layers run the full-sequence path and record its state.
     compress_rotary: rotations of compressed layers at given positions (a latent sits at its group's first
     token, which may belong to an earlier call).
@@ -52,6 +53,7 @@ class CacheStep:
     past: torch.Tensor
     lengths: torch.Tensor
     positions: torch.Tensor
+    columns: int
     prefill: bool
     compress_rotary: Callable[[torch.Tensor], torch.Tensor]
 
@@ -83,21 +85,29 @@ def _count(tokens: torch.Tensor) -> int | list[int]:
     return counts[0] if len(set(counts)) == 1 else counts
 
 
+def write_rows(buffer: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor, spare: int) -> None:
+    """In place: ``new[b, :new_counts[b]]`` into ``buffer[b, counts[b]:]`` [B, T, ...], and the rows of ``new`` a row
+    does not keep into column ``spare`` (a fixed-shape write, with no count read back)."""
+    column = torch.arange(new.shape[1], device=new.device)
+    rows = torch.where(column < new_counts.unsqueeze(1), counts.unsqueeze(1) + column, spare)  # [B, n]
+    buffer.scatter_(1, rows.view(*rows.shape, *([1] * (new.ndim - 2))).expand_as(new), new.to(buffer.dtype))
+
+
 def append_rows(
-    buffer: torch.Tensor | None, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor
+    buffer: torch.Tensor | None, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor, width: int
 ) -> torch.Tensor:
     """Write ``new[b, :new_counts[b]]`` after the ``counts[b]`` rows row b already holds in ``buffer`` [B, T, ...].
 
-    Returns a new tensor as wide as the longest row (out of place, so gradients and earlier outputs stay valid).
-    """
-    bsz, n_new = new.shape[:2]
-    width = int((counts + new_counts).max()) if bsz else 0
+    Returns a new tensor ``width`` rows wide (or T if wider): ``width``, known on the host, bounds every row's
+    ``counts + new_counts``, so that the shape needs no count read back. Out of place, so that gradients and earlier
+    outputs stay valid."""
+    bsz = new.shape[0]
     if buffer is None:
         buffer = new.new_zeros(bsz, 0, *new.shape[2:])
-    if width > buffer.shape[1]:
-        buffer = torch.cat([buffer, buffer.new_zeros(bsz, width - buffer.shape[1], *buffer.shape[2:])], dim=1)
-    row, col = (torch.arange(n_new, device=new.device) < new_counts.unsqueeze(1)).nonzero(as_tuple=True)
-    return buffer.index_put((row, counts[row] + col), new[row, col].to(buffer.dtype))
+    width = max(width, buffer.shape[1])
+    grown = torch.cat([buffer, buffer.new_zeros(bsz, width + 1 - buffer.shape[1], *buffer.shape[2:])], dim=1)
+    write_rows(grown, counts, new, new_counts, spare=width)
+    return grown[:, :width]
 
 
 class DeepseekV41LayerCache:
@@ -152,12 +162,19 @@ class DeepseekV41LayerCache:
         return keys[:, -(self.window + kv.shape[1]) :]
 
     def append_compressed(
-        self, compressed_kv: torch.Tensor, index_keys: torch.Tensor | None, counts: torch.Tensor, new_counts: torch.Tensor
+        self,
+        compressed_kv: torch.Tensor,
+        index_keys: torch.Tensor | None,
+        counts: torch.Tensor,
+        new_counts: torch.Tensor,
+        columns: int,
     ) -> None:
-        """Add ``new_counts[b]`` compressed rows (and their index keys) after the ``counts[b]`` row b holds."""
-        self._append("compressed_kv", counts, compressed_kv, new_counts)
+        """Add ``new_counts[b]`` compressed rows (and their index keys) after the ``counts[b]`` row b holds; after
+        them no row has more than ``columns`` tokens (:attr:`CacheStep.columns`)."""
+        rows = columns // self.ratio
+        self._append("compressed_kv", counts, compressed_kv, new_counts, rows)
         if index_keys is not None:
-            self._append("index_keys", counts, index_keys, new_counts)
+            self._append("index_keys", counts, index_keys, new_counts, rows)
 
     def store_pending(self, kv: torch.Tensor, score: torch.Tensor) -> None:
         """The open group's fp32 projections [B, r, D] after a full pass."""
@@ -284,8 +301,8 @@ class DeepseekV41LayerCache:
         """Replace one piece of state (out of place: earlier outputs that alias it stay valid)."""
         setattr(self, name, value)
 
-    def _append(self, name: str, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor) -> None:
-        setattr(self, name, append_rows(getattr(self, name), counts, new, new_counts))
+    def _append(self, name: str, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor, rows: int) -> None:
+        setattr(self, name, append_rows(getattr(self, name), counts, new, new_counts, rows))
 
     # ---- batch bookkeeping (beam search, num_return_sequences) ----------------------------------------------
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -456,7 +473,11 @@ class DeepseekV41Cache(Cache):
             if past.shape[0] != new_tokens.shape[0]:
                 raise ValueError(f"the cache holds {past.shape[0]} rows but the inputs have {new_tokens.shape[0]}")
         positions = past.unsqueeze(1) + torch.arange(seq_len, device=device)
-        return CacheStep(past, past + new_tokens, positions, prefill, compress_rotary)
+        return CacheStep(past, past + new_tokens, positions, self._columns_after(seq_len), prefill, compress_rotary)
+
+    def _columns_after(self, seq_len: int) -> int:
+        """Input columns consumed after a call of ``seq_len`` (the longest row's, after :meth:`crop_rows`)."""
+        return self.seen_tokens + seq_len
 
     def finish_step(self, step: CacheStep, seq_len: int) -> None:
         self._store("lengths", step.lengths)
@@ -579,14 +600,12 @@ class DeepseekV41StaticLayerCache(DeepseekV41LayerCache):
         else:
             held.copy_(value)
 
-    def _append(self, name: str, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor) -> None:
+    def _append(self, name: str, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor, rows: int) -> None:
         held = getattr(self, name)
         if held is None or held.shape[0] != new.shape[0] or held.dtype != new.dtype:
             held = _static_buffer(new.new_zeros(new.shape[0], self.max_rows + 1, *new.shape[2:]))
             setattr(self, name, held)
-        column = torch.arange(new.shape[1], device=new.device)
-        rows = torch.where(column < new_counts.unsqueeze(1), counts.unsqueeze(1) + column, self.max_rows)  # [B, n]
-        held.scatter_(1, rows.view(*rows.shape, *([1] * (new.ndim - 2))).expand_as(new), new)
+        write_rows(held, counts, new, new_counts, spare=self.max_rows)
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in self._STATE:
@@ -670,6 +689,9 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
                 f"{seq_len} more were passed (size it with max_cache_len)"
             )
         return super().step(new_tokens, seq_len, compress_rotary)
+
+    def _columns_after(self, seq_len: int) -> int:
+        return self.max_cache_len  # a bound without reading the column count back; the buffers are this wide
 
     def finish_step(self, step: CacheStep, seq_len: int) -> None:
         self._store("lengths", step.lengths)

@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import functools
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -111,6 +112,19 @@ def build_transformers_v4(ours: DeepseekV41ForCausalLM, use_cache: bool = False)
         use_cache=use_cache,
     )
     return DeepseekV4ForCausalLM(config)
+
+
+def as_loaded(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """``model`` on ``device`` in ``dtype`` as ``from_pretrained(dtype=...)`` leaves it: the modules a model keeps in
+    fp32 (``_keep_in_fp32_modules_strict``: ours mHC, sinks, router biases, LM head...; V4's likewise) stay fp32."""
+    model.to(device, dtype)
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None)
+    if keep and dtype in (torch.float16, torch.bfloat16):
+        pattern = re.compile(r"(?:^|\.)(?:" + "|".join(map(re.escape, keep)) + r")(?:\.|$)")
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if pattern.search(name) and tensor.is_floating_point():
+                tensor.data = tensor.data.float()
+    return model
 
 
 def make_inputs(model: DeepseekV41ForCausalLM, batch: int, seq: int, image: bool, seed: int = 0) -> dict:
@@ -416,7 +430,7 @@ def main() -> None:
     hf_logging.set_verbosity_error()  # V4's YaRN check warns about the tiny original_max_position_embeddings
     ours = build_ours(engram=not args.no_engram, size=args.size)
     theirs = build_transformers_v4(ours)
-    ours, theirs = ours.to(device, dtype), theirs.to(device, dtype)
+    ours, theirs = as_loaded(ours, device, dtype), as_loaded(theirs, device, dtype)
     text_inputs = to_device(make_inputs(ours, args.batch, args.seq, image=False), device, dtype)
     models = {"ours (DeepseekV41ForCausalLM)": ours, "transformers DeepseekV4ForCausalLM": theirs}
     no_cache = text_inputs | {"use_cache": False}  # full-sequence forwards: neither model builds a decode cache

@@ -64,7 +64,7 @@ except ImportError:
     DeepseekV41StaticCache = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling forward.py, however this script is run
-from forward import SIZES, build_ours, build_transformers_v4  # noqa: E402
+from forward import SIZES, as_loaded, build_ours, build_transformers_v4  # noqa: E402
 
 
 def build(size: str, device: str, dtype: torch.dtype) -> tuple[DeepseekV41ForCausalLM, nn.Module]:
@@ -72,7 +72,7 @@ def build(size: str, device: str, dtype: torch.dtype) -> tuple[DeepseekV41ForCau
     torch.manual_seed(0)
     ours = build_ours(engram=size == "tiny", size=size)
     theirs = build_transformers_v4(ours, use_cache=True)
-    return ours.eval().to(device, dtype), theirs.eval().to(device, dtype)
+    return as_loaded(ours.eval(), device, dtype), as_loaded(theirs.eval(), device, dtype)
 
 
 def synchronized(device: str) -> float:

@@ -9,14 +9,16 @@ seconds) and every branch taken is the one for a device that is not the CPU. A `
 after autograd and composite decompositions (``F.linear`` is its transpose view and an ``mm``) and counts:
 
 - ops: every op but views (which launch nothing) and the read-backs counted below;
-- non-matmul bytes: the bytes each of those ops reads and writes (its tensor inputs and outputs), matrix products
-  (``mm``, ``bmm``, ``addmm``, grouped ``mm``, attention kernels) left out;
+- non-matmul bytes: the bytes each of those ops reads and writes (its tensor inputs and outputs; a gather reads the
+  rows it outputs, not its whole source), matrix products (``mm``, ``bmm``, ``addmm``, grouped ``mm``, attention
+  kernels) left out;
 - host syncs: the ops that read a value back, by where they were called from. On the meta device there is no value:
   the mode answers them with zeros (an empty ``nonzero``) so that the step goes on, and says so.
 
 Sizes (``--size``, from benchmarks/forward.py): ``medium`` (default; issue 15's ~510M configuration, no Engram) or
 ``tiny``. Training: ``--batch`` × ``--seq`` tokens (4 × 2048), loss on the inputs, bf16. Decode: one token at
-batch 1 after a ``--context``-token prefill (1024), each model with its own dynamic cache.
+batch 1 after a ``--context``-token prefill (1024), each model with its own dynamic cache. Both models are cast as
+``from_pretrained(dtype=torch.bfloat16)`` leaves them: bf16, with the modules each keeps in fp32.
 
 Usage: ``python benchmarks/op_counts.py [--size medium|tiny] [--batch 4] [--seq 2048] [--context 1024]``
 """
@@ -37,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling forward.py, however this script is run
-from forward import SIZES, build_ours, build_transformers_v4  # noqa: E402
+from forward import SIZES, as_loaded, build_ours, build_transformers_v4  # noqa: E402
 
 aten = torch.ops.aten
 MATMULS = frozenset({
@@ -47,6 +49,7 @@ MATMULS = frozenset({
     aten._efficient_attention_backward, aten._scaled_dot_product_efficient_attention_backward,
     aten._scaled_dot_product_flash_attention_backward, aten._scaled_dot_product_flash_attention_for_cpu_backward,
 })
+GATHERS = frozenset({aten.index_select, aten.embedding, aten.gather, aten.index})
 # ops that read values back to the host; a repeat_interleave without output_size reads its total
 READ_BACKS = frozenset({
     aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_consecutive,
@@ -72,6 +75,15 @@ def _nbytes(tensors) -> int:
         for t in tensors
         if isinstance(t, torch.Tensor)
     )
+
+
+def _moved_bytes(func, args: tuple, kwargs: dict, out) -> int:
+    """Bytes an op reads and writes: its tensor inputs and outputs; a gather reads only the rows it outputs."""
+    written = _nbytes(tree_flatten(out)[0])
+    if func.overloadpacket in GATHERS:
+        indices = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+        return 2 * written + _nbytes(indices)
+    return _nbytes(tree_flatten((args, kwargs))[0]) + written
 
 
 def _is_read_back(func, kwargs: dict) -> bool:
@@ -118,7 +130,7 @@ class StepCounter(TorchDispatchMode):
             self.count.ops += 1
             self.count.ops_by_name[name] += 1
             if func.overloadpacket not in MATMULS:
-                moved = _nbytes(tree_flatten((args, kwargs))[0]) + _nbytes(tree_flatten(out)[0])
+                moved = _moved_bytes(func, args, kwargs, out)
                 self.count.non_matmul_bytes += moved
                 self.count.bytes_by_name[name] += moved
         return out
@@ -149,11 +161,12 @@ def decode_step_count(model: nn.Module, context: int) -> StepCount:
 
 
 def build_on_meta(size: str) -> dict[str, nn.Module]:
-    """Ours and transformers' V4 at ``size`` in bf16 on the meta device (the V4 built from ours, as forward.py)."""
+    """Ours and transformers' V4 at ``size`` in bf16 (their fp32 modules kept, as loaded) on the meta device (the V4
+    built from ours, as forward.py)."""
     torch.manual_seed(0)
     ours = build_ours(engram=size == "tiny", size=size)
     theirs = build_transformers_v4(ours, use_cache=True)
-    return {"ours": ours.to("meta", torch.bfloat16), "transformers V4": theirs.to("meta", torch.bfloat16)}
+    return {"ours": as_loaded(ours, "meta", torch.bfloat16), "transformers V4": as_loaded(theirs, "meta", torch.bfloat16)}
 
 
 def report(counts: dict[str, StepCount], title: str, top: int) -> None:

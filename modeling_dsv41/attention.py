@@ -16,8 +16,9 @@ Per layer ``i`` with ``compress_ratios[i] = r``:
 
 Each query attends over a list of *slots* (rows of the concatenated [window K=V; compressed K=V], -1 for none)
 laid out as the reference lays them out: its window positions oldest first, then its selected compressed rows in
-position order. :func:`sink_attention` reduces them in the reference kernel's blocks of 64 slots, so that the
-float rounding, and with it the logits, follow the reference's. A full pass runs the indexer and the attention
+position order. :func:`sink_attention` reduces them in the reference kernel's blocks of 64 slots, so that the float
+rounding, and with it the logits, follow the reference's; inference outside reference numerics takes as many as fit
+a memory bound (:func:`slots_per_step`: a decode step's query all at once), for fewer ops. A full pass runs the indexer and the attention
 over ``query_chunk_size`` queries at a time, by the same per-query ops, so that its memory grows linearly with the
 sequence length.
 
@@ -46,6 +47,21 @@ _fp4_qdq_kv = straight_through(fp4_qdq_e4m3_scale)
 _fp4_qdq_index = straight_through(fp4_qdq_e8m0_scale)
 # Slots per step of the reference kernel's online softmax (its tile of gathered K=V rows).
 SPARSE_ATTENTION_BLOCK = 64
+# In inference, outside reference numerics, a step takes as many slots as keep its gathered fp32 keys and logits
+# within this many bytes (at least the kernel's 64): each step is some twenty ops, and a decode step's query takes
+# all its slots in one.
+SPARSE_ATTENTION_STEP_BYTES = 64 * 2**20
+
+
+def slots_per_step(q: torch.Tensor) -> int:
+    """Slots per step of an online softmax that keeps nothing for a backward (inference: decoding, eval), for queries
+    q [B, S, H, D]: as many as :data:`SPARSE_ATTENTION_STEP_BYTES` allows, at least :data:`SPARSE_ATTENTION_BLOCK`.
+    Training, reference numerics (the reference kernel's rounding points) and ``torch.compile`` (which fuses the
+    steps' ops, and would otherwise recompile for each sequence length) take the kernel's 64."""
+    if reference_numerics_active() or torch.compiler.is_compiling():
+        return SPARSE_ATTENTION_BLOCK
+    bsz, seq_len, n_heads, dim = q.shape
+    return max(SPARSE_ATTENTION_BLOCK, SPARSE_ATTENTION_STEP_BYTES // (4 * bsz * seq_len * (dim + 2 * n_heads)))
 
 
 @dataclass
@@ -239,20 +255,24 @@ def sink_attention(
 
     q [B,S,H,D], kv [B,N,D], slots [B,S,K] (rows of kv, -1 = empty), sink [H] → [B,S,H,D]. For the backward it keeps
     q, kv, the slots, the sink, the output and each row's log-sum-exp, not the gathered keys or the probabilities:
-    :func:`sink_attention_backward` recomputes them block by block, as sparse attention kernels do.
+    :func:`sink_attention_backward` recomputes them block by block, as sparse attention kernels do. Without a
+    gradient to track it is the forward alone, in fewer steps (:func:`slots_per_step`).
     """
-    return _SinkAttention.apply(q, kv, slots, sink, scale)
+    if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or sink.requires_grad):
+        return _SinkAttention.apply(q, kv, slots, sink, scale)
+    return sink_attention_forward(q, kv, slots, sink, scale, slots_per_step(q))[0]
 
 
 def sink_attention_forward(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float,
+    step: int = SPARSE_ATTENTION_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The output of :func:`sink_attention` [B,S,H,D] and each row's log-sum-exp [B,S,H] (fp32, over its slots'
     logits and its sink).
 
-    As in the reference kernel, an online softmax runs over blocks of :data:`SPARSE_ATTENTION_BLOCK` slots:
-    probabilities are taken against the running maximum and rounded to the activation dtype before the PV product,
-    while the denominator and the accumulator stay fp32. A query with no slot to attend to gets zeros. Written in
+    As in the reference kernel, an online softmax runs over blocks of ``step`` slots (the kernel's 64; wider in
+    inference, :func:`slots_per_step`): probabilities are taken against the running maximum and rounded to the activation dtype
+    before the PV product, while the denominator and the accumulator stay fp32. A query with no slot to attend to gets zeros. Written in
     differentiable ops, so autograd of it is the plain backward that keeps every block's keys and probabilities.
     """
     bsz, seq_len, n_heads, dim = q.shape
@@ -260,8 +280,8 @@ def sink_attention_forward(
     peak = qf.new_full((bsz, seq_len, n_heads), -1e30)  # finite, so a block of empty slots gives exp(-inf) = 0
     denom = qf.new_zeros(bsz, seq_len, n_heads)
     acc = qf.new_zeros(bsz, seq_len, n_heads, dim)
-    for start in range(0, slots.shape[-1], SPARSE_ATTENTION_BLOCK):
-        block = slots[..., start : start + SPARSE_ATTENTION_BLOCK]
+    for start in range(0, slots.shape[-1], step):
+        block = slots[..., start : start + step]
         peak, denom, acc = _online_softmax_step(qf, kvf, block, scale, peak, denom, acc, q.dtype)
     denom = denom + torch.exp(sink.float() - peak)
     return (acc / denom.unsqueeze(-1)).to(q.dtype), peak + torch.log(denom)

@@ -21,22 +21,56 @@ def sinkhorn_split(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split projected mixes [..., (2+hc)·hc] into pre [..., hc], post [..., hc] and a doubly-stochastic comb [..., hc, hc]."""
     hc = hc_mult
-    scale, base = scale.float(), base.float()
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb = mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]
+    sizes = [hc, hc, hc * hc]
+    (pre, post, comb), (pre_base, post_base, comb_base) = mixes.split(sizes, dim=-1), base.float().split(sizes)
+    pre_scale, post_scale, comb_scale = scale.float().unbind()  # (split and unbind: one op each in the backward)
+    pre = torch.sigmoid(pre * pre_scale + pre_base) + eps
+    post = 2 * torch.sigmoid(post * post_scale + post_base)
+    comb = comb * comb_scale + comb_base
     # Sinkhorn on [hc, hc, tokens]: the row and column sums become adds of contiguous token vectors (3-4x faster on
     # CPU than reducing a trailing dim of 4) and add in the same order, so the result is bit-identical.
     lead = comb.shape[:-1]
-    comb = comb.reshape(-1, hc, hc).permute(1, 2, 0).contiguous()
-    comb = torch.exp(comb - comb.amax(dim=1, keepdim=True))
-    comb = comb / comb.sum(dim=1, keepdim=True) + eps  # softmax over rows, then Sinkhorn
-    comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
-    comb = comb.permute(2, 0, 1).reshape(*lead, hc, hc)
-    return pre, post, comb
+    comb = _Sinkhorn.apply(comb.reshape(-1, hc, hc).permute(1, 2, 0).contiguous(), iters, eps)
+    return pre, post, comb.permute(2, 0, 1).reshape(*lead, hc, hc)
+
+
+def _sinkhorn_dims(iters: int) -> list[int]:
+    """The dim each normalisation sums over after the softmax: columns (0), then rows and columns ``iters - 1`` times."""
+    return [0] + [1, 0] * (iters - 1)
+
+
+class _Sinkhorn(torch.autograd.Function):
+    """Softmax over rows then Sinkhorn's alternate normalisations of comb logits [hc, hc, N], as the reference: a
+    step is ``x / (x.sum(dim) + eps)``. The backward keeps the softmax and each step's normaliser [hc, 1, N] or
+    [1, hc, N] (not the iterates: each is one division of the previous, replayed exactly), and takes a step's
+    gradient in four ops, ``(g - Σ_dim g·y) / d``, where autograd of the division takes about twice as many."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        comb = torch.exp(logits - logits.amax(dim=1, keepdim=True))
+        softmax = comb / comb.sum(dim=1, keepdim=True)
+        comb, normalisers = softmax + eps, []
+        for dim in _sinkhorn_dims(iters):
+            normalisers.append(comb.sum(dim=dim, keepdim=True) + eps)
+            comb = comb / normalisers[-1]
+        ctx.save_for_backward(softmax, *normalisers)
+        ctx.eps, ctx.reference_numerics = eps, reference_numerics_active()
+        return comb
+
+    @staticmethod
+    @once_differentiable
+    @backward_in_forward_numerics
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax, *normalisers = ctx.saved_tensors
+        iterates, comb = [], softmax + ctx.eps
+        for normaliser in normalisers:
+            comb = comb / normaliser
+            iterates.append(comb)
+        dims = _sinkhorn_dims(len(normalisers) // 2 + 1)
+        for dim, iterate, normaliser in zip(reversed(dims), reversed(iterates), reversed(normalisers)):
+            grad = (grad - (grad * iterate).sum(dim=dim, keepdim=True)) / normaliser
+        # the softmax's: shift-invariant, so the max subtracted before the exp gets none
+        return softmax * (grad - (grad * softmax).sum(dim=1, keepdim=True)), None, None
 
 
 class DeepseekV41HyperConnection(nn.Module):
@@ -53,18 +87,17 @@ class DeepseekV41HyperConnection(nn.Module):
     def mixes(
         self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B,S,hc,D] → (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), all fp32. Recomputed in the backward
-        (:func:`~.recompute.recomputed`): the backward keeps x, which collapse and expand keep anyway, rather than
-        its fp32 copy and Sinkhorn's iterations."""
-        return recomputed(self._mixes, x, fn, scale, base)
-
-    def _mixes(
-        self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        flat = x.flatten(2).float()  # one RMS statistic per token over all copies
-        rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        mixes = F.linear(flat, fn.float()) * rstd
+        """x [B,S,hc,D] → (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc]), all fp32. The projection is recomputed in
+        the backward (:func:`~.recompute.recomputed`), which keeps x (collapse and expand keep it anyway) rather
+        than its fp32 copy; Sinkhorn keeps its normalisers (:class:`_Sinkhorn`)."""
+        mixes = recomputed(self._project, x, fn)
         return sinkhorn_split(mixes, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
+
+    def _project(self, x: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+        """x [B,S,hc,D] → the mixes [B,S,(2+hc)·hc] (fp32): one RMS statistic per token over all copies."""
+        flat = x.flatten(2).float()
+        rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        return F.linear(flat, fn.float()) * rstd
 
     @staticmethod
     def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

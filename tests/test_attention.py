@@ -34,8 +34,12 @@ def dense_sink_attention(q, kv, slots, sink, scale):
     return out
 
 
-def test_blockwise_softmax_equals_the_plain_formula_across_blocks():
-    """More slots than one block, empty slots scattered through them, a query with no slot at all."""
+@pytest.mark.parametrize("step_bytes", [0, None], ids=["steps of the kernel's 64 slots", "all slots in one step"])
+def test_blockwise_softmax_equals_the_plain_formula_across_blocks(monkeypatch, step_bytes):
+    """More slots than one block, empty slots scattered through them, a query with no slot at all; in the kernel's
+    blocks (as in reference numerics) or in as few steps as the memory bound allows (otherwise: here one)."""
+    if step_bytes is not None:
+        monkeypatch.setattr(attention, "SPARSE_ATTENTION_STEP_BYTES", step_bytes)
     generator = torch.Generator().manual_seed(0)
     bsz, seq, heads, dim, rows = 2, 5, 3, 16, 200
     q = torch.randn(bsz, seq, heads, dim, generator=generator)
@@ -52,6 +56,17 @@ def test_blockwise_softmax_equals_the_plain_formula_across_blocks():
     assert torch.equal(out[1, 2], torch.zeros(heads, dim))
     _, grad_q, _, grad_sink = sink_attention_grads(q, kv, slots, sink, torch.ones_like(q))
     assert torch.equal(grad_q[1, 2], torch.zeros(heads, dim)) and grad_sink.isfinite().all()
+
+
+def test_the_online_softmax_takes_the_kernels_blocks_in_reference_numerics_and_fewer_steps_otherwise():
+    """A decode step's query (one token) takes all its slots at once; a long pass keeps the kernel's 64, the memory
+    of its gathered keys bounded; reference numerics always takes 64, the reference kernel's rounding points."""
+    one_token = torch.zeros(1, 1, 16, 512)
+    long_pass = torch.zeros(4, 2048, 16, 512)
+    assert attention.slots_per_step(one_token) >= 8192
+    assert attention.slots_per_step(long_pass) == SPARSE_ATTENTION_BLOCK
+    with reference_numerics():
+        assert attention.slots_per_step(one_token) == SPARSE_ATTENTION_BLOCK
 
 
 def test_window_slots_follow_the_reference_layout():

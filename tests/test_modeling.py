@@ -562,6 +562,44 @@ def test_hyper_connection_mixing_gradients_match_autograd_of_the_formula(dtype):
             torch.testing.assert_close(grad, expected, rtol=0, atol=ulp * expected.abs().max().item())
 
 
+def plain_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The reference's Sinkhorn on comb logits [hc, hc, N], for autograd to differentiate."""
+    comb = torch.exp(comb - comb.amax(dim=1, keepdim=True))
+    comb = comb / comb.sum(dim=1, keepdim=True) + eps
+    comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=0, keepdim=True) + eps)
+    return comb
+
+
+@pytest.mark.parametrize("iters", [1, 2, 20])
+def test_sinkhorn_gradients_match_autograd_of_the_formula(iters):
+    """The Sinkhorn function runs the reference's ops forward (same bits) and a four-op step backward from its saved
+    normalisers: its gradient agrees with autograd of the plain formula to fp32 rounding, both measured against the
+    formula's fp64 gradient (ours may not be further off than autograd's own fp32 gradient, plus 1e-6 of the largest)."""
+    from modeling_dsv41.hyper_connections import _Sinkhorn
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 4, 300, generator=g) * 3
+    probe = torch.randn(4, 4, 300, generator=g)
+    results = {}
+    for name, dtype, function in (
+        ("ours", torch.float32, lambda t: _Sinkhorn.apply(t, iters, 1e-6)),
+        ("autograd", torch.float32, lambda t: plain_sinkhorn(t, iters, 1e-6)),
+        ("fp64", torch.float64, lambda t: plain_sinkhorn(t, iters, 1e-6)),
+    ):
+        leaf = logits.to(dtype, copy=True).requires_grad_()
+        out = function(leaf)
+        (out * probe.to(dtype)).sum().backward()
+        results[name] = (out.detach(), leaf.grad)
+    assert torch.equal(results["ours"][0], results["autograd"][0])
+    exact = results["fp64"][1]
+    our_error = (results["ours"][1].double() - exact).abs().max()
+    autograd_error = (results["autograd"][1].double() - exact).abs().max()
+    assert our_error <= autograd_error + 1e-6 * exact.abs().max(), (our_error, autograd_error)
+
+
 def test_hyper_connection_mixing_compiles_in_one_graph():
     """The custom-backward collapse / expand do not break a ``torch.compile(fullgraph=True)`` graph (compiled decode),
     with or without gradients."""

@@ -181,12 +181,12 @@ def test_grpo_rollouts_with_dspark_are_the_plain_ones(folders, tmp_path, monkeyp
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from modeling_dsv41 import modeling_dsv41
+    from modeling_dsv41.generation import generate
 
     prompts = runpy.run_path(str(EXAMPLES / "trl_grpo.py"))["caption_prompts"](4)
     speculative = []  # DSpark decoding loops run
-    decoding = modeling_dsv41.dspark_decoding
-    monkeypatch.setattr(modeling_dsv41, "dspark_decoding", lambda *a, **k: (speculative.append(1), decoding(*a, **k))[1])
+    decoding = generate.dspark_decoding
+    monkeypatch.setattr(generate, "dspark_decoding", lambda *a, **k: (speculative.append(1), decoding(*a, **k))[1])
     completions = {}
     for use_mtp in (False, True):
         seen: list[str] = []

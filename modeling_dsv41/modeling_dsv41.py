@@ -69,13 +69,7 @@ from .released.loading import finish_checkpoint_load, loads_natively, prepare_ch
 from .released.reading import hub_arguments
 from .residual_stream import ResidualStream
 from .rotary import DeepseekV41RotaryEmbedding
-from .validation import (
-    check_image_inputs,
-    check_on_device,
-    check_pixel_values,
-    check_text_inputs,
-    reads_values_on_host,
-)
+from .validation import check_image_inputs, check_pixel_values, check_text_inputs, require
 from .vision import DeepseekV41Aligner, DeepseekV41VisionTransformer, merge_image_embeddings
 
 logger = logging.get_logger(__name__)
@@ -836,7 +830,7 @@ def _new_tokens_per_row(attention_mask: torch.Tensor | None, hidden: torch.Tenso
         return torch.full((bsz,), seq_len, dtype=torch.long, device=hidden.device)
     if not prefill:
         if not torch.compiler.is_compiling():
-            _require(
+            require(
                 attention_mask[:, -seq_len:].bool().all(),
                 "with a non-empty cache the new tokens must all be real (attention_mask 1): only the first call "
                 "(the prefill) may be padded",
@@ -844,19 +838,11 @@ def _new_tokens_per_row(attention_mask: torch.Tensor | None, hidden: torch.Tenso
         return torch.full((bsz,), seq_len, dtype=torch.long, device=hidden.device)
     mask = attention_mask.bool()
     lengths = mask.sum(dim=1)
-    _require(
+    require(
         (mask == (torch.arange(seq_len, device=mask.device) < lengths.unsqueeze(1))).all(),
         "with a cache, attention_mask must mark one run of real tokens per row (left or right padding only)",
     )
     return lengths
-
-
-def _require(valid: torch.Tensor, message: str) -> None:
-    """A ``ValueError`` unless the 0-d bool ``valid``, on the CPU; a device-side assertion elsewhere."""
-    if not reads_values_on_host(valid):
-        check_on_device(valid, message)
-    elif not bool(valid):
-        raise ValueError(message)
 
 
 def _in_caller_layout(outputs: DeepseekV41ModelOutputWithPast, shift: torch.Tensor) -> DeepseekV41ModelOutputWithPast:

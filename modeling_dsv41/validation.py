@@ -30,6 +30,15 @@ def check_on_device(valid: torch.Tensor, message: str) -> None:
     torch._assert_async(valid, message)
 
 
+def require(valid: torch.Tensor, message: str) -> None:
+    """A ``ValueError`` with ``message`` unless the 0-d bool ``valid``, on the CPU; a device-side assertion
+    elsewhere (:func:`check_on_device`)."""
+    if not reads_values_on_host(valid):
+        check_on_device(valid, message)
+    elif not bool(valid):
+        raise ValueError(message)
+
+
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """``input_ids`` must be non-empty and within ``[0, vocab_size)``."""
     if input_ids.numel() == 0:
@@ -202,4 +211,5 @@ __all__ = [
     "check_text_inputs",
     "count",
     "reads_values_on_host",
+    "require",
 ]

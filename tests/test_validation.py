@@ -160,3 +160,17 @@ def test_inputs_past_max_position_embeddings_are_an_error_in_forward_and_generat
     with pytest.raises(ValueError, match=r"max_length=27 tokens \(an input of 24\) passes max_position_embeddings \(26\)"):
         model.generate(ids(), max_new_tokens=3, do_sample=False)
     assert model.generate(ids(), max_new_tokens=2, do_sample=False).shape[1] == SEQ + 2
+
+
+@torch.no_grad()
+def test_a_cache_refuses_masks_it_cannot_align():
+    """With a cache, a prefill mask must hold one run of real tokens per row and a decode step's tokens must be
+    real: a ValueError names each on the CPU (a device-side assertion on accelerators)."""
+    model = tiny_model()
+    ids = torch.randint(3, 500, (2, 6), generator=torch.Generator().manual_seed(0))
+    holed = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="one run of real tokens per row"):
+        model(input_ids=ids, attention_mask=holed, use_cache=True)
+    cache = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True).cache
+    with pytest.raises(ValueError, match="new tokens must all be real"):
+        model(input_ids=ids[:, :1], attention_mask=torch.tensor([[1] * 6 + [0], [1] * 7]), cache=cache)

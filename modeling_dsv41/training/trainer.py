@@ -11,9 +11,10 @@
   frozen base, which an adapter does not save).
 
 With ``push_to_hub=True`` it adds :class:`~.hub_push.RemoteCodeCallback`, so that each push during training loads with
-``trust_remote_code=True``. It also makes checkpoints atomic: each is written into ``tmp-checkpoint-N/`` and renamed to ``checkpoint-N`` once
-complete, so a process killed mid-save leaves no ``checkpoint-N`` that resuming would pick and crash on; resuming
-skips, with a warning, any ``checkpoint-N`` without ``trainer_state.json`` (written last; left by older saves).
+``trust_remote_code=True``. It also makes checkpoints atomic (:mod:`.checkpointing`): each is written into
+``tmp-checkpoint-N/`` and renamed to ``checkpoint-N`` once complete, so a process killed mid-save leaves no
+``checkpoint-N`` that resuming would pick and crash on; resuming skips, with a warning, any ``checkpoint-N`` without
+``trainer_state.json`` (written last; left by older saves).
 NaN / inf losses are logged as they are (``logging_nan_inf_filter`` defaults to ``False``).
 
 Under accelerate's FSDP2 plugin (``fsdp_version: 2``) it shards the model itself with :func:`~.fsdp.shard_model`
@@ -33,8 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,11 +42,13 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import rotate_checkpoints
 from transformers.training_args import OptimizerNames
 
 from ..released.native_precision import check_trainable
 from ..optim import KINDS, MixedOptimizer, assignment_table, build_param_groups, freeze_default_parameters
+from . import checkpointing
+from .checkpointing import StagedCheckpoint, is_complete_checkpoint, last_complete_checkpoint, remove_interrupted_saves
 from .compilation import compile_blocks
 from .expert_parallel import check_expert_parallel_arguments, check_expert_parallel_trainer
 from .hub_push import RemoteCodeCallback
@@ -56,50 +57,6 @@ from .offload import offload_checkpointed_inputs
 from .router_balancing import RouterBiasBalancer, is_adapter_model
 
 logger = logging.getLogger(__name__)
-
-# a checkpoint is written under `tmp-checkpoint-N/checkpoint-N`, then moved to `checkpoint-N`: transformers only
-# considers folders named exactly `checkpoint-N`, so a half-written one is never resumed from nor rotated
-STAGING_PREFIX = "tmp-"
-_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-
-
-def is_complete_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a finished Trainer checkpoint: ``trainer_state.json`` is the last file a save writes."""
-    return (Path(path) / TRAINER_STATE_NAME).is_file()
-
-
-def last_complete_checkpoint(folder: str | os.PathLike) -> str | None:
-    """The newest complete ``checkpoint-N`` in ``folder`` (None if there is none).
-
-    Incomplete ones (a save killed before atomic checkpoints, or copied partially) and staging leftovers are
-    skipped with a warning, so a rerun resumes from the last checkpoint that can be resumed from.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    leftovers = sorted(p.name for p in folder.glob(f"{STAGING_PREFIX}{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir())
-    if leftovers:
-        logger.warning("Skipping interrupted checkpoint saves in %s: %s", folder, ", ".join(leftovers))
-    steps = {int(m.group(1)): p for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT_NAME.match(p.name))}
-    for step in sorted(steps, reverse=True):
-        if is_complete_checkpoint(steps[step]):
-            return str(steps[step])
-        logger.warning("Skipping incomplete checkpoint %s (no %s: its save was interrupted)", steps[step],
-                       TRAINER_STATE_NAME)
-    return None
-
-
-def _replace_folder(source: Path, destination: Path) -> None:
-    """Move ``source`` to ``destination``; an existing ``destination`` (the same step saved again) is replaced."""
-    if destination.exists():
-        old = destination.with_name(f"{STAGING_PREFIX}old-{destination.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        destination.rename(old)
-        source.rename(destination)
-        shutil.rmtree(old)
-    else:
-        source.rename(destination)
-
 
 @dataclass
 class DeepseekV41TrainingArguments(TrainingArguments):
@@ -263,7 +220,8 @@ class DeepseekV41Trainer(Trainer):
         elif model is not None:
             _freeze_the_draft_head(model)
         super().__init__(model=model, args=args, **kwargs)
-        logger.setLevel(self.args.get_process_log_level())
+        for process_logger in (logger, checkpointing.logger):
+            process_logger.setLevel(self.args.get_process_log_level())
         self.assignment_table = None
         self.router_balancing = None
         self._staging_run_dir: str | None = None
@@ -466,25 +424,21 @@ class DeepseekV41Trainer(Trainer):
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
         """``Trainer._save_checkpoint`` into ``tmp-checkpoint-N/``, then one rename to ``checkpoint-N``."""
         run_dir = Path(self._get_output_dir(trial))
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        staging = run_dir / f"{STAGING_PREFIX}{name}"
+        checkpoint = StagedCheckpoint(run_dir, self.state.global_step)
         if self.args.should_save:
-            for leftover in run_dir.glob(f"{STAGING_PREFIX}*{PREFIX_CHECKPOINT_DIR}-*"):  # from killed saves
-                shutil.rmtree(leftover)
+            remove_interrupted_saves(run_dir)
         self.accelerator.wait_for_everyone()
-        self._staging_run_dir = str(staging)
+        self._staging_run_dir = str(checkpoint.staging)
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_run_dir = None
         self.accelerator.wait_for_everyone()  # every process has written its files (RNG states)
         if self.args.should_save:
-            staged, final = staging / name, run_dir / name
-            if self.state.best_model_checkpoint == str(staged):
-                self.state.best_model_checkpoint = str(final)
-                self.state.save_to_json(str(staged / TRAINER_STATE_NAME))
-            _replace_folder(staged, final)
-            staging.rmdir()
+            if self.state.best_model_checkpoint == str(checkpoint.staged):
+                self.state.best_model_checkpoint = str(checkpoint.final)
+                self.state.save_to_json(str(checkpoint.staged / TRAINER_STATE_NAME))
+            checkpoint.publish()
             rotate_checkpoints(str(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
         self.accelerator.wait_for_everyone()
 

@@ -50,12 +50,11 @@ def _e8m0_scale(amax: torch.Tensor, max_value: float) -> torch.Tensor:
     """2^ceil(log2(amax / max_value)) as the kernels' `fast_round_scale` computes it.
 
     The kernel multiplies by the fp32 reciprocal of `max_value` and rounds the exponent up whenever a mantissa bit is
-    set, so the result is the E8M0 scale read straight from the fp32 bits (no log2, no division).
+    set, so the result is the E8M0 scale read straight from the fp32 bits (no log2, no division): adding 2^23 - 1 to
+    the bits carries into the exponent exactly when a mantissa bit is set, and the mask keeps the exponent alone.
     """
     ratio = (amax * torch.tensor(1.0 / max_value, dtype=torch.float32)).contiguous()
-    bits = ratio.view(torch.int32)
-    biased_exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (biased_exponent << 23).view(torch.float32)
+    return ((ratio.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def _round_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -66,9 +65,9 @@ def _round_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """fp32 in [-6, 6] -> nearest E2M1 value (ties to the even code, which is IEEE round-half-even), sign of 0 kept."""
-    # E2M1 spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]; |v| in [2^(e-1), 2^e) has spacing 2^max(e-2, -1)
-    _, exponent = torch.frexp(v)
-    step = torch.ldexp(torch.ones_like(v), (exponent - 2).clamp_min(-1))
+    # E2M1 spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: half of the power of two at or below |v| (its fp32
+    # exponent bits alone), at least 0.5; dividing by a power of two is exact, so rounding the quotient is the rounding
+    step = ((v.contiguous().view(torch.int32) & 0x7F800000).view(torch.float32) * 0.5).clamp_min(0.5)
     return torch.round(v / step) * step
 
 

@@ -35,17 +35,25 @@ def rope_frequencies(dim: int, theta: float, yarn: dict | None) -> torch.Tensor:
 class DeepseekV41RotaryEmbedding(nn.Module):
     """One layer kind's rotations; ``forward(positions)`` gives complex rotations [..., dim/2].
 
-    The frequencies are rebuilt in fp32 on every call (dim/2 numbers) rather than stored in a buffer, so a
-    ``model.to(torch.bfloat16)`` can never round them.
+    The fp32 frequencies are kept per device in a plain attribute rather than a buffer, so that a
+    ``model.to(torch.bfloat16)`` can never round them, and built once per device rather than in every step.
     """
 
     def __init__(self, dim: int, theta: float, yarn: dict | None = None):
         super().__init__()
         self.dim, self.theta, self.yarn = dim, theta, yarn
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The inverse frequencies [dim/2] (fp32) on ``device``; a compiled graph builds them in itself (constants)."""
+        if torch.compiler.is_compiling():
+            return rope_frequencies(self.dim, self.theta, self.yarn).to(device)
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_frequencies(self.dim, self.theta, self.yarn).to(device)
+        return self._inv_freq[device]
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        inv_freq = rope_frequencies(self.dim, self.theta, self.yarn).to(positions.device)
-        angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq(positions.device)
         return torch.polar(torch.ones_like(angles), angles)
 
     def extra_repr(self) -> str:

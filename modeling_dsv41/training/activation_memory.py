@@ -134,8 +134,8 @@ def layer_peak_bytes(config, layer_id: int, seq_len: int, batch_size: int = 1, r
         index_heads, index_dim = config.index_n_heads, config.index_head_dim
         index_q = a * index_heads * (index_dim + 1)  # its queries and head weights
         scores = 6 * chunk * index_heads * compressed
-        # the FP4 QDQ of all its queries at once: seven fp32 / int32 temporaries of their shape (codec.py)
-        qdq = 7 * FP32 * tokens * index_heads * index_dim if config.emulate_quantization else 0
+        # the FP4 QDQ of all its queries at once: five fp32 / int32 temporaries of their shape (codec.py)
+        qdq = 5 * FP32 * tokens * index_heads * index_dim if config.emulate_quantization else 0
         moments["its indexer"] = (sum(terms.get(k, 0) for k in BEFORE_INDEXER) + a * heads * hd + index_q
                                   + stream_grad) * tokens + max(scores, qdq)
     return max(moments.items(), key=lambda item: item[1])

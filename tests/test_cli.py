@@ -25,6 +25,7 @@ from transformers import FineGrainedFP8Config
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.cli import demo as demo_module
+from modeling_dsv41.cli import demo_report
 from modeling_dsv41.released.writing import save_released_checkpoint
 from modeling_dsv41.cli import main
 from modeling_dsv41.cli.demo_data import CAPTIONS, ShapesDataset, build_demo_tokenizer
@@ -82,7 +83,7 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     stages = re.search(r"Wall time per stage: build \+ baseline [\d.]+ s, fine-tuning [\d.]+ s, DSpark head [\d.]+ s, "
                        r"export [\d.]+ s, reload check [\d.]+ s", captured.out)
     assert stages, captured.out
-    assert re.search(rf"CPU time [\d.]+ min\), .*, (1 thread|\d+ threads) on {re.escape(demo_module._cpu_name())}\n",
+    assert re.search(rf"CPU time [\d.]+ min\), .*, (1 thread|\d+ threads) on {re.escape(demo_report.cpu_name())}\n",
                      captured.out)
 
     report = json.loads((out / "report.json").read_text())
@@ -136,25 +137,25 @@ def test_caption_collator_learns_only_the_caption():
 
 
 def test_loss_plot_ticks_are_round():
-    assert demo_module.round_ticks(120) == [0, 20, 40, 60, 80, 100, 120]
-    assert demo_module.round_ticks(6.26) == [0, 2, 4, 6, 8]
-    assert demo_module.round_ticks(0.9) == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0])
-    assert demo_module.round_ticks(240) == [0, 50, 100, 150, 200, 250]
+    assert demo_report.round_ticks(120) == [0, 20, 40, 60, 80, 100, 120]
+    assert demo_report.round_ticks(6.26) == [0, 2, 4, 6, 8]
+    assert demo_report.round_ticks(0.9) == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    assert demo_report.round_ticks(240) == [0, 50, 100, 150, 200, 250]
 
 
 def test_demo_computes_with_the_cores_other_jobs_leave_free(monkeypatch, capsys):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(demo_module.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(demo_module, "_busy_cores", lambda cores: 1.8)  # another job on both cores
+    monkeypatch.setattr(demo_report.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(demo_report, "busy_cores", lambda cores: 1.8)  # another job on both cores
     torch.set_num_threads(2)
-    assert demo_module.choose_threads() == 1 == torch.get_num_threads()
+    assert demo_report.choose_threads() == 1 == torch.get_num_threads()
     assert "other jobs keep 1.8 of its 2 cores busy): the demo computes with 1 thread " in capsys.readouterr().out
     torch.set_num_threads(2)
-    monkeypatch.setattr(demo_module, "_busy_cores", lambda cores: 0.1)
-    assert demo_module.choose_threads() == 2 == torch.get_num_threads()
+    monkeypatch.setattr(demo_report, "busy_cores", lambda cores: 0.1)
+    assert demo_report.choose_threads() == 2 == torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
-    monkeypatch.setattr(demo_module, "_busy_cores", lambda cores: 2.0)
-    assert demo_module.choose_threads() == 2
+    monkeypatch.setattr(demo_report, "busy_cores", lambda cores: 2.0)
+    assert demo_report.choose_threads() == 2
 
 
 def test_busy_cores_counts_what_other_processes_compute():
@@ -162,7 +163,7 @@ def test_busy_cores_counts_what_other_processes_compute():
     spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
     try:
         time.sleep(0.3)  # started
-        busy = demo_module._busy_cores(cores, seconds=0.5)
+        busy = demo_report.busy_cores(cores, seconds=0.5)
     finally:
         spinner.kill()
         spinner.wait()

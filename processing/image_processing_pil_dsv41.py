@@ -10,11 +10,10 @@ from PIL import Image, ImageOps
 from transformers.image_utils import PILImageResampling
 
 from .image_processing_dsv41 import (  # noqa: F401  (the kwargs class is exposed here too, as transformers expects)
-    LETTERBOX_FILL,
     DeepseekV41ImageProcessor,
     DeepseekV41ImageProcessorKwargs,
-    ImageGridPlan,
 )
+from .image_planning import LETTERBOX_FILL, ImageGridPlan
 
 
 class DeepseekV41ImageProcessorPil(DeepseekV41ImageProcessor):

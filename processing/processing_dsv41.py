@@ -22,7 +22,7 @@ from configuration.remote_code import (
     save_remote_code,
 )
 
-from .image_processing_dsv41 import flatten_images
+from .image_intake import flatten_images
 from .image_tokens import ImageTokenType, image_span_token_types, span_length, token_grid
 from .tokenizer_dsv41 import CHAT_TEMPLATE, IMAGE_TOKEN
 

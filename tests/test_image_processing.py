@@ -23,7 +23,8 @@ from processing import (
     image_span_token_types,
     plan_image_grid,
 )
-from processing.image_processing_dsv41 import patch_values, pixel_value_table, resize_like_pil
+from processing.image_patches import patch_values, pixel_value_table
+from processing.image_resampling import resize_like_pil
 
 BACKENDS = [DeepseekV41ImageProcessor, DeepseekV41ImageProcessorPil]
 TINY = {"min_pixels": 20000, "max_image_tokens": 64}  # the tiny preset's vision sizing: small, fast canvases
@@ -184,14 +185,14 @@ def test_16_bit_png_keeps_the_reference_result_and_warns_once(tmp_path):
     """A 16-bit PNG clips to mostly white under the reference's convert("RGB"): same pixels, one warning."""
     import warnings
 
-    from processing import image_processing_dsv41
+    from processing import image_intake
 
     values = np.random.default_rng(8).integers(0, 2**16, (23, 37)).astype(np.uint16)
     Image.fromarray(values).save(tmp_path / "deep.png")
     image = Image.open(tmp_path / "deep.png")
     assert image.mode == "I;16"
     expected = reference_patches(image, **TINY)
-    image_processing_dsv41._warn_high_bit_depth.cache_clear()
+    image_intake._warn_high_bit_depth.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for backend in (*BACKENDS, *BACKENDS):

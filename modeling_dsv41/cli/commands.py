@@ -6,6 +6,8 @@
   with ``--train lora`` what LoRA fine-tuning on those devices takes (see :mod:`modeling_dsv41.training.planning`).
 - ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see
   :mod:`modeling_dsv41.released.convert`).
+- ``dsv41 export --format vllm-lora ADAPTER DST [--base PRESET|PATH]``: a PEFT LoRA adapter → the layout vLLM's
+  DeepSeek-V4 LoRA serves (see :mod:`modeling_dsv41.released.adapter_export`).
 
 Errors are one line on stderr (``dsv41 <command>: error: …``) with exit status 2; Ctrl-C exits with 130.
 
@@ -146,6 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                          help="dtype of the dequantized weights (default: %(default)s)")
     convert.set_defaults(handler=_run_convert)
+
+    export = commands.add_parser(
+        "export", help="write a fine-tune for serving: a LoRA adapter in the layout vLLM's DeepSeek-V4 LoRA reads",
+        description="Write a PEFT LoRA adapter of DeepSeek-V4.1 (the folder save_pretrained wrote) as an adapter "
+        "vLLM's DeepSeek-V4 LoRA serves: the release's module names, each routed expert's own w1/w2/w3 factors, one "
+        "scale (format vllm-deepseek-v4-lora, version 1). The DSpark draft head (mtp.*) is left out, as vLLM skips it.",
+    )
+    export.add_argument("source", type=Path, metavar="ADAPTER", help="the adapter folder (adapter_config.json, "
+                        "adapter_model.safetensors)")
+    export.add_argument("destination", type=Path, metavar="DST", help="new (or empty) folder to write")
+    export.add_argument("--format", required=True, choices=("vllm-lora",), help="what to write: vllm-lora, the "
+                        "adapter layout of vLLM's DeepSeek-V4 LoRA")
+    export.add_argument("--base", metavar="PRESET|PATH", help="the config the adapter was trained on: a preset, a "
+                        "folder with config.json or a config.json (default: the adapter's base_model_name_or_path)")
+    export.set_defaults(handler=_run_export)
     return parser
 
 
@@ -401,6 +418,22 @@ def _run_convert(args: argparse.Namespace) -> int:
     written = convert_released_checkpoint(args.source, args.destination, dtype=getattr(torch, args.dtype))
     print(f"Wrote {written['tensors']:,} tensors ({written['bytes'] / 2**30:.2f} GiB) to {args.destination}; "
           f"load with DeepseekV41ForCausalLM.from_pretrained({str(args.destination)!r})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from ..released.adapter_export import FORMAT, FORMAT_VERSION, export_serving_adapter
+
+    written = export_serving_adapter(args.source, args.destination, base=load_config(args.base) if args.base else None)
+    left_out = f", left out {len(written['skipped'])} modules of the draft head" if written["skipped"] else ""
+    print(f"Wrote {written['tensors']:,} tensors of {written['modules']:,} adapted modules ({FORMAT} version "
+          f"{FORMAT_VERSION}{left_out}) to {args.destination}; serve with vLLM's --enable-lora --lora-modules "
+          f"NAME={args.destination}")
     return 0
 
 

@@ -18,13 +18,18 @@ import torch
 from peft import IA3Config, LoraConfig, get_peft_model
 from peft.tuners.lora import ParamWrapper
 from safetensors.torch import load_file, save_file
+from transformers.integrations.finegrained_fp8 import FP8Linear
 
 from documentation import REPO_ROOT, command_lines
+from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
 
+from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.cli import main
 from modeling_dsv41.placement import meta_instance
 from modeling_dsv41.released.adapter_export import FORMAT, export_serving_adapter, load_serving_adapter
+from modeling_dsv41.released.native_lora import ParamWrapper as NativeExpertsLora
+from modeling_dsv41.released.writing import save_released_checkpoint
 
 import tiny_models
 
@@ -232,3 +237,25 @@ def test_the_command_reports_a_refused_adapter_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # --format is required
         main(["export", str(tmp_path / "adapter"), str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "--format" in capsys.readouterr().err
+
+
+def test_an_adapter_of_the_natively_loaded_release_round_trips(tmp_path):
+    """LoRA on the release kept in FP8 / FP4 (our FP8 Linear and FP4 experts layers): the same keys and logical
+    shapes, the same export, and read back into a natively loaded model, the same logits."""
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=QUANT_FORMAT_TEXT)).to(torch.bfloat16)
+    save_released_checkpoint(model, tmp_path / "released", max_shard_bytes=1 << 20)
+    stub_tokenizer().save(str(tmp_path / "released" / "tokenizer.json"))  # the Engram hasher's token map
+    native = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "released", dtype=torch.float32)
+    assert any(isinstance(m, FP8Linear) for m in native.modules())  # kept as stored
+    adapted = randomized(get_peft_model(native, LoraConfig(r=2, target_modules=["wq_a", "wkv", "w1", "w2", "w3"],
+                                                           target_parameters=EXPERTS)))
+    assert any(isinstance(m, NativeExpertsLora) for m in adapted.modules())  # on the packed FP4 experts
+    ids = torch.randint(3, 500, (1, 10), generator=torch.Generator().manual_seed(0))
+    expected = logits(adapted, ids)
+    export_serving_adapter(adapted, tmp_path / "out")
+    tensors = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert tensors["base_model.model.layers.1.ffn.experts.3.w2.lora_A.weight"].shape == (2, 128)  # I, not I/2
+    fresh = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "released", dtype=torch.float32)
+    served = load_serving_adapter(fresh, tmp_path / "out").eval()
+    torch.testing.assert_close(logits(served, ids), expected, rtol=0, atol=0)  # the same factors in the same layers

@@ -102,7 +102,11 @@ def test_keys_are_the_release_names_with_per_expert_factors(trained):
         assert (tensors[f"{key}.lora_A.weight"].shape, tensors[f"{key}.lora_B.weight"].shape) == shapes, name
     serving = json.loads((trained["exported"] / "adapter_config.json").read_text())
     assert serving["dsv41_export"] == {"format": FORMAT, "version": 1, "skipped": serving["dsv41_export"]["skipped"]}
-    assert serving["dsv41_export"]["skipped"] and all(n.startswith("mtp.") for n in serving["dsv41_export"]["skipped"])
+    assert serving["dsv41_export"]["skipped"] == ["mtp.0.attn.wkv", "mtp.0.attn.wo_b", "mtp.0.attn.wq_a",
+                                                  "mtp.0.ffn.experts.down_proj", "mtp.0.ffn.experts.gate_up_proj",
+                                                  "mtp.0.ffn.shared_experts.w1", "mtp.0.ffn.shared_experts.w2",
+                                                  "mtp.0.ffn.shared_experts.w3"]
+    assert serving["base_model_name_or_path"] == BASE
     assert (serving["r"], serving["lora_alpha"], serving["use_rslora"]) == (2, 4, False)
     assert set(serving["target_modules"]) == {"wq_a", "wkv", "wo_b", "w1", "w2", "w3", "head"}
 
@@ -131,6 +135,7 @@ def test_a_saved_adapter_folder_exports_the_same_tensors(trained, tmp_path, capl
     with caplog.at_level(logging.WARNING):
         export_serving_adapter(ADAPTER, tmp_path / "out")
     assert "left out the DSpark draft head" in caplog.text
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] == BASE
     ours, theirs = (load_file(f / "adapter_model.safetensors") for f in (trained["exported"], tmp_path / "out"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 

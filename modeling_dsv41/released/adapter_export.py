@@ -100,7 +100,7 @@ def export_serving_adapter(
         _check_config(config, base, source)
         tree, state = _meta_peft_model(config, base, source), _read_weights(folder)
     factors = _factors(tree, state, adapter_name, source)
-    skipped = sorted(f.name for f in factors if f.name.startswith(_SKIPPED_PREFIX))
+    skipped = sorted(_describe((f.name, f.parameter)) for f in factors if f.name.startswith(_SKIPPED_PREFIX))
     if skipped:
         logger.warning("left out the DSpark draft head (%d adapted modules under mtp.*): vLLM's DeepSeek-V4 LoRA "
                        "skips it (served, it drafts without the adapter)", len(skipped))
@@ -251,7 +251,9 @@ def _check_config(config: LoraConfig, base: DeepseekV41Config, source: str) -> N
 def _meta_peft_model(config: LoraConfig, base: DeepseekV41Config, source: str) -> PeftModel:
     """The adapter's modules on a meta-device model of ``base``: which tensor each key is, and its shape."""
     try:
-        return get_peft_model(meta_instance(base, DeepseekV41ForCausalLM), config)
+        model = meta_instance(base, DeepseekV41ForCausalLM)
+        model.name_or_path = config.base_model_name_or_path  # which PEFT writes into the config it is given
+        return get_peft_model(model, config)
     except ValueError as error:  # PEFT's "Target modules ... not found in the base model"
         raise ValueError(f"{source} does not fit DeepSeek-V4.1 ({error}): the adapter is for another base") from None
 

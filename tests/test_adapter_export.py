@@ -176,8 +176,10 @@ def meta_adapter(**lora):
 
 @pytest.mark.parametrize("lora, message", [
     (dict(r=2, target_modules=["wq_a", "wkv"], rank_pattern={"wkv": 4}),
-     r"ranks \{'wq_a': 2, 'wkv': 4\}.*fused_wqa_wkv"),
-    (dict(r=2, target_parameters=EXPERTS, rank_pattern={"experts.down_proj": 4}), "routed experts"),
+     r"layers\.0\.attn has ranks \{'wq_a': 2, 'wkv': 4\}.*one LoRA slot"),
+    (dict(r=2, target_modules=["compressor.wkv", "wgate"], rank_pattern={"wgate": 4}), r"compressor has ranks"),
+    (dict(r=2, target_parameters=EXPERTS, rank_pattern={"experts.down_proj": 4}),
+     r"ffn\.experts has ranks \{.*'down_proj': 4.*one LoRA slot"),
 ])
 def test_ranks_that_differ_in_one_vllm_slot_are_refused(tmp_path, lora, message):
     with pytest.raises(ValueError, match=message):

@@ -46,9 +46,9 @@ FORMAT_FIELD = "dsv41_export"  # the extra adapter_config.json field naming the 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 _SKIPPED_PREFIX = "mtp."  # vLLM's lora_skip_prefixes: the DSpark draft head
-# leaf name → the slot vLLM stacks it in with its siblings (packed_modules_mapping): one rank per slot
-_PACKED = {"wq_a": "fused_wqa_wkv", "wkv": "fused_wqa_wkv", "wgate": "fused_wkv_wgate", "w1": "gate_up_proj",
-           "w3": "gate_up_proj"}
+# what vLLM fuses with its siblings of the same parent (packed_modules_mapping: attention wq_a + wkv, the
+# compressor's wkv + wgate, w1 + w3) into one LoRA slot, of one rank
+_PACKED = ("wq_a", "wkv", "wgate", "w1", "w3")
 _EXPERT_KEY = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])$")
 
 
@@ -309,12 +309,12 @@ def _check_slot_ranks(factors: list[_Factors], source: str) -> None:
     slots: dict[tuple[str, str], dict[str, int]] = {}
     for f in factors:
         parent, _, leaf = f.name.rpartition(".")
-        slot = (f.name, "routed experts") if f.parameter else (parent, _PACKED.get(leaf, leaf))
+        slot = (f.name, "its routed experts") if f.parameter else (parent, "fused" if leaf in _PACKED else leaf)
         slots.setdefault(slot, {})[f.parameter or leaf] = f.rank
     for (parent, slot), ranks in slots.items():
         if len(set(ranks.values())) > 1:
-            raise ValueError(f"{source}: {parent} has ranks {ranks}, which vLLM stacks into one LoRA slot ({slot}) of "
-                             "one rank: train them with one rank (rank_pattern sets them apart)")
+            raise ValueError(f"{source}: {parent} has ranks {ranks}, which vLLM stacks into one LoRA slot of one "
+                             "rank: train them with one rank (rank_pattern sets them apart)")
 
 
 def _scaling(alpha: float, rank: int, rslora: bool) -> float:

@@ -48,7 +48,7 @@ from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
-from .padding import left_padding_shift, roll_rows
+from .padding import align_rows, in_caller_layout, new_tokens_per_row, prefill_alignment
 from .pipeline import (
     DeepseekV41PipelineStage,
     check_pipeline_call,
@@ -69,7 +69,7 @@ from .released.loading import finish_checkpoint_load, loads_natively, prepare_ch
 from .released.reading import hub_arguments
 from .residual_stream import ResidualStream
 from .rotary import DeepseekV41RotaryEmbedding
-from .validation import check_image_inputs, check_pixel_values, check_text_inputs, require
+from .validation import check_image_inputs, check_pixel_values, check_text_inputs
 from .vision import DeepseekV41Aligner, DeepseekV41VisionTransformer, merge_image_embeddings
 
 logger = logging.get_logger(__name__)
@@ -599,11 +599,11 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         prefill = cache is None or cache.is_empty  # else the new tokens of every cached row, at its next positions
 
         # A prefill aligns left-padded rows so that positions count from each row's first real token.
-        shift = _alignment(attention_mask, keep_outputs=output_hidden_states or output_attentions) if prefill else None
-        if shift is not None:
-            input_ids, inputs_embeds, image_token_types, attention_mask = (
-                roll_rows(t, -shift) for t in (input_ids, inputs_embeds, image_token_types, attention_mask)
-            )
+        keep_outputs = output_hidden_states or output_attentions
+        shift = prefill_alignment(attention_mask, keep_outputs) if prefill else None
+        input_ids, inputs_embeds, image_token_types, attention_mask = align_rows(
+            shift, input_ids, inputs_embeds, image_token_types, attention_mask
+        )
         # The stream entering this model's first layer: the embeddings (images merged), or what the previous pipeline
         # stage handed on.
         stream = stream_from_previous_stage(self._pp_stage, self._stage_layers()[0].hc_attn_fn.device)
@@ -620,7 +620,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         # Where the tokens sit: in the cache's rows, in Engram's n-grams, on the rotary tables.
         step = None
         if cache is not None:
-            new_tokens = _new_tokens_per_row(attention_mask, stream.hidden_states, prefill)
+            new_tokens = new_tokens_per_row(attention_mask, stream.hidden_states, prefill)
             step = cache.step(new_tokens, seq_len, self.compress_rotary)
         hash_ids = None
         if self.engram_hasher is not None:
@@ -668,7 +668,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             dspark_hidden_states=torch.cat(taps, dim=-1) if taps else None,
             image_outputs=image_outputs,
         )
-        return outputs if shift is None else _in_caller_layout(outputs, shift)
+        return in_caller_layout(outputs, shift)
 
     def _resolve_cache(self, cache: DeepseekV41Cache | None, use_cache: bool | None) -> DeepseekV41Cache | None:
         if cache is not None and not isinstance(cache, DeepseekV41Cache):
@@ -809,54 +809,6 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
 def _flag(value: bool | None, config, name: str) -> bool:
     """An ``output_*`` argument, or the config's setting when it is None."""
     return bool(getattr(config, name, False)) if value is None else value
-
-
-def _alignment(attention_mask: torch.Tensor | None, keep_outputs: bool) -> torch.Tensor | None:
-    """How far to roll each left-padded row [B] so that it starts at position 0 (None: no [B, S] mask). Rolling by 0
-    is an exact no-op; when intermediate outputs are asked for (``keep_outputs``), a mask without left padding is
-    not rolled at all (one host read), so that hidden_states and attentions are the forward's own tensors
-    (retain_grad works on them)."""
-    shift = left_padding_shift(attention_mask)
-    if shift is not None and keep_outputs and not bool(shift.any()):
-        return None
-    return shift
-
-
-def _new_tokens_per_row(attention_mask: torch.Tensor | None, hidden: torch.Tensor, prefill: bool) -> torch.Tensor:
-    """Real tokens each row [B] adds to a cache with this call (hidden [B, S, ...]): a prefill's one run per row from
-    position 0 (rows aligned), a later call's every token (only the prefill may be padded)."""
-    bsz, seq_len = hidden.shape[:2]
-    if attention_mask is None:
-        return torch.full((bsz,), seq_len, dtype=torch.long, device=hidden.device)
-    if not prefill:
-        if not torch.compiler.is_compiling():
-            require(
-                attention_mask[:, -seq_len:].bool().all(),
-                "with a non-empty cache the new tokens must all be real (attention_mask 1): only the first call "
-                "(the prefill) may be padded",
-            )
-        return torch.full((bsz,), seq_len, dtype=torch.long, device=hidden.device)
-    mask = attention_mask.bool()
-    lengths = mask.sum(dim=1)
-    require(
-        (mask == (torch.arange(seq_len, device=mask.device) < lengths.unsqueeze(1))).all(),
-        "with a cache, attention_mask must mark one run of real tokens per row (left or right padding only)",
-    )
-    return lengths
-
-
-def _in_caller_layout(outputs: DeepseekV41ModelOutputWithPast, shift: torch.Tensor) -> DeepseekV41ModelOutputWithPast:
-    """The outputs of aligned rows rolled back by ``shift`` [B]: queries in the caller's layout (slots keep counting
-    from the first real token)."""
-    outputs.last_hidden_state = roll_rows(outputs.last_hidden_state, shift)
-    if outputs.dspark_hidden_states is not None:
-        outputs.dspark_hidden_states = roll_rows(outputs.dspark_hidden_states, shift)
-    for name in ("hidden_states", "attention_slots"):
-        if getattr(outputs, name) is not None:
-            setattr(outputs, name, tuple(roll_rows(t, shift) for t in getattr(outputs, name)))
-    if outputs.attentions is not None:  # [B, H, S, K]: queries on dim 2
-        outputs.attentions = tuple(roll_rows(t.transpose(1, 2), shift).transpose(1, 2) for t in outputs.attentions)
-    return outputs
 
 
 __all__ = [

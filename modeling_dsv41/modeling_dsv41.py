@@ -9,6 +9,7 @@ routed experts are fused (``layers.{i}.ffn.experts.gate_up_proj`` / ``down_proj`
 conversions of :mod:`.released.conversions` (registered below for ``deepseek_v41``).
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ from .pipeline import (
     check_pipeline_call,
     hand_on_to_next_stage,
     logits_on_every_stage,
+    stage_layers,
     stream_from_previous_stage,
 )
 from .placement import gather_engram_rows
@@ -106,6 +108,62 @@ class DeepseekV41CausalLMOutputWithPast(MultimodalCausalLMOutputWithPast):
     attention_slots: tuple[torch.LongTensor, ...] | None = None
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     dspark_hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class _CollectedOutputs:
+    """What the decoder layers' outputs collect for the caller, each list None unless asked for: the stream after
+    each layer collapsed to [B, S, D] (the embeddings first), the attention maps and their slots; and the DSpark taps
+    of the ``dspark_targets`` layers."""
+
+    hidden_states: list[torch.Tensor] | None
+    attentions: list[torch.Tensor] | None
+    attention_slots: list[torch.LongTensor] | None
+    dspark_targets: frozenset[int]
+    taps: list[torch.Tensor]
+
+    @classmethod
+    def asked(
+        cls, embeds: torch.Tensor | None, output_hidden_states: bool, output_attentions: bool,
+        dspark_targets: Iterable[int],
+    ) -> "_CollectedOutputs":
+        """Empty lists for the outputs asked for; the hidden states open with ``embeds`` (the embedding copies
+        collapsed onto copy 0)."""
+        return cls(
+            hidden_states=[embeds] if output_hidden_states else None,
+            attentions=[] if output_attentions else None,
+            attention_slots=[] if output_attentions else None,
+            dspark_targets=frozenset(dspark_targets),
+            taps=[],
+        )
+
+    def add(
+        self, stream: ResidualStream, probs: torch.Tensor | None, slots: torch.LongTensor | None,
+        tap: torch.Tensor | None,
+    ) -> None:
+        """One layer's: the stream it handed up, its attention map and slots, its DSpark tap (None when not asked)."""
+        if tap is not None:
+            self.taps.append(tap)
+        if self.hidden_states is not None:
+            self.hidden_states.append(DeepseekV41HyperConnection.collapse(stream.hidden_states, stream.pre_mix))
+        if self.attentions is not None:
+            self.attentions.append(probs)
+            self.attention_slots.append(slots)
+
+    def outputs(
+        self, last_hidden_state: torch.Tensor, cache: DeepseekV41Cache | None,
+        image_outputs: BaseModelOutputWithPooling | None,
+    ) -> DeepseekV41ModelOutputWithPast:
+        """The backbone's output: ``last_hidden_state`` and ``cache``, with what was collected."""
+        return DeepseekV41ModelOutputWithPast(
+            last_hidden_state=last_hidden_state,
+            cache=cache,
+            hidden_states=None if self.hidden_states is None else tuple(self.hidden_states),
+            attentions=None if self.attentions is None else tuple(self.attentions),
+            attention_slots=None if self.attention_slots is None else tuple(self.attention_slots),
+            dspark_hidden_states=torch.cat(self.taps, dim=-1) if self.taps else None,
+            image_outputs=image_outputs,
+        )
 
 
 class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
@@ -373,8 +431,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
 
     def _stage_layers(self) -> list[DeepseekV41DecoderLayer]:
         """The decoder layers this model runs: all of them, or its pipeline stage's."""
-        stage = self._pp_stage
-        return list(self.layers) if stage is None else [self.layers[i] for i in stage.layer_range]
+        return stage_layers(self.layers, self._pp_stage)
 
     def gather_engram_rows(self, hash_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """The rows every Engram layer this model runs reads, gathered before the first layer runs: layer id →
@@ -426,25 +483,21 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         output_hidden_states = _flag(output_hidden_states, self.config, "output_hidden_states")
         output_attentions = _flag(output_attentions, self.config, "output_attentions")
         if output_dspark_hidden_states and not self.text_config.has_dspark:
-            raise ValueError("output_dspark_hidden_states needs a config with the DSpark draft head (dspark_block_size > 0)")
+            raise ValueError(
+                "output_dspark_hidden_states needs a config with the DSpark draft head (dspark_block_size > 0)"
+            )
         cache = self._resolve_cache(cache, use_cache)
-        if not torch.compiler.is_compiling():  # the checks read values on the host
-            past_length = 0 if cache is None else cache.get_seq_length()
-            check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length,
-                              self.text_config.max_position_embeddings)
-            if self.config.has_vision and past_length == 0:
-                check_image_inputs(
-                    input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, self.config.image_token_id
-                )
+        self._check_inputs(
+            input_ids, inputs_embeds, attention_mask, pixel_values, image_grid_hw, image_token_types, cache
+        )
         prefill = cache is None or cache.is_empty  # else the new tokens of every cached row, at its next positions
 
         # A prefill aligns left-padded rows so that positions count from each row's first real token.
-        keep_outputs = output_hidden_states or output_attentions
-        shift = prefill_alignment(attention_mask, keep_outputs) if prefill else None
+        shift = prefill_alignment(attention_mask, output_hidden_states or output_attentions) if prefill else None
         input_ids, inputs_embeds, image_token_types, attention_mask = align_rows(
             shift, input_ids, inputs_embeds, image_token_types, attention_mask
         )
-        # The stream entering this model's first layer: the embeddings (images merged), or what the previous pipeline
+        # The stream entering this stage's first layer: the embeddings (images merged), or what the previous pipeline
         # stage handed on.
         stream = stream_from_previous_stage(self._pp_stage, self._stage_layers()[0].hc_attn_fn.device)
         embeds = image_outputs = None
@@ -454,10 +507,47 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 output_attentions,
             )
             stream = ResidualStream.from_embeddings(embeds, self.text_config.hc_mult)
-        seq_len = stream.hidden_states.shape[1]
         image_mask = None if image_token_types is None else image_token_types != ImageTokenType.TEXT.value
 
-        # Where the tokens sit: in the cache's rows, in Engram's n-grams, on the rotary tables.
+        # The layers, at the tokens' cache rows, n-gram hashes and rotary positions.
+        step, hash_ids, rotations = self._locate_tokens(stream, input_ids, attention_mask, image_mask, cache, prefill)
+        collected = _CollectedOutputs.asked(
+            embeds, output_hidden_states, output_attentions,
+            self.text_config.dspark_target_layer_ids if output_dspark_hidden_states else (),
+        )
+        stream = self._run_layers(stream, rotations, hash_ids, image_mask, cache, step, collected)
+        if cache is not None:
+            cache.finish_step(step, stream.hidden_states.shape[1])
+
+        # The outputs, or the stream for the next pipeline stage.
+        if hand_on_to_next_stage(self._pp_stage, stream):
+            return DeepseekV41ModelOutputWithPast(cache=cache, image_outputs=image_outputs)
+        last_hidden_state = self.norm(DeepseekV41HyperConnection.collapse(stream.hidden_states, stream.pre_mix))
+        return in_caller_layout(collected.outputs(last_hidden_state, cache, image_outputs), shift)
+
+    def _check_inputs(
+        self, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor | None,
+        attention_mask: torch.Tensor | None, pixel_values: torch.Tensor | None, image_grid_hw: torch.LongTensor | None,
+        image_token_types: torch.LongTensor | None, cache: DeepseekV41Cache | None,
+    ) -> None:
+        """Refuse malformed text and image inputs; skipped while compiling, as the checks read values on the host."""
+        if torch.compiler.is_compiling():
+            return
+        past_length = 0 if cache is None else cache.get_seq_length()
+        check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length,
+                          self.text_config.max_position_embeddings)
+        if self.config.has_vision and past_length == 0:
+            check_image_inputs(
+                input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, self.config.image_token_id
+            )
+
+    def _locate_tokens(
+        self, stream: ResidualStream, input_ids: torch.LongTensor | None, attention_mask: torch.Tensor | None,
+        image_mask: torch.Tensor | None, cache: DeepseekV41Cache | None, prefill: bool,
+    ) -> tuple[CacheStep | None, torch.Tensor | None, dict[bool, torch.Tensor]]:
+        """Where this call's tokens sit: their cache step (rows of the decode state), their Engram n-gram hash ids
+        [B, S, n_layers, n_cols] and the rotary tables of their positions (``{compressed layer: table}``)."""
+        seq_len = stream.hidden_states.shape[1]
         step = None
         if cache is not None:
             new_tokens = new_tokens_per_row(attention_mask, stream.hidden_states, prefill)
@@ -467,48 +557,27 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             real = attention_mask if prefill else None  # a later call's tokens are all real
             hash_ids = self.engram_hasher.hash_ids(input_ids, image_mask, real, cache, step)
         positions = torch.arange(seq_len, device=stream.hidden_states.device) if prefill else step.positions
-        rotations = {False: self.window_rotary(positions), True: self.compress_rotary(positions)}
+        return step, hash_ids, {False: self.window_rotary(positions), True: self.compress_rotary(positions)}
 
-        # The layers.
-        text = self.text_config
-        collapse = DeepseekV41HyperConnection.collapse
+    def _run_layers(
+        self, stream: ResidualStream, rotations: dict[bool, torch.Tensor], hash_ids: torch.Tensor | None,
+        image_mask: torch.Tensor | None, cache: DeepseekV41Cache | None, step: CacheStep | None,
+        collected: _CollectedOutputs,
+    ) -> ResidualStream:
+        """This stage's decoder layers on ``stream`` → the stream the last one hands up; what each layer returns
+        beside it goes to ``collected``."""
         engram_rows = self.gather_engram_rows(hash_ids)
         engram_mask = None if image_mask is None else ~image_mask
-        targets = set(text.dspark_target_layer_ids) if output_dspark_hidden_states else set()
-        all_hidden = [embeds] if output_hidden_states else None  # = the copies collapsed onto copy 0
-        all_attentions, all_slots = ([], []) if output_attentions else (None, None)
-        taps = []
         for layer in self._stage_layers():
-            rotation = rotations[text.compress_ratios[layer.layer_id] > 0]
+            rotation = rotations[self.text_config.compress_ratios[layer.layer_id] > 0]
             *handed_up, probs, slots, tap = layer(
                 *stream, rotation, engram_rows.get(layer.layer_id), image_mask=image_mask, engram_hash_ids=hash_ids,
-                engram_mask=engram_mask, cache=cache, step=step, output_attentions=output_attentions,
-                tap_stream=layer.layer_id in targets,
+                engram_mask=engram_mask, cache=cache, step=step, output_attentions=collected.attentions is not None,
+                tap_stream=layer.layer_id in collected.dspark_targets,
             )
             stream = ResidualStream(*handed_up)
-            if tap is not None:
-                taps.append(tap)
-            if output_hidden_states:
-                all_hidden.append(collapse(stream.hidden_states, stream.pre_mix))
-            if output_attentions:
-                all_attentions.append(probs)
-                all_slots.append(slots)
-        if cache is not None:
-            cache.finish_step(step, seq_len)
-
-        # The outputs, or the stream for the next pipeline stage.
-        if hand_on_to_next_stage(self._pp_stage, stream):
-            return DeepseekV41ModelOutputWithPast(cache=cache, image_outputs=image_outputs)
-        outputs = DeepseekV41ModelOutputWithPast(
-            last_hidden_state=self.norm(collapse(stream.hidden_states, stream.pre_mix)),
-            cache=cache,
-            hidden_states=None if all_hidden is None else tuple(all_hidden),
-            attentions=None if all_attentions is None else tuple(all_attentions),
-            attention_slots=None if all_slots is None else tuple(all_slots),
-            dspark_hidden_states=torch.cat(taps, dim=-1) if taps else None,
-            image_outputs=image_outputs,
-        )
-        return in_caller_layout(outputs, shift)
+            collected.add(stream, probs, slots, tap)
+        return stream
 
     def _resolve_cache(self, cache: DeepseekV41Cache | None, use_cache: bool | None) -> DeepseekV41Cache | None:
         if cache is not None and not isinstance(cache, DeepseekV41Cache):
@@ -518,7 +587,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             )
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             if cache is not None:
-                raise ValueError("a cache cannot be used with gradient checkpointing in training (it would be written twice)")
+                raise ValueError(
+                    "a cache cannot be used with gradient checkpointing in training (it would be written twice)"
+                )
             return None
         compiled = any(layer._compiled_call_impl is not None for layer in self.layers)
         if use_cache is None:
@@ -599,12 +670,14 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
             pixel_values=pixel_values, image_grid_hw=image_grid_hw, image_token_types=image_token_types,
             output_hidden_states=output_hidden_states, output_attentions=output_attentions,
             output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
-            cache=cache, use_cache=use_cache, output_dspark_hidden_states=output_dspark_hidden_states, return_dict=True,
+            cache=cache, use_cache=use_cache, output_dspark_hidden_states=output_dspark_hidden_states,
+            return_dict=True,
         )
         hidden = outputs.last_hidden_state  # None on all pipeline stages but the last
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = None if hidden is None else self.lm_head(hidden[:, keep])
-        logits = logits_on_every_stage(self._pp_stage, logits, (input_ids if input_ids is not None else inputs_embeds).device)
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        logits = logits_on_every_stage(self._pp_stage, logits, device)
         loss = None
         if labels is not None:
             vocab_size = self.config.get_text_config().vocab_size

@@ -7,7 +7,8 @@ compressed context that compressed layers hand up the stack (compressed K=V, ind
 blocks: any may be None). Engram layers hash n-grams of the input ids, which every stage keeps. So the split keeps
 transformers' :class:`PipelineStage` (layer ranges, point-to-point ``communicate``, ``broadcast_from_last`` of the
 logits, checkpoint key ownership) and its ``pp`` mesh, and the model's forward receives / sends that stream itself
-(:func:`stream_from_previous_stage`, :func:`hand_on_to_next_stage`):
+(:func:`stream_from_previous_stage`, :func:`hand_on_to_next_stage`) around the slice of layers it runs
+(:func:`stage_layers`):
 
 * stage 0: ``embed`` (and the vision tower) → its layers → sends the stream;
 * a middle stage: receives the stream → its layers → sends it;
@@ -22,7 +23,7 @@ each forward checks that every stage was given the same inputs, so a rank that d
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -79,6 +80,12 @@ class DeepseekV41PipelineStage(PipelineStage):
             None if code < 0 else receive(dtype=_DTYPES[code], shape=shape[:ndim])
             for code, ndim, *shape in header.tolist()
         ])
+
+
+def stage_layers(layers: Sequence[nn.Module], stage: DeepseekV41PipelineStage | None) -> list[nn.Module]:
+    """The slice of ``layers`` this rank runs: all of them without pipeline parallelism, else its stage's range
+    (the others are :class:`PipelineIdentityLayer` placeholders)."""
+    return list(layers) if stage is None else [layers[i] for i in stage.layer_range]
 
 
 def stream_from_previous_stage(stage: DeepseekV41PipelineStage | None, device: torch.device) -> ResidualStream | None:
@@ -147,7 +154,8 @@ def check_pipeline_call(
         return
     if labels is not None or training:
         raise ValueError(
-            "pipeline parallelism runs inference only (no backward across stages): call it in eval mode, without labels"
+            "pipeline parallelism runs inference only (no backward across stages): call it in eval mode, "
+            "without labels"
         )
     if asked := [name for name, flag in outputs.items() if flag]:
         raise ValueError(

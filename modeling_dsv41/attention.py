@@ -242,7 +242,7 @@ def gather_slots(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     its indices for, which dominated a GPU training step. The forward is the same copy of the same rows.
     """
     bsz, n_rows, dim = kv.shape
-    offsets = torch.arange(bsz, device=slots.device).view(-1, 1, 1) * n_rows
+    offsets = torch.arange(0, bsz * n_rows, n_rows, device=slots.device).view(-1, 1, 1)
     flat = (slots.clamp_min(0) + offsets).flatten()
     return kv.reshape(bsz * n_rows, dim).index_select(0, flat).view(*slots.shape, dim)
 
@@ -260,7 +260,7 @@ def sink_attention(
     """
     if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or sink.requires_grad):
         return _SinkAttention.apply(q, kv, slots, sink, scale)
-    return sink_attention_forward(q, kv, slots, sink, scale, slots_per_step(q))[0]
+    return _online_softmax(q, kv, slots, sink, scale, slots_per_step(q))[0]
 
 
 def sink_attention_forward(
@@ -275,16 +275,34 @@ def sink_attention_forward(
     before the PV product, while the denominator and the accumulator stay fp32. A query with no slot to attend to gets zeros. Written in
     differentiable ops, so autograd of it is the plain backward that keeps every block's keys and probabilities.
     """
-    bsz, seq_len, n_heads, dim = q.shape
+    out, peak, denom = _online_softmax(q, kv, slots, sink, scale, step)
+    return out, peak + torch.log(denom)
+
+
+def _online_softmax(
+    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float, step: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sink_attention_forward`'s output [B,S,H,D] with the final running maximum and denominator [B,S,H]."""
     qf, kvf = q.float(), kv.float()
-    peak = qf.new_full((bsz, seq_len, n_heads), -1e30)  # finite, so a block of empty slots gives exp(-inf) = 0
-    denom = qf.new_zeros(bsz, seq_len, n_heads)
-    acc = qf.new_zeros(bsz, seq_len, n_heads, dim)
-    for start in range(0, slots.shape[-1], step):
+    peak, denom, acc = _online_softmax_first(qf, kvf, slots[..., :step], scale, q.dtype)
+    for start in range(step, slots.shape[-1], step):
         block = slots[..., start : start + step]
         peak, denom, acc = _online_softmax_step(qf, kvf, block, scale, peak, denom, acc, q.dtype)
-    denom = denom + torch.exp(sink.float() - peak)
-    return (acc / denom.unsqueeze(-1)).to(q.dtype), peak + torch.log(denom)
+    denom = denom + torch.exp(sink - peak)  # a bf16 sink promoted to fp32 inside the subtraction
+    return (acc / denom.unsqueeze(-1)).to(q.dtype), peak, denom
+
+
+def _online_softmax_first(
+    qf: torch.Tensor, kvf: torch.Tensor, block: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_online_softmax_step` from the empty state (maximum -1e30, zero sums), in the ops that do not change
+    its result: the rescale of the empty sums is exp(-1e30 - peak) = 0. The maximum stays finite (-1e30) over a
+    block of empty slots, so that their probabilities are exp(-inf) = 0 as later blocks' are."""
+    keys, scores = _block_scores(qf, kvf, block, scale)
+    peak = scores.amax(dim=-1).clamp_min(-1e30)
+    probs = torch.exp(scores - peak.unsqueeze(-1))
+    acc = torch.einsum("bshk,bskd->bshd", probs.to(dtype).float(), keys)
+    return peak, probs.sum(dim=-1), acc
 
 
 def _online_softmax_step(
@@ -305,11 +323,11 @@ def _online_softmax_step(
 def _block_scores(
     qf: torch.Tensor, kvf: torch.Tensor, block: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's keys [B,S,k,D] (fp32, zero on empty slots) and scaled logits [B,S,H,k] (-inf on empty slots)."""
-    filled = block >= 0
-    keys = gather_slots(kvf, block).mul_(filled.unsqueeze(-1))
-    scores = torch.einsum("bshd,bskd->bshk", qf, keys)
-    return keys, torch.where(filled.unsqueeze(2), scores, -torch.inf) * scale
+    """One block's keys [B,S,k,D] (fp32; an empty slot's are row 0's) and scaled logits [B,S,H,k] (-inf on empty
+    slots). An empty slot's probability is exactly 0, so its (finite) keys add nothing forward or backward."""
+    keys = gather_slots(kvf, block)
+    scores = torch.einsum("bshd,bskd->bshk", qf, keys) * scale
+    return keys, scores.masked_fill((block < 0).unsqueeze(2), -torch.inf)
 
 
 def sink_attention_backward(
@@ -328,7 +346,7 @@ def sink_attention_backward(
     delta = (qg[:, :, n_heads:] * out.float()).sum(dim=-1)  # [B, S, H]
     grad_q = torch.zeros_like(qg[:, :, :n_heads])
     grad_kv = kvf.new_zeros(bsz * n_rows, dim)
-    offsets = torch.arange(bsz, device=slots.device).view(-1, 1, 1) * n_rows
+    offsets = torch.arange(0, bsz * n_rows, n_rows, device=slots.device).view(-1, 1, 1)
     for start in range(0, slots.shape[-1], SPARSE_ATTENTION_BLOCK):
         block = slots[..., start : start + SPARSE_ATTENTION_BLOCK]
         _block_backward(qg, kvf, (block.clamp_min(0) + offsets).flatten(), block, lse, delta, scale, grad_q, grad_kv)
@@ -390,19 +408,14 @@ def prefill_window_slots(seq_len: int, window: int, device: torch.device) -> tor
     return slots.masked_fill(slots > query, -1)
 
 
-def decode_window_slots(past: torch.Tensor, seq_len: int, window: int) -> torch.Tensor:
-    """[B, S, W] indices into the keys at positions ``past - W`` … ``past + S - 1`` of each row: query s (at
-    position past + s) reads the W positions ending at its own, oldest first, -1 before the row's first token
-    (the reference's ring order, empty slots first)."""
-    query = torch.arange(seq_len, device=past.device).view(1, -1, 1)
-    offset = torch.arange(window, device=past.device)
-    position = past.view(-1, 1, 1) + query - window + 1 + offset
-    return (query + 1 + offset).masked_fill(position < 0, -1)
-
-
 def _shifted(selection: torch.Tensor, offset: int) -> torch.Tensor:
     """Compressed-row picks as slots of the concatenated [window; compressed] K=V."""
-    return torch.where(selection >= 0, selection + offset, -1)
+    return (selection + offset).masked_fill(selection < 0, -1)
+
+
+def _joined(chunks: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The query chunks' results along ``dim``; a single chunk as it is (a concatenation would copy it)."""
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=dim)
 
 
 class DeepseekV41Attention(nn.Module):
@@ -491,7 +504,7 @@ class DeepseekV41Attention(nn.Module):
         the chunking), then the output projections over all of them."""
         bsz, seq_len = q.shape[:2]
         chunk = self.query_chunk_size
-        out = torch.cat([
+        out = _joined([
             sink_attention(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
             for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
         ], dim=1)
@@ -514,7 +527,7 @@ class DeepseekV41Attention(nn.Module):
     def _slot_probs(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The attention map [B, H, S, K] (see :func:`sink_attention_probs`), ``query_chunk_size`` queries at a time."""
         chunk = self.query_chunk_size
-        return torch.cat([
+        return _joined([
             sink_attention_probs(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
             for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
         ], dim=2)
@@ -579,15 +592,17 @@ class DeepseekV41Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
         kv = layer_cache.extend_window(self._window_kv(x, rot))  # positions past - W … past + S - 1
-        slots = decode_window_slots(step.past, x.shape[1], self.window)
-        slot_index = torch.where(slots >= 0, slots + (step.past - self.window).view(-1, 1, 1), -1)  # key positions
+        slots = window_slots = step.window_slots
+        selection = None
         if self.ratio:
             compress_kv, selection = self._compressed_incremental(x, qr, rot, ctx, layer_cache, step)
             slots = torch.cat([slots, _shifted(selection, kv.shape[1])], dim=-1)
-            slot_index = torch.cat([slot_index, selection], dim=-1)
             kv = torch.cat([kv, compress_kv], dim=1)
         if not output_attentions:
             return self._attend(q, kv, slots, rot)
+        slot_index = torch.where(window_slots >= 0, window_slots + (step.past - self.window).view(-1, 1, 1), -1)
+        if selection is not None:  # key positions: the window's, then the compressed rows'
+            slot_index = torch.cat([slot_index, selection], dim=-1)
         probs = self._slot_probs(q, kv, slots)
         return self._attend_with_map(probs, kv, slots, rot), (probs, slot_index)
 

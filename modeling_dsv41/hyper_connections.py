@@ -121,7 +121,7 @@ class _Collapse(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, pre)
         ctx.reference_numerics = reference_numerics_active()
-        return (pre.unsqueeze(-1) * x.float()).sum(dim=2).to(x.dtype)
+        return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)  # x promoted to fp32 inside the product
 
     @staticmethod
     @once_differentiable

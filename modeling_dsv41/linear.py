@@ -17,10 +17,12 @@ def einsum_rounded_once(equation: str, *operands: torch.Tensor) -> torch.Tensor:
 
     The reference's bf16 outputs were produced with torch 2.14, whose CPU bf16 batched GEMM rounds the exact fp32
     sum once; torch 2.13's rounds otherwise, one bf16 ulp off on some outputs (enough for the FP4 steps and the
-    indexer's top-k to amplify). Computing in fp32 gives 2.14's bits on any version. fp32 operands are unchanged.
+    indexer's top-k to amplify). Computing in fp32 gives 2.14's bits on any version. fp32 operands, and operands
+    on other devices (whose bf16 GEMMs accumulate in fp32 as the model's other linear layers there do), go to
+    ``torch.einsum`` as they are: no fp32 copy of the weight per call.
     """
     dtype = operands[0].dtype
-    if dtype == torch.float32:
+    if dtype == torch.float32 or operands[0].device.type != "cpu":
         return torch.einsum(equation, *operands)
     return torch.einsum(equation, *(t.float() for t in operands)).to(dtype)
 

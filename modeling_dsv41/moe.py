@@ -4,6 +4,7 @@ SwiGLU routed experts stored fused as transformers' experts are (``gate_up_proj`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -42,7 +43,8 @@ class DeepseekV41Gate(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits [N, E] in fp32, before the scoring function."""
-        return F.linear(x.float(), self.weight.float()) / self.gate_temp
+        logits = F.linear(x.float(), self.weight.float())
+        return logits if self.gate_temp == 1 else logits / self.gate_temp  # (x / 1 is x: one op less)
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Unbiased expert affinities [N, E] in fp32 from the logits."""
@@ -70,12 +72,25 @@ class DeepseekV41Gate(nn.Module):
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(gate) * up`` in fp32 with the training clamps: up to ±limit, gate above at limit (none if limit <= 0)."""
-    gate, up = gate.float(), up.float()
+    """``silu(gate) * up`` in fp32 with the training clamps: up to ±limit, gate above at limit (none if limit <= 0).
+
+    ``up`` is clamped in its own dtype where ±limit are numbers of it (bf16's 10, say): the clamp's result is then
+    the same number either way, and the product promotes it to fp32 exactly, without a copy of its own."""
+    gate = gate.float()
     if limit > 0:
-        up = up.clamp(-limit, limit)
+        up = up.clamp(-limit, limit) if _is_exactly(limit, up.dtype) else up.float().clamp(-limit, limit)
         gate = gate.clamp(max=limit)
     return F.silu(gate) * up
+
+
+def _is_exactly(value: float, dtype: torch.dtype) -> bool:
+    """Whether ``value``'s significand fits ``dtype``'s (a conservative test of being one of its numbers), in plain
+    Python, which ``torch.compile`` folds."""
+    bits = _SIGNIFICAND_BITS.get(dtype)
+    return bits is not None and (math.frexp(value)[0] * 2**bits).is_integer()
+
+
+_SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}
 
 
 def swiglu_hidden(
@@ -167,22 +182,27 @@ class DeepseekV41Experts(nn.Module):
     ) -> torch.Tensor:
         """The same computation slot by slot, with every slot's expert weights gathered: a fixed number of batched
         ops with no host sync (one graph under ``torch.compile``), and, with no more slots than experts, no more
-        weight read than the per-expert loop. Each token's experts are summed in ascending order, as the loop does."""
+        weight read than the per-expert loop. On the CPU each token's experts are summed in ascending order, as the
+        loop does (the reference's bits); elsewhere in one reduction, in slot order."""
         num_tokens, top_k = top_k_index.shape
         gate_up_proj, down_proj = self.expert_weights()
-        order = top_k_index.argsort(dim=1)
-        # [N·k], ascending per token; expert parallelism's off-rank slots (id = local count, weight 0) read the
-        # last local expert and add 0
-        experts = top_k_index.gather(1, order).flatten().clamp(max=gate_up_proj.shape[0] - 1)
-        weights = top_k_weights.gather(1, order).reshape(-1, 1)
+        in_loop_order = hidden_states.device.type == "cpu"
+        experts, weights = top_k_index, top_k_weights
+        if in_loop_order:
+            order = top_k_index.argsort(dim=1)
+            experts, weights = experts.gather(1, order), weights.gather(1, order)
+        # [N·k]; expert parallelism's off-rank slots (id = local count, weight 0) read the last local expert, add 0
+        experts = experts.flatten().clamp(max=gate_up_proj.shape[0] - 1)
         x = hidden_states.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [N·k, D, 1]
         gate_up = torch.bmm(gate_up_proj.index_select(0, experts), x).squeeze(-1)  # [N·k, 2·I] (I/tp under TP)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = swiglu_hidden(gate, up, self.swiglu_limit, x.dtype, weights).unsqueeze(-1)
-        out = torch.bmm(down_proj.index_select(0, experts), hidden).float().view(num_tokens, top_k, -1)
-        total = out[:, 0]
+        hidden = swiglu_hidden(gate, up, self.swiglu_limit, x.dtype, weights.reshape(-1, 1)).unsqueeze(-1)
+        out = torch.bmm(down_proj.index_select(0, experts), hidden).view(num_tokens, top_k, -1)
+        if not in_loop_order:
+            return out.sum(dim=1, dtype=torch.float32)
+        total = out[:, 0].float()
         for slot in range(1, top_k):  # fixed order: the fp32 sum is the loop's, 0 + e_first + e_second + …
-            total = total + out[:, slot]
+            total = total + out[:, slot]  # promoted to fp32 inside the add
         return total
 
 
@@ -326,5 +346,5 @@ class DeepseekV41MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         _, weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         self.last_expert_indices = indices.detach().view(*shape[:-1], -1)
-        out = self.experts(x, indices, weights).float() + self.shared_experts(x).float()
+        out = self.experts(x, indices, weights).float() + self.shared_experts(x)  # the shared output promoted
         return out.to(x.dtype).view(shape)

@@ -22,7 +22,7 @@ class DeepseekV41RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
-        return (weight.float() * x).to(dtype)
+        return (weight * x).to(dtype)  # a bf16 weight is promoted inside the product: its exact fp32 value
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -9,13 +9,13 @@ from modeling_dsv41 import attention
 from modeling_dsv41.attention import (
     SPARSE_ATTENTION_BLOCK,
     CompressedContext,
-    decode_window_slots,
     gather_slots,
     prefill_window_slots,
     sink_attention,
     sink_attention_forward,
     topk_selection,
 )
+from modeling_dsv41.generation.cache import decode_window_slots
 from modeling_dsv41.numerics import reference_numerics, reference_numerics_active
 from modeling_dsv41.rotary import apply_rotary
 from tiny_models import tiny_model

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks.op_counts import StepCounter
+from modeling_dsv41.generation.cache import DeepseekV41StaticCache
 from modeling_dsv41.moe import grouped_experts_forward, routed_experts_forward
 from modeling_dsv41.validation import check_on_device
 from tests.tiny_models import tiny_model, tiny_training_model
@@ -44,6 +45,24 @@ def test_a_decode_step_reads_no_value_back():
     def step():
         for t in (11, 12):  # the second steps after a prefill: one of them completes a compressed group
             model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache)
+
+    assert read_backs(step) == {}
+
+
+@torch.no_grad()
+def test_a_static_cache_decode_step_reads_no_value_back():
+    """The static cache's column count, which its overflow check and ``generate`` read, is kept on the host too."""
+    model = tiny_model().to("meta", torch.bfloat16)
+    ids = torch.zeros(2, 13, dtype=torch.long, device="meta")
+    mask = torch.ones_like(ids)
+    cache = DeepseekV41StaticCache(model.config, max_cache_len=16)
+    model(input_ids=ids[:, :10], attention_mask=mask[:, :10], cache=cache)
+    model(input_ids=ids[:, 10:11], attention_mask=mask[:, :11], cache=cache)
+
+    def step():
+        for t in (11, 12):
+            model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache)
+        assert cache.get_seq_length() == 13
 
     assert read_backs(step) == {}
 

@@ -56,6 +56,18 @@ class CacheStep:
     columns: int
     prefill: bool
     compress_rotary: Callable[[torch.Tensor], torch.Tensor]
+    window_slots: torch.Tensor | None = None  # [B, S, W] after the prefill: :func:`decode_window_slots`
+
+
+def decode_window_slots(past: torch.Tensor, seq_len: int, window: int) -> torch.Tensor:
+    """[B, S, W] indices into the window keys that :meth:`DeepseekV41LayerCache.extend_window` returns (positions
+    ``past - W`` … ``past + S - 1`` of each row): query s (at position past + s) reads the W positions ending at its
+    own, oldest first, -1 before the row's first token (the reference's ring order, empty slots first). The same in
+    every layer, so built once per step."""
+    query = torch.arange(seq_len, device=past.device).view(1, -1, 1)
+    offset = torch.arange(window, device=past.device)
+    position = past.view(-1, 1, 1) + query - window + 1 + offset
+    return (query + 1 + offset).masked_fill(position < 0, -1)
 
 
 def gather_rows(t: torch.Tensor, index: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
@@ -459,6 +471,11 @@ class DeepseekV41Cache(Cache):
         return -1
 
     @property
+    def window(self) -> int:
+        """The sliding window W (every layer's)."""
+        return self.layers[0].window
+
+    @property
     def batch_size(self) -> int:
         return -1 if self.lengths is None else self.lengths.shape[0]
 
@@ -473,7 +490,10 @@ class DeepseekV41Cache(Cache):
             if past.shape[0] != new_tokens.shape[0]:
                 raise ValueError(f"the cache holds {past.shape[0]} rows but the inputs have {new_tokens.shape[0]}")
         positions = past.unsqueeze(1) + torch.arange(seq_len, device=device)
-        return CacheStep(past, past + new_tokens, positions, self._columns_after(seq_len), prefill, compress_rotary)
+        window_slots = None if prefill else decode_window_slots(past, seq_len, self.window)
+        return CacheStep(
+            past, past + new_tokens, positions, self._columns_after(seq_len), prefill, compress_rotary, window_slots
+        )
 
     def _columns_after(self, seq_len: int) -> int:
         """Input columns consumed after a call of ``seq_len`` (the longest row's, after :meth:`crop_rows`)."""
@@ -624,8 +644,9 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
     buffer sized by the prefill and updated in place, so that every decode step runs the same shapes on the same
     memory (one ``torch.compile`` graph, capturable as a CUDA graph).
 
-    The column count is a tensor (a Python int would be a new constant to compile at every step); the
-    ``get_seq_length()`` that ``generate`` asks for reads it back.
+    The column count is a tensor (a Python int would be a new constant to compile at every step). Eager steps also
+    count it on the host, so that ``get_seq_length()`` (which ``generate`` and the overflow check ask for) reads
+    nothing back; after a compiled step it reads the tensor.
     """
 
     def __init__(self, config, max_cache_len: int, **kwargs):
@@ -642,6 +663,7 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         self.max_rewind: int | None = None  # tokens a crop may remove while recording (see activate_past_recording)
         self._undoable: tuple[int, int] = (0, 0)  # (tokens undoable, at this column count): see rewindable
         self.seen: torch.Tensor | None = None  # 0-d long: columns consumed
+        self._seen_on_host: int | None = 0  # the same while only eager steps counted it (None: read ``seen``)
         self.behind: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.engram_history: torch.Tensor | None = None
@@ -668,9 +690,19 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
 
     def _count_columns(self, columns: int) -> None:
         self.seen.add_(columns)
+        self._count_on_host(columns)
+
+    def _count_on_host(self, columns: int) -> None:
+        """Keep the host's count, or give it up inside a compiled graph (whose Python runs only while tracing)."""
+        if torch.compiler.is_compiling() or self._seen_on_host is None:
+            self._seen_on_host = None
+        else:
+            self._seen_on_host += columns
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self._empty else int(self.seen)
+        if self._empty:
+            return 0
+        return int(self.seen) if self._seen_on_host is None else self._seen_on_host
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.max_cache_len
@@ -697,9 +729,11 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         self._store("lengths", step.lengths)
         if self._empty:
             self.seen = _static_buffer(torch.tensor(seq_len, device=step.lengths.device))
+            self._seen_on_host = 0
+            self._count_on_host(seq_len)
             self._undoable = (self.max_rewind, seq_len)  # the prefill keeps each row's last tokens (zeros before its first)
         else:
-            self.seen.add_(seq_len)
+            self._count_columns(seq_len)
         self._empty = False
 
     def _store(self, name: str, value: torch.Tensor) -> None:
@@ -717,7 +751,7 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
                 value.zero_()
         if self.engram_history is not None:
             self.engram_history.fill_(DEAD)  # as if there were none: the next prefill starts a sequence
-        self._empty, self._undoable, self.behind = True, (0, 0), None
+        self._empty, self._undoable, self.behind, self._seen_on_host = True, (0, 0), None, 0
 
 
 class DeepseekV41DSparkCache:

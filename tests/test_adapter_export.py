@@ -1,4 +1,4 @@
-"""``dsv41 export --format vllm-lora`` (modeling_dsv41.released.adapter_export): a PEFT LoRA of our model, attention
+"""``dsv41 export --format vllm-lora`` (modeling_dsv41.serving.adapter_export): a PEFT LoRA of our model, attention
 and shared experts (target_modules) and the fused routed experts (target_parameters), written in the layout vLLM's
 DeepSeek-V4 LoRA reads, read back into our model with the same logits; the command of docs/serving.md in a fresh
 process; and each input the export refuses."""
@@ -27,7 +27,7 @@ from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.cli import main
 from modeling_dsv41.placement import meta_instance
-from modeling_dsv41.released.adapter_export import FORMAT, export_serving_adapter, load_serving_adapter
+from modeling_dsv41.serving.adapter_export import FORMAT, export_serving_adapter, load_serving_adapter
 from modeling_dsv41.released.native_lora import ParamWrapper as NativeExpertsLora
 from modeling_dsv41.released.writing import save_released_checkpoint
 

@@ -2,8 +2,8 @@
 
 The layers, lowest first: ``configuration`` ← ``processing`` ← the model's parts (every ``modeling_dsv41`` module the
 model is built from: attention, MoE, Engram, the cache, the released format, placement, ...) ← the model
-(``modeling_dsv41.modeling_dsv41``) ← what uses the model (training, the optimizer, the CLI, Hub export and the
-package's ``__init__``, which registers the Auto classes). Imports are read from the source (function-level ones
+(``modeling_dsv41.modeling_dsv41``) ← what uses the model (training, the optimizer, the CLI, Hub export, the serving
+exports and the package's ``__init__``, which registers the Auto classes). Imports are read from the source (function-level ones
 too), so an import deferred into a function to dodge a circle counts like any other. Within the parts, a subpackage
 (``released/``, ``generation/``) is one unit: its modules together sit above or below a flat module, never both.
 """
@@ -17,7 +17,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("configuration", "processing", "modeling_dsv41")
 MODEL = "modeling_dsv41.modeling_dsv41"
-USERS = ("modeling_dsv41.training", "modeling_dsv41.optim", "modeling_dsv41.cli", "modeling_dsv41.hub.export")
+USERS = (
+    "modeling_dsv41.training", "modeling_dsv41.optim", "modeling_dsv41.cli", "modeling_dsv41.hub.export",
+    "modeling_dsv41.serving",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -128,6 +131,6 @@ def test_the_codec_imports_nothing_of_ours(graph):
 
 def test_the_layout_test_sees_the_imports(graph):
     """The graph is read right: the model imports its parts and the CLI imports the model."""
-    assert {"modeling_dsv41.attention", "modeling_dsv41.released.loading"} <= graph[MODEL]
+    assert {"modeling_dsv41.attention", "modeling_dsv41.released.pretrained_io"} <= graph[MODEL]
     assert MODEL in graph["modeling_dsv41.cli.inspection"]
     assert "configuration.configuration_dsv41" in graph["modeling_dsv41.parallel"]

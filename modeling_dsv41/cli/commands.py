@@ -7,7 +7,7 @@
 - ``dsv41 convert SRC DST``: a released-format checkpoint → our format, dequantized (see
   :mod:`modeling_dsv41.released.convert`).
 - ``dsv41 export --format vllm-lora ADAPTER DST [--base PRESET|PATH]``: a PEFT LoRA adapter → the layout vLLM's
-  DeepSeek-V4 LoRA serves (see :mod:`modeling_dsv41.released.adapter_export`).
+  DeepSeek-V4 LoRA serves (see :mod:`modeling_dsv41.serving.adapter_export`).
 
 Errors are one line on stderr (``dsv41 <command>: error: …``) with exit status 2; Ctrl-C exits with 130.
 
@@ -427,7 +427,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from ..released.adapter_export import FORMAT, FORMAT_VERSION, export_serving_adapter
+    from ..serving.adapter_export import FORMAT, FORMAT_VERSION, export_serving_adapter
 
     written = export_serving_adapter(args.source, args.destination, base=load_config(args.base) if args.base else None)
     left_out = f", left out {len(written['skipped'])} modules of the draft head" if written["skipped"] else ""

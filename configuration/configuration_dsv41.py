@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,114 @@ def _require_positive_int(owner: str, **values: Any) -> None:
     for name, value in values.items():
         if type(value) is not int or value <= 0:
             raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What backbone layer ``layer_id`` is, derived from the config's five schedule fields (see
+    :attr:`DeepseekV41TextConfig.layer_plan`). A layer that does not compress (ratio 0) attends over its sliding
+    window only, and its source ids are ``None``.
+
+    Attributes:
+        compress_ratio: ``compress_ratios[layer_id]``: tokens pooled per compressed K=V row, 0 for window only.
+        kv_source_id: the layer whose compressed K=V it attends over (the latest KV source up to it; itself for a KV
+            source, which owns the compressor).
+        index_source_id: the layer whose top-k selection it reads (the latest index source up to it; itself for an
+            index source, which runs an indexer).
+        candidate_source_id: for an indexer after the candidate source, that layer: it scores only inside the
+            candidate blocks that layer kept.
+        is_candidate_source: whether its indexer keeps the candidate blocks later indexers score inside.
+        engram_index: its position in ``engram_layer_ids`` (the hasher's column of its Engram read before the
+            attention), ``None`` without Engram.
+    """
+
+    layer_id: int
+    compress_ratio: int = 0
+    kv_source_id: int | None = None
+    index_source_id: int | None = None
+    candidate_source_id: int | None = None
+    is_candidate_source: bool = False
+    engram_index: int | None = None
+
+    @property
+    def is_compressed(self) -> bool:
+        return self.compress_ratio > 0
+
+    @property
+    def is_kv_source(self) -> bool:
+        return self.kv_source_id == self.layer_id
+
+    @property
+    def is_index_source(self) -> bool:
+        return self.index_source_id == self.layer_id
+
+    @property
+    def has_engram(self) -> bool:
+        return self.engram_index is not None
+
+    @property
+    def kind(self) -> str:
+        """A readable name: ``"window"`` or ``"compressed_{r}"``, after ``"engram+"`` and before its roles,
+        e.g. ``"engram+compressed_2+kv_source+index_source"``."""
+        roles = [name for name, has in (("kv_source", self.is_kv_source), ("index_source", self.is_index_source),
+                                        ("candidate_source", self.is_candidate_source)) if has]
+        attention = f"compressed_{self.compress_ratio}" if self.is_compressed else "window"
+        return "+".join(["engram"] * self.has_engram + [attention] + roles)
+
+
+@lru_cache(maxsize=64)
+def _layer_plan(
+    n: int, ratios: tuple[int, ...], kv_ids: tuple[int, ...], index_ids: tuple[int, ...], cand: int,
+    engram_ids: tuple[int, ...],
+) -> tuple[LayerSpec, ...]:
+    """The specs of layers 0..n-1 from the schedule fields (as tuples, so that each combination is checked and built
+    once); a ``ValueError`` names the first inconsistency."""
+    if len(ratios) < n:
+        raise ValueError(f"compress_ratios has {len(ratios)} entries but there are {n} layers (one per layer needed)")
+    if any(type(r) is not int or r < 0 for r in ratios):
+        raise ValueError(f"compress_ratios must be non-negative integers, got {list(ratios)}")
+    for name, ids in (("kv_source_layer_ids", kv_ids), ("index_source_layer_ids", index_ids)):
+        if list(ids) != sorted(set(ids)) or any(type(i) is not int or i < 0 for i in ids):
+            raise ValueError(f"{name} must be strictly increasing non-negative layer ids, got {list(ids)}")
+    kv_sources = [i for i in kv_ids if i < n]
+    index_sources = [i for i in index_ids if i < n]
+    for i in kv_sources + index_sources:
+        if ratios[i] == 0:
+            raise ValueError(f"layer {i} is a KV/index source but does not compress (compress_ratios[{i}] == 0)")
+    if not set(kv_sources) <= set(index_sources):
+        raise ValueError(
+            f"every KV source must also be an index source (it owns the index keys): {kv_sources} vs {index_sources}"
+        )
+    owners: dict[int, tuple[int, int]] = {}  # compressed layer → (KV source, index source)
+    for i in range(n):
+        if ratios[i] == 0:
+            continue
+        kv_owner = max((s for s in kv_sources if s <= i), default=None)
+        if kv_owner is None or ratios[kv_owner] != ratios[i]:
+            raise ValueError(
+                f"compressed layer {i} (ratio {ratios[i]}) needs a preceding KV source with the same ratio; "
+                f"kv_source_layer_ids={list(kv_ids)}"
+            )
+        index_owner = max((s for s in index_sources if s <= i), default=None)
+        if index_owner is None:
+            raise ValueError(f"compressed layer {i} has no preceding index source")
+        owners[i] = kv_owner, index_owner
+    if type(cand) is not int or cand < -1:
+        raise ValueError(f"candidate_source_layer_id must be -1 (off) or a layer id, got {cand!r}")
+    if 0 <= cand < n and cand not in kv_sources:
+        raise ValueError(f"candidate_source_layer_id {cand} must be a KV source layer ({kv_sources})")
+    if list(engram_ids) != sorted(set(engram_ids)) or any(type(i) is not int or not 0 <= i < n for i in engram_ids):
+        raise ValueError(f"engram_layer_ids must be increasing layer ids below {n}, got {list(engram_ids)}")
+    plan = []
+    for i in range(n):
+        engram_index = engram_ids.index(i) if i in engram_ids else None
+        if i not in owners:
+            plan.append(LayerSpec(i, engram_index=engram_index))
+            continue
+        kv_owner, index_owner = owners[i]
+        candidates = cand if index_owner == i and 0 <= cand < i else None  # an indexer after the candidate source
+        plan.append(LayerSpec(i, ratios[i], kv_owner, index_owner, candidates, i == cand, engram_index))
+    return tuple(plan)
 
 
 @strict
@@ -263,42 +373,8 @@ class DeepseekV41TextConfig(PreTrainedConfig):
                 raise ValueError(f"compress_rope_scaling is missing YaRN keys {sorted(missing)}")
 
     def _validate_schedule(self) -> None:
-        n = self.num_hidden_layers
-        ratios = self.compress_ratios
-        if len(ratios) < n:
-            raise ValueError(f"compress_ratios has {len(ratios)} entries but there are {n} layers (one per layer needed)")
-        if any(type(r) is not int or r < 0 for r in ratios):
-            raise ValueError(f"compress_ratios must be non-negative integers, got {ratios}")
-        for name in ("kv_source_layer_ids", "index_source_layer_ids"):
-            ids = getattr(self, name)
-            if ids != sorted(set(ids)) or any(type(i) is not int or i < 0 for i in ids):
-                raise ValueError(f"{name} must be strictly increasing non-negative layer ids, got {ids}")
-        kv_sources = [i for i in self.kv_source_layer_ids if i < n]
-        index_sources = [i for i in self.index_source_layer_ids if i < n]
-        for i in kv_sources + index_sources:
-            if ratios[i] == 0:
-                raise ValueError(f"layer {i} is a KV/index source but does not compress (compress_ratios[{i}] == 0)")
-        if not set(kv_sources) <= set(index_sources):
-            raise ValueError(
-                f"every KV source must also be an index source (it owns the index keys): {kv_sources} vs {index_sources}"
-            )
-        for i in range(n):
-            if ratios[i] == 0:
-                continue
-            kv_owner = max((s for s in kv_sources if s <= i), default=None)
-            if kv_owner is None or ratios[kv_owner] != ratios[i]:
-                raise ValueError(
-                    f"compressed layer {i} (ratio {ratios[i]}) needs a preceding KV source with the same ratio; "
-                    f"kv_source_layer_ids={self.kv_source_layer_ids}"
-                )
-            if not any(s <= i for s in index_sources):
-                raise ValueError(f"compressed layer {i} has no preceding index source")
-        cand = self.candidate_source_layer_id
-        if type(cand) is not int or cand < -1:
-            raise ValueError(f"candidate_source_layer_id must be -1 (off) or a layer id, got {cand!r}")
-        if 0 <= cand < n:
-            if cand not in kv_sources:
-                raise ValueError(f"candidate_source_layer_id {cand} must be a KV source layer ({kv_sources})")
+        plan = self.layer_plan  # checks the schedule fields
+        if any(spec.is_candidate_source for spec in plan):
             _require_positive_int("text", candidate_topk_blocks=self.candidate_topk_blocks,
                                   candidate_block_size=self.candidate_block_size)
             if self.candidate_topk_blocks * self.candidate_block_size < self.index_topk:
@@ -308,9 +384,7 @@ class DeepseekV41TextConfig(PreTrainedConfig):
                 )
 
     def _validate_engram(self) -> None:
-        ids = self.engram_layer_ids
-        if ids != sorted(set(ids)) or any(type(i) is not int or not 0 <= i < self.num_hidden_layers for i in ids):
-            raise ValueError(f"engram_layer_ids must be increasing layer ids below {self.num_hidden_layers}, got {ids}")
+        ids = self.engram_layer_ids  # checked by the layer plan
         if len(ids) != len(self.engram_num_embeddings):
             raise ValueError(
                 f"engram_num_embeddings needs one table size per Engram layer: {self.engram_num_embeddings} vs {ids}"
@@ -353,6 +427,29 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         draft_ratios = self.compress_ratios[self.num_hidden_layers : self.num_hidden_layers + self.num_nextn_predict_layers]
         if any(draft_ratios):
             raise ValueError(f"the DSpark draft blocks are window-only: their compress_ratios must be 0, got {draft_ratios}")
+
+    @property
+    def layer_plan(self) -> tuple[LayerSpec, ...]:
+        """One :class:`LayerSpec` per backbone layer, derived from ``compress_ratios``, ``kv_source_layer_ids``,
+        ``index_source_layer_ids``, ``candidate_source_layer_id`` and ``engram_layer_ids`` (which stay the
+        serialized form) and checked once per combination of them. Read on access, so it follows a field set later.
+        """
+        return _layer_plan(
+            self.num_hidden_layers, tuple(self.compress_ratios), tuple(self.kv_source_layer_ids),
+            tuple(self.index_source_layer_ids), self.candidate_source_layer_id, tuple(self.engram_layer_ids),
+        )
+
+    # Not `layer_types`: transformers reads that name (its config validation accepts only its own attention kinds,
+    # and its caches and masks build sliding/full layers from it), which would change how it treats this model.
+    @property
+    def layer_kinds(self) -> list[str]:
+        """The layer plan by name, one per backbone layer (:attr:`LayerSpec.kind`)."""
+        return [spec.kind for spec in self.layer_plan]
+
+    def layer_spec(self, layer_id: int) -> LayerSpec:
+        """The plan's spec of a backbone layer; a window-only spec for the DSpark draft blocks' attention (ids
+        ``num_hidden_layers + k``)."""
+        return self.layer_plan[layer_id] if layer_id < self.num_hidden_layers else LayerSpec(layer_id)
 
     @property
     def has_dspark(self) -> bool:
@@ -639,6 +736,7 @@ __all__ = [
     "DeepseekV41Config",
     "DeepseekV41TextConfig",
     "DeepseekV41VisionConfig",
+    "LayerSpec",
     "PRESETS_DIR",
     "check_required_keys",
     "released_quantization_dict",

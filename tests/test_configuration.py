@@ -158,3 +158,57 @@ def test_deepseek_inference_name_of_the_draft_top_k_is_read():
     text = DeepseekV41Config.from_preset("tiny").text_config.to_dict()
     text.pop("dspark_num_experts_per_tok", None)
     assert DeepseekV41TextConfig(**text, dspark_n_activated_experts=1).dspark_num_experts_per_tok == 1
+
+
+def _plan_from_fields(text):
+    """The layer plan re-derived from the five schedule fields, as each consumer once did."""
+    n, ratios = text.num_hidden_layers, text.compress_ratios
+    kv = [i for i in text.kv_source_layer_ids if i < n]
+    index = [i for i in text.index_source_layer_ids if i < n]
+    cand = text.candidate_source_layer_id
+    rows = []
+    for i in range(n):
+        compressed = ratios[i] > 0
+        rows.append((
+            ratios[i],
+            max(s for s in kv if s <= i) if compressed else None,
+            max(s for s in index if s <= i) if compressed else None,
+            cand if compressed and i in index and 0 <= cand < i else None,
+            i == cand,
+            text.engram_layer_ids.index(i) if i in text.engram_layer_ids else None,
+        ))
+    return rows
+
+
+def test_the_layer_plan_follows_the_schedule_fields(fixtures_dir):
+    """The tiny preset's and the release's config.json's plans: one spec per layer, as the fields say; the names
+    read the roles; not serialized (the config.json keys stay the five fields)."""
+    tiny = DeepseekV41Config.from_preset("tiny").text_config
+    released = DeepseekV41Config.from_pretrained(fixtures_dir / "released_config").text_config
+    for text in (tiny, released):
+        plan = text.layer_plan
+        assert [spec.layer_id for spec in plan] == list(range(text.num_hidden_layers))
+        assert [(s.compress_ratio, s.kv_source_id, s.index_source_id, s.candidate_source_id, s.is_candidate_source,
+                 s.engram_index) for s in plan] == _plan_from_fields(text)
+        assert [s.layer_id for s in plan if s.is_kv_source] == [i for i in text.kv_source_layer_ids if i < len(plan)]
+        assert text.layer_plan is plan  # built once
+        assert not {"layer_plan", "layer_kinds"} & set(text.to_dict())
+    assert tiny.layer_kinds == [
+        "engram+window", "engram+compressed_2+kv_source+index_source", "compressed_2",
+        "compressed_1+kv_source+index_source+candidate_source", "compressed_1", "compressed_1+index_source",
+    ]
+    kinds = released.layer_kinds
+    assert kinds[:3] == ["window", "engram+window", "compressed_2+kv_source+index_source"]
+    assert kinds[14] == "engram+compressed_2+kv_source+index_source"
+    assert kinds[20] == "compressed_1+kv_source+index_source+candidate_source"
+    assert kinds.count("compressed_1+index_source") == 4 and len(kinds) == 40
+    assert released.layer_spec(41).kind == "window"  # a DSpark draft block's attention
+
+
+def test_a_bad_layer_schedule_is_refused_once_with_a_clear_error():
+    text = DeepseekV41TextConfig(**TINY)
+    text.compress_ratios = [0, 2, 2, 2, 1, 1]  # the KV source 3 now pools 2-to-1: layer 4 (1-to-1) has none
+    with pytest.raises(ValueError, match="compressed layer 4 .ratio 1. needs a preceding KV source with the same"):
+        text.layer_plan
+    with pytest.raises(ValueError, match="engram_layer_ids must be increasing layer ids below 6"):
+        DeepseekV41TextConfig(**{**TINY, "engram_layer_ids": [1, 0]})

@@ -1,7 +1,8 @@
 """CSA2 attention of DeepSeek-V4.1: a sliding window of raw K=V plus, on compressed layers, a sparse
 selection of compressed KV.
 
-Per layer ``i`` with ``compress_ratios[i] = r``:
+Per layer ``i`` with ``compress_ratios[i] = r`` (its roles: ``config.layer_plan[i]``, a
+:class:`~configuration.LayerSpec`):
 
 * every layer attends over the last ``sliding_window`` tokens' shared K=V vector (``wkv`` → ``kv_norm``);
 * a **KV source** (``kv_source_layer_ids``) pools each group of ``r`` tokens into one latent
@@ -153,12 +154,13 @@ class DeepseekV41Indexer(nn.Module):
 
     def __init__(self, config, layer_id: int, owns_keys: bool):
         super().__init__()
+        spec = config.layer_spec(layer_id)
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.topk = config.index_topk
-        self.ratio = config.compress_ratios[layer_id]
-        self.is_candidate_source = layer_id == config.candidate_source_layer_id
-        self.uses_candidates = 0 <= config.candidate_source_layer_id < layer_id
+        self.ratio = spec.compress_ratio
+        self.is_candidate_source = spec.is_candidate_source
+        self.uses_candidates = spec.candidate_source_id is not None
         self.candidate_topk_blocks = config.candidate_topk_blocks
         self.candidate_block_size = config.candidate_block_size
         self.emulate_quantization = config.emulate_quantization
@@ -428,10 +430,9 @@ class DeepseekV41Attention(nn.Module):
         self.rope_dim = config.qk_rope_head_dim
         self.n_groups, self.o_lora_rank = config.o_groups, config.o_lora_rank
         self.window = config.sliding_window
-        # the DSpark draft blocks (ids past the backbone's) are window-only; compress_ratios may list them as 0
-        self.ratio = config.compress_ratios[layer_id] if layer_id < len(config.compress_ratios) else 0
-        self.is_kv_source = layer_id in config.kv_source_layer_ids and self.ratio > 0
-        self.is_index_source = layer_id in config.index_source_layer_ids and self.ratio > 0
+        spec = config.layer_spec(layer_id)  # window-only for the DSpark draft blocks (ids past the backbone's)
+        self.ratio = spec.compress_ratio
+        self.is_kv_source, self.is_index_source = spec.is_kv_source, spec.is_index_source
         self.emulate_quantization = config.emulate_quantization
         self.query_chunk_size = config.query_chunk_size
         self.scale = self.head_dim**-0.5

@@ -154,7 +154,7 @@ class DeepseekV41NgramHasher(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.layer_ids = tuple(config.engram_layer_ids)
+        self.layer_ids = tuple(spec.layer_id for spec in config.layer_plan if spec.has_engram)
         if not self.layer_ids:
             raise ValueError("DeepseekV41NgramHasher needs at least one entry in engram_layer_ids")
         self.max_ngram_size = config.engram_max_ngram_size
@@ -439,10 +439,11 @@ class DeepseekV41Engram(nn.Module):
 
     def __init__(self, config, layer_id: int):
         super().__init__()
-        if layer_id not in config.engram_layer_ids:
+        spec = config.layer_plan[layer_id]
+        if not spec.has_engram:
             raise ValueError(f"layer {layer_id} is not an Engram layer ({list(config.engram_layer_ids)})")
         self.layer_id = layer_id
-        self.hash_index = list(config.engram_layer_ids).index(layer_id)
+        self.hash_index = spec.engram_index
         self.hidden_size = config.hidden_size
         self.hc_mult = config.hc_mult
         self.eps = config.rms_norm_eps

@@ -177,7 +177,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.layer_id = layer_id
         dim = config.hidden_size
-        self.engram = DeepseekV41Engram(config, layer_id) if layer_id in config.engram_layer_ids else None
+        self.engram = DeepseekV41Engram(config, layer_id) if config.layer_plan[layer_id].has_engram else None
         self.attn = DeepseekV41Attention(config, layer_id)
         self.ffn = DeepseekV41MoE(config, use_vision_bias)
         self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
@@ -341,7 +341,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         self.compress_rotary = DeepseekV41RotaryEmbedding(
             text.qk_rope_head_dim, text.compress_rope_theta, text.compress_rope_scaling
         )
-        self.engram_hasher = DeepseekV41NgramHasher(text) if text.engram_layer_ids else None
+        self.engram_hasher = DeepseekV41NgramHasher(text) if any(spec.has_engram for spec in text.layer_plan) else None
         if config.has_vision:
             self.vision = DeepseekV41VisionTransformer(config.vision_config)
             self.aligner = DeepseekV41Aligner(config.vision_config, text.hidden_size)
@@ -569,7 +569,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         engram_rows = self.gather_engram_rows(hash_ids)
         engram_mask = None if image_mask is None else ~image_mask
         for layer in self._stage_layers():
-            rotation = rotations[self.text_config.compress_ratios[layer.layer_id] > 0]
+            rotation = rotations[self.text_config.layer_plan[layer.layer_id].is_compressed]
             *handed_up, probs, slots, tap = layer(
                 *stream, rotation, engram_rows.get(layer.layer_id), image_mask=image_mask, engram_hash_ids=hash_ids,
                 engram_mask=engram_mask, cache=cache, step=step, output_attentions=collected.attentions is not None,

@@ -35,6 +35,8 @@ __all__ = [
     "DeepseekV41PreTrainedModel",
     "DeepseekV41Model",
     "DeepseekV41ForCausalLM",
+    "export_for_hub",
+    "push_to_hub",
     "register",
 ]
 

@@ -11,7 +11,6 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch

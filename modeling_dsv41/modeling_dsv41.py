@@ -176,8 +176,9 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config, layer_id: int, use_vision_bias: bool):
         super().__init__()
         self.layer_id = layer_id
+        self.spec = config.layer_plan[layer_id]  # read on the forward path: a constant there, not a config lookup
         dim = config.hidden_size
-        self.engram = DeepseekV41Engram(config, layer_id) if config.layer_plan[layer_id].has_engram else None
+        self.engram = DeepseekV41Engram(config, layer_id) if self.spec.has_engram else None
         self.attn = DeepseekV41Attention(config, layer_id)
         self.ffn = DeepseekV41MoE(config, use_vision_bias)
         self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
@@ -569,7 +570,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         engram_rows = self.gather_engram_rows(hash_ids)
         engram_mask = None if image_mask is None else ~image_mask
         for layer in self._stage_layers():
-            rotation = rotations[self.text_config.layer_plan[layer.layer_id].is_compressed]
+            rotation = rotations[layer.spec.is_compressed]
             *handed_up, probs, slots, tap = layer(
                 *stream, rotation, engram_rows.get(layer.layer_id), image_mask=image_mask, engram_hash_ids=hash_ids,
                 engram_mask=engram_mask, cache=cache, step=step, output_attentions=collected.attentions is not None,

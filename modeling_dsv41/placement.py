@@ -266,13 +266,12 @@ def cache_bytes_per_token(config: DeepseekV41Config, dtype: torch.dtype = torch.
     text = config.get_text_config()
     itemsize = torch.empty((), dtype=dtype).element_size()
     total = 0.0
-    for layer_id in text.kv_source_layer_ids:
-        ratio = text.compress_ratios[layer_id]
-        if layer_id >= text.num_hidden_layers or ratio <= 0:
+    for spec in text.layer_plan:
+        if not spec.is_kv_source:
             continue
-        total += text.head_dim * itemsize / ratio
-        if layer_id in text.index_source_layer_ids:
-            total += text.index_head_dim * itemsize / ratio
+        total += text.head_dim * itemsize / spec.compress_ratio
+        if spec.is_index_source:
+            total += text.index_head_dim * itemsize / spec.compress_ratio
     return total
 
 

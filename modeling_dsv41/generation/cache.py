@@ -368,7 +368,7 @@ class DeepseekV41Cache(Cache):
     def __init__(self, config):
         text = config.get_text_config()
         super().__init__(
-            layers=[DeepseekV41LayerCache(text.sliding_window, text.compress_ratios[i]) for i in range(text.num_hidden_layers)]
+            layers=[DeepseekV41LayerCache(text.sliding_window, spec.compress_ratio) for spec in text.layer_plan]
         )
         self.seen_tokens = 0
         self.lengths: torch.Tensor | None = None  # [B] real tokens per row
@@ -654,8 +654,8 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         Cache.__init__(
             self,
             layers=[
-                DeepseekV41StaticLayerCache(text.sliding_window, text.compress_ratios[i], max_cache_len)
-                for i in range(text.num_hidden_layers)
+                DeepseekV41StaticLayerCache(text.sliding_window, spec.compress_ratio, max_cache_len)
+                for spec in text.layer_plan
             ],
         )
         self.max_cache_len = max_cache_len

@@ -55,7 +55,7 @@ def _results_rows(results: Mapping[str, Any] | None) -> list[tuple[str, str, str
 def _architecture(model: Any) -> dict[str, Any]:
     text = model.config.text_config
     vision = model.config.vision_config
-    ratios = text.compress_ratios[: text.num_hidden_layers]
+    ratios = [spec.compress_ratio for spec in text.layer_plan]
     return {
         "num_parameters": model.num_parameters(),
         "text": text,

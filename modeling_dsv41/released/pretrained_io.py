@@ -42,9 +42,9 @@ class ReleasedCheckpointMixin:
         heads), the draft head's keys ignored without it, and only the block classes it has as unsplittable."""
         text = self.config.get_text_config()
         extra = [
-            f"layers.{i}.attn.compressor.{name}"
-            for i in text.kv_source_layer_ids
-            if i < text.num_hidden_layers and text.compress_ratios[i] > 1
+            f"layers.{spec.layer_id}.attn.compressor.{name}"
+            for spec in text.layer_plan
+            if spec.is_kv_source and spec.compress_ratio > 1
             for name in ("wkv", "wgate")
         ]
         if self.config.has_vision:

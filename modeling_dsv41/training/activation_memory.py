@@ -35,14 +35,6 @@ def attended_slots(config, ratio: int, seq_len: int) -> int:
     return window + min(config.index_topk, seq_len // ratio)
 
 
-def _is_kv_source(config, layer_id: int) -> bool:
-    return layer_id in config.kv_source_layer_ids and config.compress_ratios[layer_id] > 0
-
-
-def _is_index_source(config, layer_id: int) -> bool:
-    return layer_id in config.index_source_layer_ids and config.compress_ratios[layer_id] > 0
-
-
 def layer_saved_terms(config, layer_id: int, seq_len: int, rank: int = 16) -> dict[str, float]:
     """Bytes per token that decoder layer ``layer_id``'s forward keeps for its backward, by term (its input, held as
     the checkpointed input, left out). The terms of :data:`ATTENTION_SIDE` are still held while the sparse attention
@@ -50,7 +42,8 @@ def layer_saved_terms(config, layer_id: int, seq_len: int, rank: int = 16) -> di
     a = ACTIVATION_BYTES
     d, hc, heads, hd = config.hidden_size, config.hc_mult, config.num_attention_heads, config.head_dim
     q_rank, out_width, inter = config.q_lora_rank, config.o_groups * config.o_lora_rank, config.moe_intermediate_size
-    top_k, ratio = config.num_experts_per_tok, config.compress_ratios[layer_id]
+    spec = config.layer_plan[layer_id]
+    top_k, ratio = config.num_experts_per_tok, spec.compress_ratio
     compressed = seq_len // ratio if ratio else 0
     experts = 1 + top_k  # the shared expert and every routed slot
     terms = {
@@ -71,12 +64,12 @@ def layer_saved_terms(config, layer_id: int, seq_len: int, rank: int = 16) -> di
         # fp32 copies of the experts' adapted inputs: gate and up cast x each, down its hidden activation
         "LoRA inputs, experts": FP32 * (2 * d + inter) * experts + 3 * FP32 * rank * experts,
     }
-    if _is_kv_source(config, layer_id):
+    if spec.is_kv_source:
         # ratio > 1: the fp32 projections and their softmax weights; then the latents' norm input
         terms["compressor"] = (2 * FP32 * hd if ratio > 1 else 0) + a * hd / ratio
-        if _is_index_source(config, layer_id):
+        if spec.is_index_source:
             terms["compressor"] += a * config.index_head_dim / ratio  # the index keys' norm input
-    if layer_id in config.engram_layer_ids:
+    if spec.has_engram:
         # wkv's keys and value, and the stream it writes (a new tensor, the sub-blocks' input)
         terms["Engram"] = a * (hc + 1) * d + a * hc * d
     return terms
@@ -116,7 +109,8 @@ def layer_peak_bytes(config, layer_id: int, seq_len: int, batch_size: int = 1, r
     """
     a, hc, d, heads, hd = ACTIVATION_BYTES, config.hc_mult, config.hidden_size, config.num_attention_heads, config.head_dim
     tokens = seq_len * batch_size
-    ratio = config.compress_ratios[layer_id]
+    spec = config.layer_plan[layer_id]
+    ratio = spec.compress_ratio
     compressed = seq_len // ratio if ratio else 0
     chunk = min(config.query_chunk_size, seq_len) * batch_size
     block = min(64, attended_slots(config, ratio, seq_len))
@@ -130,7 +124,7 @@ def layer_peak_bytes(config, layer_id: int, seq_len: int, batch_size: int = 1, r
         * tokens + FP32 * chunk * (3 * heads * hd + 2 * block * hd + 5 * heads * block)
         + 2 * FP32 * hd * (seq_len + compressed) * batch_size,
     }
-    if _is_index_source(config, layer_id) and compressed:
+    if spec.is_index_source and compressed:
         index_heads, index_dim = config.index_n_heads, config.index_head_dim
         index_q = a * index_heads * (index_dim + 1)  # its queries and head weights
         scores = 6 * chunk * index_heads * compressed
@@ -147,20 +141,21 @@ def checkpointed_input_terms(config, seq_len: int) -> tuple[dict[str, float], di
     balancing); the layers share the compressed context, the Engram rows and the rotations."""
     a, hc, d = ACTIVATION_BYTES, config.hc_mult, config.hidden_size
     per_layer = {"stream": a * hc * d + FP32 * hc, "routed expert ids": INDEX * config.num_experts_per_tok}
-    columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads * len(config.engram_layer_ids)
+    plan = config.layer_plan
+    columns = (config.engram_max_ngram_size - 1) * config.engram_n_heads * sum(spec.has_engram for spec in plan)
     # the Engram layers' table rows, gathered before the layers run, and their hash ids
     shared = {"Engram rows": columns * (a * config.engram_head_dim + INDEX), "compressed context": 0.0}
-    for layer_id in range(config.num_hidden_layers):
-        ratio = config.compress_ratios[layer_id]
-        if _is_kv_source(config, layer_id):
-            keys = config.index_head_dim if _is_index_source(config, layer_id) else 0
+    for spec in plan:
+        ratio = spec.compress_ratio
+        if spec.is_kv_source:
+            keys = config.index_head_dim if spec.is_index_source else 0
             shared["compressed context"] += a * (config.head_dim + keys) / ratio
-        if _is_index_source(config, layer_id):
+        if spec.is_index_source:
             shared["compressed context"] += INDEX * min(config.index_topk, seq_len // ratio)
-        if layer_id == config.candidate_source_layer_id:
+        if spec.is_candidate_source:
             blocks = -(-(seq_len // ratio) // config.candidate_block_size)
             shared["compressed context"] += INDEX * min(config.candidate_topk_blocks, blocks)
-    kinds = {ratio > 0 for ratio in config.compress_ratios[: config.num_hidden_layers]}
+    kinds = {spec.is_compressed for spec in plan}
     shared["rotations"] = len(kinds) * FP32 * config.qk_rope_head_dim
     return per_layer, shared
 

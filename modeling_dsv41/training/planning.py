@@ -54,7 +54,8 @@ def layer_saved_bytes_per_token(config, layer_id: int, seq_len: int) -> float:
     (:mod:`.full_planning`): an upper bound now that the sparse attention's backward recomputes its keys and
     probabilities; the LoRA plan uses :mod:`.activation_memory`, the model measured against the new code."""
     d, hc, heads, hd = config.hidden_size, config.hc_mult, config.num_attention_heads, config.head_dim
-    ratio = config.compress_ratios[layer_id]
+    spec = config.layer_plan[layer_id]
+    ratio = spec.compress_ratio
     k = attended_slots(config, ratio, seq_len)
     top_k, inter = config.num_experts_per_tok, config.moe_intermediate_size
     routed = top_k + config.n_shared_experts
@@ -75,7 +76,7 @@ def layer_saved_bytes_per_token(config, layer_id: int, seq_len: int) -> float:
     if ratio:
         terms["compressor"] = 3 * d * 4 // max(ratio, 1) + 2 * hd * 4
         terms["indexer"] = config.index_n_heads * config.index_head_dim * 2 // 2
-    if layer_id in config.engram_layer_ids:
+    if spec.has_engram:
         rows = (config.engram_max_ngram_size - 1) * config.engram_n_heads * config.engram_head_dim
         terms["Engram"] = rows * (4 + 2) + hc * d * 4 * 5
     return float(sum(terms.values()))

@@ -15,7 +15,7 @@ from reference_fixture import to_our_layout
 from safetensors import safe_open
 from torch import nn
 
-import modeling_dsv41.optim.mixed as mixed
+import modeling_dsv41.optim.updates as updates
 from modeling_dsv41.optim import (
     TORCH_MUON_NS_COEFFICIENTS,
     V4_NS_COEFFICIENTS,
@@ -247,7 +247,7 @@ def test_3d_expert_tensor_equals_per_expert_loop(monkeypatch):
     grads = [_grads([stacked.shape], step) for step in range(3)]
     _run(MixedOptimizer([{"kind": "muon", "params": [stacked]}], lr=LR), [stacked], grads)
     # The loop reference also exercises chunking: one matrix per batched call.
-    monkeypatch.setattr(mixed, "MAX_BATCH_NUMEL", out_features * in_features)
+    monkeypatch.setattr(updates, "MAX_BATCH_NUMEL", out_features * in_features)
     loop = MixedOptimizer([{"kind": "muon", "params": loop_params}], lr=LR)
     _run(loop, loop_params, [list(g.unbind(0)) for (g,) in grads])
     atol = 3 * LR * 0.18 * math.sqrt(in_features) * BF16_ULP  # batched vs single bf16 matmuls

@@ -1,7 +1,14 @@
 """DeepSeek-V4.1's optimizer: Muon, head-wise Muon, Sinkhorn-balanced and AdamW in one ``torch.optim.Optimizer``."""
 
-from .mixed import KIND_DEFAULTS, KINDS, MixedOptimizer
-from .muon import TORCH_MUON_NS_COEFFICIENTS, V4_NS_COEFFICIENTS, head_blocks, update_scale, zeropower_via_newton_schulz
+from .kinds import KIND_DEFAULTS, KINDS
+from .mixed import MixedOptimizer
+from .muon import (
+    TORCH_MUON_NS_COEFFICIENTS,
+    V4_NS_COEFFICIENTS,
+    head_blocks,
+    update_scale,
+    zeropower_via_newton_schulz,
+)
 from .policy import (
     DEFAULT_RULES,
     AssignmentTable,

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from .kinds import KIND_DEFAULTS, KINDS
+from .kinds import KINDS, OPTIMIZER_KINDS
 
 FROZEN = "frozen"
 
@@ -177,11 +177,7 @@ def assignment_table(model: nn.Module, overrides: Mapping[str, Override] | None 
 
 def state_bytes(kind: str, numel: int, element_size: int) -> int:
     """Bytes of optimizer state MixedOptimizer keeps for one tensor of ``kind`` (buffers in the param dtype)."""
-    if kind == "adamw":
-        return 2 * numel * element_size + 4  # exp_avg, exp_avg_sq, fp32 step
-    if kind == FROZEN:
-        return 0
-    return numel * element_size  # one momentum buffer
+    return 0 if kind == FROZEN else OPTIMIZER_KINDS[kind].state_bytes(numel, element_size)
 
 
 def _assign(model: nn.Module, overrides: Mapping[str, Override] | None) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -211,9 +207,7 @@ def _parse_override(value: Override) -> tuple[str, dict[str, Any]]:
     kind = extra.pop("kind", None)
     if kind not in (*KINDS, FROZEN):
         raise ValueError(f"override kind must be one of {(*KINDS, FROZEN)}, got {kind!r}")
-    allowed = set() if kind == FROZEN else {"lr", *KIND_DEFAULTS[kind]}
-    if kind == "muon_headwise":
-        allowed.add("num_heads")
+    allowed = set() if kind == FROZEN else {"lr", *OPTIMIZER_KINDS[kind].keys}
     if set(extra) - allowed:
         raise ValueError(f"unknown keys {sorted(set(extra) - allowed)} in a {kind!r} override")
     return kind, extra

@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import modeling_dsv41.optim.mixed as mixed
+import modeling_dsv41.optim.updates as optim_updates
 from modeling_dsv41.optim.distributed import _via_replicate
 
 from modeling_dsv41.optim import (
@@ -403,14 +403,14 @@ def _sharded_worker(rank: int, world: int, port: int, d: Dims, reps: int, single
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     contenders = {
-        "owner ranks (ours)": (MixedOptimizer(build_param_groups(model, lr=1e-3)), mixed.owner_compute),
+        "owner ranks (ours)": (MixedOptimizer(build_param_groups(model, lr=1e-3)), optim_updates.owner_compute),
         "all-gather everywhere": (MixedOptimizer(build_param_groups(model, lr=1e-3)), _naive_owner_compute),
     }
     times: dict[str, list[float]] = {name: [] for name in contenders}
     received: dict[str, int] = {}
     for rep in range(reps + 1):  # the first round allocates state and counts bytes
         for name, (opt, exchange) in contenders.items():
-            with mock.patch.object(mixed, "owner_compute", exchange):
+            with mock.patch.object(optim_updates, "owner_compute", exchange):
                 dist.barrier()
                 start = time.perf_counter()
                 if rep == 0:

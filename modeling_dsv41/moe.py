@@ -180,30 +180,46 @@ class DeepseekV41Experts(nn.Module):
     def _forward_per_slot(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """The same computation slot by slot, with every slot's expert weights gathered: a fixed number of batched
-        ops with no host sync (one graph under ``torch.compile``), and, with no more slots than experts, no more
-        weight read than the per-expert loop. On the CPU each token's experts are summed in ascending order, as the
-        loop does (the reference's bits); elsewhere in one reduction, in slot order."""
-        num_tokens, top_k = top_k_index.shape
+        """:func:`per_slot_experts_forward` on the chosen experts' weights, gathered."""
         gate_up_proj, down_proj = self.expert_weights()
-        in_loop_order = hidden_states.device.type == "cpu"
-        experts, weights = top_k_index, top_k_weights
-        if in_loop_order:
-            order = top_k_index.argsort(dim=1)
-            experts, weights = experts.gather(1, order), weights.gather(1, order)
-        # [N·k]; expert parallelism's off-rank slots (id = local count, weight 0) read the last local expert, add 0
-        experts = experts.flatten().clamp(max=gate_up_proj.shape[0] - 1)
-        x = hidden_states.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [N·k, D, 1]
-        gate_up = torch.bmm(gate_up_proj.index_select(0, experts), x).squeeze(-1)  # [N·k, 2·I] (I/tp under TP)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = swiglu_hidden(gate, up, self.swiglu_limit, x.dtype, weights.reshape(-1, 1)).unsqueeze(-1)
-        out = torch.bmm(down_proj.index_select(0, experts), hidden).view(num_tokens, top_k, -1)
-        if not in_loop_order:
-            return out.sum(dim=1, dtype=torch.float32)
-        total = out[:, 0].float()
-        for slot in range(1, top_k):  # fixed order: the fp32 sum is the loop's, 0 + e_first + e_second + …
-            total = total + out[:, slot]  # promoted to fp32 inside the add
-        return total
+        return per_slot_experts_forward(
+            hidden_states, top_k_index, top_k_weights, self.swiglu_limit, gate_up_proj.shape[0],
+            lambda experts: (gate_up_proj.index_select(0, experts), down_proj.index_select(0, experts)),
+        )
+
+
+def per_slot_experts_forward(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    swiglu_limit: float,
+    num_held: int,
+    slot_weights: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """The routed experts slot by slot, each slot's expert weights gathered (``slot_weights(experts [N·k])`` →
+    gate_up [N·k, 2·I, D] and down [N·k, D, I] in the compute dtype): a fixed number of batched ops with no host sync
+    (one graph under ``torch.compile``), and, with no more slots than experts, no more weight read than the
+    per-expert loop. On the CPU each token's experts are summed in ascending order, as the loop does (the reference's
+    bits); elsewhere in one reduction, in slot order. ``num_held``: the experts held (expert parallelism's off-rank
+    slots, id = that count and weight 0, read the last one held and add 0). Returns fp32 [N, D]."""
+    num_tokens, top_k = top_k_index.shape
+    in_loop_order = hidden_states.device.type == "cpu"
+    experts, weights = top_k_index, top_k_weights
+    if in_loop_order:
+        order = top_k_index.argsort(dim=1)
+        experts, weights = experts.gather(1, order), weights.gather(1, order)
+    gate_up_weights, down_weights = slot_weights(experts.flatten().clamp(max=num_held - 1))
+    x = hidden_states.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [N·k, D, 1]
+    gate_up = torch.bmm(gate_up_weights, x).squeeze(-1)  # [N·k, 2·I] (I/tp under TP)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = swiglu_hidden(gate, up, swiglu_limit, x.dtype, weights.reshape(-1, 1)).unsqueeze(-1)
+    out = torch.bmm(down_weights, hidden).view(num_tokens, top_k, -1)
+    if not in_loop_order:
+        return out.sum(dim=1, dtype=torch.float32)
+    total = out[:, 0].float()
+    for slot in range(1, top_k):  # fixed order: the fp32 sum is the loop's, 0 + e_first + e_second + …
+        total = total + out[:, slot]  # promoted to fp32 inside the add
+    return total
 
 
 class ProjectedWeight(Protocol):

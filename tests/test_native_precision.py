@@ -133,6 +133,22 @@ def test_only_the_selected_experts_are_dequantized(native, monkeypatch):
     assert read == [1, 1, 1, 3, 3, 3] and out.shape == (5, TEXT["hidden_size"])  # gate rows, up rows, down
 
 
+def test_a_decode_step_of_the_fp4_experts_dequantizes_the_chosen_ones_without_reading_back(native, dequantized):
+    """No more slots than experts (decoding): each slot's expert is dequantized from its gathered bytes, with no value
+    read back (the loop over experts with tokens reads their counts), and computes what the dequantized model's
+    experts compute, bit for bit (the same dequantized values in the same per-slot products)."""
+    from benchmarks.op_counts import StepCounter
+
+    experts = native.model.layers[0].ffn.experts
+    hidden = torch.randn(1, TEXT["hidden_size"], dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    index, weights = torch.tensor([[3, 1]]), torch.tensor([[0.75, 0.25]])
+    with torch.no_grad(), StepCounter() as counter:
+        out = experts(hidden, index, weights)
+    assert dict(counter.count.syncs) == {}
+    with torch.no_grad():
+        assert torch.equal(out, dequantized.model.layers[0].ffn.experts(hidden, index, weights))
+
+
 def test_the_input_gets_a_gradient_through_a_weight_only_linear(native):
     linear = native.model.layers[0].attn.wq_a
     assert isinstance(linear, WeightOnlyFP8Linear)

@@ -53,7 +53,7 @@ from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQu
 from transformers.utils.import_utils import is_kernels_available
 
 from ..hub.registration import register_quantization_config, register_quantizer
-from ..moe import DeepseekV41Experts, routed_experts_forward
+from ..moe import DeepseekV41Experts, per_slot_experts_forward, routed_experts_forward
 from ..codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
 
 QUANT_METHOD = "deepseek_v41_fp8"
@@ -235,12 +235,32 @@ def fp4_experts_forward(
     """The FP4 ``experts`` computed as :class:`~modeling_dsv41.moe.DeepseekV41Experts`' eager forward, only the experts
     tokens are routed to, each weight a :class:`FrozenExpertWeight` with the LoRA factors ``adapters[name]``
     (``"gate_up_proj"`` / ``"down_proj"``) gives it, if any (the adapters of the logical shape, :mod:`.native_lora`).
-    hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]."""
+    hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D].
+
+    Decoding (no more slots than experts, no adapter, no input gradient), each slot's expert is dequantized from
+    its gathered bytes (:func:`~modeling_dsv41.moe.per_slot_experts_forward`: no host sync); otherwise the loop over
+    the experts with tokens (one host sync reading how many each got)."""
     stored = {name: getattr(experts, name) for name in FP4_EXPERT_TENSORS}
+    needs_input_grad = torch.is_grad_enabled() and hidden_states.requires_grad
+    if not adapters and not needs_input_grad and top_k_index.numel() <= experts.num_experts:
+        return per_slot_experts_forward(
+            hidden_states, top_k_index, top_k_weights, experts.limit or 0.0, stored["gate_up_proj"].shape[0],
+            lambda ids: (_gathered_fp4(stored, "gate_up_proj", ids, hidden_states.dtype),
+                         _gathered_fp4(stored, "down_proj", ids, hidden_states.dtype)),
+        )
     return routed_experts_forward(
         hidden_states, top_k_index, top_k_weights, experts.num_experts, experts.limit or 0.0,
         fp4_expert_weights(stored, adapters),
     )
+
+
+def _gathered_fp4(stored: Mapping[str, torch.Tensor], name: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Experts ``ids`` [n] of the FP4 tensor ``name`` dequantized to ``dtype``: [n, out, in]."""
+    packed = stored[name].index_select(0, ids)  # [n, out, in/2]
+    scale = stored[f"{name}_scale_inv"].index_select(0, ids)
+    columns = 2 * packed.shape[-1]
+    dense = dequantize_released_weight(packed.flatten(0, 1), scale.flatten(0, 1), columns, dtype)
+    return dense.view(*packed.shape[:2], columns)
 
 
 def fp4_expert_weights(

@@ -41,10 +41,20 @@ def caption_batch(processor, samples, prompt: str):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     prefix = processor.apply_chat_template(messages, add_generation_prompt=True)
     texts = [prefix + sample.caption for sample in samples]
-    inputs = processor(images=[s.image for s in samples], text=texts, padding=True, padding_side="right",
-                       add_special_tokens=False, return_tensors="pt")
-    prompt_lengths = [len(ids) for ids in processor(images=[s.image for s in samples], text=[prefix] * len(samples),
-                                                    add_special_tokens=False)["input_ids"]]
+    inputs = processor(
+        images=[s.image for s in samples],
+        text=texts,
+        padding=True,
+        padding_side="right",
+        add_special_tokens=False,
+        return_tensors="pt",
+    )
+    prompt_lengths = [
+        len(ids)
+        for ids in processor(
+            images=[s.image for s in samples], text=[prefix] * len(samples), add_special_tokens=False
+        )["input_ids"]
+    ]
     positions = torch.arange(inputs["input_ids"].shape[1])
     lengths = inputs["attention_mask"].sum(1)
     # position p predicts token p + 1: the caption tokens are predicted from prompt_length - 1 to length - 2
@@ -93,20 +103,29 @@ def main(argv: list[str] | None = None) -> dict:
         logits, match = measure(model)
         kl = (log_p.exp() * (log_p - logits.log_softmax(-1))).sum(-1)
         results[label] = {
-            "footprint_bytes": model.get_memory_footprint(), "load_cpu_s": load_s, "exact_match": match,
+            "footprint_bytes": model.get_memory_footprint(),
+            "load_cpu_s": load_s,
+            "exact_match": match,
             "argmax_agreement": (logits.argmax(-1) == reference.argmax(-1)).float().mean().item(),
-            "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+            "kl_mean": kl.mean().item(),
+            "kl_max": kl.max().item(),
         }
-    print(f"demo model {args.model}: {parameters:,} parameters, {int(mask.sum())} caption positions of "
-          f"{len(held_out)} held-out images, {args.threads} threads")
-    print(f"{'path':<20}{'footprint':>12}{'B/param':>9}{'argmax = bf16':>15}{'KL mean':>10}{'KL max':>10}"
-          f"{'exact match':>13}")
+    print(
+        f"demo model {args.model}: {parameters:,} parameters, {int(mask.sum())} caption positions of "
+        f"{len(held_out)} held-out images, {args.threads} threads"
+    )
+    print(
+        f"{'path':<20}{'footprint':>12}{'B/param':>9}{'argmax = bf16':>15}{'KL mean':>10}{'KL max':>10}"
+        f"{'exact match':>13}"
+    )
     for label, row in results.items():
         agreement = f"{row['argmax_agreement']:.4f}" if "argmax_agreement" in row else "-"
         kl_mean = f"{row['kl_mean']:.2e}" if "kl_mean" in row else "-"
         kl_max = f"{row['kl_max']:.2e}" if "kl_max" in row else "-"
-        print(f"{label:<20}{row['footprint_bytes'] / 2**20:>8.2f} MiB{row['footprint_bytes'] / parameters:>9.3f}"
-              f"{agreement:>15}{kl_mean:>10}{kl_max:>10}{row['exact_match']:>13.3f}")
+        print(
+            f"{label:<20}{row['footprint_bytes'] / 2**20:>8.2f} MiB{row['footprint_bytes'] / parameters:>9.3f}"
+            f"{agreement:>15}{kl_mean:>10}{kl_max:>10}{row['exact_match']:>13.3f}"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -85,8 +85,19 @@ def kernels(step: Callable[[], object]) -> int:
     allocations and views excluded."""
     from torch.profiler import ProfilerActivity, profile
 
-    skip = ("aten::empty", "aten::empty_strided", "aten::as_strided", "aten::view", "aten::reshape", "aten::alias",
-            "aten::_reshape_alias", "aten::resize_", "aten::detach", "aten::lift_fresh", "aten::zeros")
+    skip = (
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::as_strided",
+        "aten::view",
+        "aten::reshape",
+        "aten::alias",
+        "aten::_reshape_alias",
+        "aten::resize_",
+        "aten::detach",
+        "aten::lift_fresh",
+        "aten::zeros",
+    )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     count = 0
@@ -148,9 +159,15 @@ def training(args: argparse.Namespace, size: str) -> dict[str, float]:
                 print(f"\n{size}, {'eager' if stance == 'force_eager' else 'compiled'} step: top ops by self time")
                 print(top_ops(step, args.profile))
     row |= {
-        "compiled graphs": counter.frame_count, "compile s": first - eager, "eager s": eager, "compiled s": compiled,
-        "ratio": compiled / eager, "eager sys s": eager_sys, "compiled sys s": compiled_sys,
-        "user-time ratio": (compiled - compiled_sys) / (eager - eager_sys), "compiled kernels": kernels(step),
+        "compiled graphs": counter.frame_count,
+        "compile s": first - eager,
+        "eager s": eager,
+        "compiled s": compiled,
+        "ratio": compiled / eager,
+        "eager sys s": eager_sys,
+        "compiled sys s": compiled_sys,
+        "user-time ratio": (compiled - compiled_sys) / (eager - eager_sys),
+        "compiled kernels": kernels(step),
     }
     return row
 
@@ -219,23 +236,31 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--medium-layers", type=int, default=0, help="keep the medium model's first N layers")
     parser.add_argument("--skip", nargs="*", default=[], choices=["train", "decode"])
-    parser.add_argument("--profile", type=int, default=0, help="print the N ops of a training step with most self time")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="print the N ops of a training step with most self time"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1  # compile in this process, so that process time counts it
     hf_logging.set_verbosity_error()
-    print(f"torch {torch.__version__}, {args.device}, {args.dtype}, {args.threads} thread(s), batch {args.batch}, "
-          f"train seq {args.seq}, decode context {args.context}, reps {args.reps}, "
-          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
-          + (f", medium: first {args.medium_layers} layers" if args.medium_layers else ""))
+    print(
+        f"torch {torch.__version__}, {args.device}, {args.dtype}, {args.threads} thread(s), batch {args.batch}, "
+        f"train seq {args.seq}, decode context {args.context}, reps {args.reps}, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
+        + (f", medium: first {args.medium_layers} layers" if args.medium_layers else "")
+    )
     if "train" not in args.skip:
-        show("Training step (forward+backward, gradient checkpointing), per-block compile vs eager",
-             {size: training(args, size) for size in args.sizes})
+        show(
+            "Training step (forward+backward, gradient checkpointing), per-block compile vs eager",
+            {size: training(args, size) for size in args.sizes},
+        )
     if "decode" not in args.skip:
-        show("Decode step (static cache), torch.compile(model.forward, fullgraph=True) vs eager",
-             {size: decoding(args, size) for size in args.sizes})
+        show(
+            "Decode step (static cache), torch.compile(model.forward, fullgraph=True) vs eager",
+            {size: decoding(args, size) for size in args.sizes},
+        )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,10 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         results[implementation] = statistics.median(times)
 
-    print(f"{args.tokens} tokens, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, "
-          f"intermediate {args.inter}, {args.dtype}, {args.device}, {args.threads} threads; forward + backward")
+    print(
+        f"{args.tokens} tokens, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, "
+        f"intermediate {args.inter}, {args.dtype}, {args.device}, {args.threads} threads; forward + backward"
+    )
     print(f"{'implementation':<14}{'ms':>10}{'vs eager':>10}{'max |out - eager|':>20}")
     base = results["eager"]
     for implementation, seconds in results.items():

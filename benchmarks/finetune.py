@@ -39,8 +39,15 @@ sys.path.insert(0, str(REPO))
 from benchmarks.loading import STAND_IN, _page_out_checkpoint, _status, write_checkpoints  # noqa: E402
 
 CASES = {"native": "native (FP8/FP4 kept, frozen)", "dequantized": "dequantized to bf16 (baseline)"}
-LINEAR_TARGETS = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1", "shared_experts.w2",
-                  "shared_experts.w3"]
+LINEAR_TARGETS = [
+    "attn.wq_a",
+    "attn.wq_b",
+    "attn.wkv",
+    "attn.wo_b",
+    "shared_experts.w1",
+    "shared_experts.w2",
+    "shared_experts.w3",
+]
 EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
@@ -59,8 +66,13 @@ def lora_model(folder: str, case: str, device: str, experts: bool, factors: Path
     if gradient_checkpointing:
         base.activation_checkpointing_enable()
     torch.manual_seed(0)
-    config = LoraConfig(r=16, lora_alpha=32, target_modules=LINEAR_TARGETS, init_lora_weights=False,
-                        target_parameters=EXPERT_TARGETS if experts else [])
+    config = LoraConfig(
+        r=16,
+        lora_alpha=32,
+        target_modules=LINEAR_TARGETS,
+        init_lora_weights=False,
+        target_parameters=EXPERT_TARGETS if experts else [],
+    )
     model = get_peft_model(base, config).train()
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     with torch.no_grad():
@@ -74,8 +86,17 @@ def lora_model(folder: str, case: str, device: str, experts: bool, factors: Path
     return model, adapters
 
 
-def measure(folder: str, case: str, device: str, seq: int, batch: int, steps: int, experts: bool,
-            gradient_checkpointing: bool, workdir: str) -> dict:
+def measure(
+    folder: str,
+    case: str,
+    device: str,
+    seq: int,
+    batch: int,
+    steps: int,
+    experts: bool,
+    gradient_checkpointing: bool,
+    workdir: str,
+) -> dict:
     """Runs in the child process: load, attach the adapters, one warm-up step (its gradients saved), ``steps``
     timed steps; the memory figures of the module docstring."""
     import gc
@@ -123,8 +144,12 @@ def measure(folder: str, case: str, device: str, seq: int, batch: int, steps: in
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) - before if cuda else _status("VmHWM") - before
-    return {"held": held, "peak": peak, "step_s": statistics.median(seconds), "adapter_params": sum(
-        p.numel() for p in adapters.values())}
+    return {
+        "held": held,
+        "peak": peak,
+        "step_s": statistics.median(seconds),
+        "adapter_params": sum(p.numel() for p in adapters.values()),
+    }
 
 
 def _child(folder: Path, case: str, args, workdir: Path) -> dict:
@@ -134,12 +159,25 @@ def _child(folder: Path, case: str, args, workdir: Path) -> dict:
         "sys.argv[9] == '1', sys.argv[10])))"
     )
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MALLOC_MMAP_THRESHOLD_="65536")
-    argv = [sys.executable, "-c", code, str(REPO), str(folder), case, args.device, str(args.seq), str(args.batch),
-            str(args.steps), str(int(args.experts)), str(int(args.gradient_checkpointing)), str(workdir)]
+    argv = [
+        sys.executable,
+        "-c",
+        code,
+        str(REPO),
+        str(folder),
+        case,
+        args.device,
+        str(args.seq),
+        str(args.batch),
+        str(args.steps),
+        str(int(args.experts)),
+        str(int(args.gradient_checkpointing)),
+        str(workdir),
+    ]
     result = subprocess.run(argv, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"the {case} case failed:\n{result.stderr[-3000:]}")
-    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))[len("RESULT") :])
 
 
 def main() -> None:
@@ -150,8 +188,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--experts", action=argparse.BooleanOptionalAction, default=True,
-                        help="adapters on the routed experts too (default: %(default)s)")
+    parser.add_argument(
+        "--experts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="adapters on the routed experts too (default: %(default)s)",
+    )
     parser.add_argument("--shard-mb", type=int, default=100)
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
@@ -164,10 +206,12 @@ def main() -> None:
             write_checkpoints(workdir, args.shard_mb * 2**20)
         (workdir / "factors.pt").unlink(missing_ok=True)
         where = f"CUDA ({torch.cuda.get_device_name(args.device)})" if args.device.startswith("cuda") else "CPU"
-        print(f"one LoRA step on the released-format stand-in, {where}, batch {args.batch} x {args.seq} tokens, "
-              f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
-              f"{args.threads} threads; memory: "
-              f"{'max_memory_allocated' if where != 'CPU' else 'VmHWM rise over the process before the load'}")
+        print(
+            f"one LoRA step on the released-format stand-in, {where}, batch {args.batch} x {args.seq} tokens, "
+            f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
+            f"{args.threads} threads; memory: "
+            f"{'max_memory_allocated' if where != 'CPU' else 'VmHWM rise over the process before the load'}"
+        )
         results = {case: _child(folder, case, args, workdir) for case in CASES}
         mib = 2**20
         print(f"{'case':34s} {'held MiB':>9s} {'step peak MiB':>14s} {'step s':>8s}")
@@ -178,11 +222,15 @@ def main() -> None:
         delta = max((grads["native"][n] - g).abs().max().item() for n, g in grads["dequantized"].items())
         scale = max(g.abs().max().item() for g in grads["dequantized"].values())
         native, dequantized = results["native"], results["dequantized"]
-        print(f"native / dequantized (baseline): step peak memory {native['peak'] / dequantized['peak']:.2f} "
-              f"(goal <= 0.45), held {native['held'] / dequantized['held']:.2f}, "
-              f"step time {native['step_s'] / dequantized['step_s']:.2f}")
-        print(f"adapter gradients ({native['adapter_params']} parameters), native vs dequantized: max |Δ| "
-              f"{delta:.3g} (max |g| {scale:.3g}, relative {delta / scale:.2g})")
+        print(
+            f"native / dequantized (baseline): step peak memory {native['peak'] / dequantized['peak']:.2f} "
+            f"(goal <= 0.45), held {native['held'] / dequantized['held']:.2f}, "
+            f"step time {native['step_s'] / dequantized['step_s']:.2f}"
+        )
+        print(
+            f"adapter gradients ({native['adapter_params']} parameters), native vs dequantized: max |Δ| "
+            f"{delta:.3g} (max |g| {scale:.3g}, relative {delta / scale:.2g})"
+        )
 
 
 if __name__ == "__main__":

@@ -67,15 +67,37 @@ NO_ENGRAM = {"engram_layer_ids": [], "engram_num_embeddings": []}
 # text_config overrides of the tiny preset (its small ViT stays: it is only run with --image)
 SIZES = {
     "tiny": {},
-    "medium": NO_ENGRAM | {
-        "vocab_size": 24576, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "head_dim": 128,
-        "qk_rope_head_dim": 64, "q_lora_rank": 512, "o_groups": 4, "o_lora_rank": 512, "moe_intermediate_size": 512,
-        "n_routed_experts": 32, "num_experts_per_tok": 6, "sliding_window": 128,
-        "compress_ratios": [0, 2, 2, 2, 1, 1, 1, 0], "kv_source_layer_ids": [1, 4], "index_source_layer_ids": [1, 4, 6],
-        "index_n_heads": 16, "index_head_dim": 64, "index_topk": 512, "candidate_source_layer_id": 4,
-        "candidate_topk_blocks": 256, "candidate_block_size": 8,
-        "compress_rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
-                                  "original_max_position_embeddings": 4096},
+    "medium": NO_ENGRAM
+    | {
+        "vocab_size": 24576,
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 512,
+        "o_groups": 4,
+        "o_lora_rank": 512,
+        "moe_intermediate_size": 512,
+        "n_routed_experts": 32,
+        "num_experts_per_tok": 6,
+        "sliding_window": 128,
+        "compress_ratios": [0, 2, 2, 2, 1, 1, 1, 0],
+        "kv_source_layer_ids": [1, 4],
+        "index_source_layer_ids": [1, 4, 6],
+        "index_n_heads": 16,
+        "index_head_dim": 64,
+        "index_topk": 512,
+        "candidate_source_layer_id": 4,
+        "candidate_topk_blocks": 256,
+        "candidate_block_size": 8,
+        "compress_rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 4096,
+        },
     },
 }
 
@@ -97,18 +119,37 @@ def build_transformers_v4(ours: DeepseekV41ForCausalLM, use_cache: bool = False)
     """transformers' V4 at our width, depth, heads and experts; compressed layers become its CSA (ratio 4)."""
     t = ours.config.text_config
     config = DeepseekV4Config(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, moe_intermediate_size=t.moe_intermediate_size,
-        num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads, num_key_value_heads=1,
-        head_dim=t.head_dim, partial_rotary_factor=t.qk_rope_head_dim / t.head_dim, q_lora_rank=t.q_lora_rank,
-        o_groups=t.o_groups, o_lora_rank=t.o_lora_rank, n_routed_experts=t.n_routed_experts, n_shared_experts=1,
-        num_experts_per_tok=t.num_experts_per_tok, scoring_func=t.scoring_func,
-        routed_scaling_factor=t.routed_scaling_factor, swiglu_limit=t.swiglu_limit, sliding_window=t.sliding_window,
-        index_n_heads=t.index_n_heads, index_head_dim=t.index_head_dim, index_topk=t.index_topk,
-        hc_mult=t.hc_mult, hc_sinkhorn_iters=t.hc_sinkhorn_iters, hc_eps=t.hc_eps,
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        moe_intermediate_size=t.moe_intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=1,
+        head_dim=t.head_dim,
+        partial_rotary_factor=t.qk_rope_head_dim / t.head_dim,
+        q_lora_rank=t.q_lora_rank,
+        o_groups=t.o_groups,
+        o_lora_rank=t.o_lora_rank,
+        n_routed_experts=t.n_routed_experts,
+        n_shared_experts=1,
+        num_experts_per_tok=t.num_experts_per_tok,
+        scoring_func=t.scoring_func,
+        routed_scaling_factor=t.routed_scaling_factor,
+        swiglu_limit=t.swiglu_limit,
+        sliding_window=t.sliding_window,
+        index_n_heads=t.index_n_heads,
+        index_head_dim=t.index_head_dim,
+        index_topk=t.index_topk,
+        hc_mult=t.hc_mult,
+        hc_sinkhorn_iters=t.hc_sinkhorn_iters,
+        hc_eps=t.hc_eps,
         layer_types=["compressed_sparse_attention" if r else "sliding_attention" for r in t.compress_ratios],
         mlp_layer_types=["moe"] * t.num_hidden_layers,  # no hash routing: ours has none either
-        rope_theta=t.rope_theta, compress_rope_theta=t.compress_rope_theta,
-        rope_parameters=dict(t.compress_rope_scaling), num_nextn_predict_layers=0, pad_token_id=t.pad_token_id,
+        rope_theta=t.rope_theta,
+        compress_rope_theta=t.compress_rope_theta,
+        rope_parameters=dict(t.compress_rope_scaling),
+        num_nextn_predict_layers=0,
+        pad_token_id=t.pad_token_id,
         use_cache=use_cache,
     )
     return DeepseekV4ForCausalLM(config)
@@ -173,7 +214,11 @@ def device_clock(device: torch.device) -> Callable[[], float]:
 
 
 def median_times(
-    models: dict[str, nn.Module], inputs: dict[str, dict], step: Callable, warmup: int, reps: int,
+    models: dict[str, nn.Module],
+    inputs: dict[str, dict],
+    step: Callable,
+    warmup: int,
+    reps: int,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Median seconds per ``step`` for each model, timed round-robin so machine noise hits all alike."""
@@ -254,8 +299,10 @@ def numerics_peak_bytes(reference: bool, size: str, engram: bool, batch: int, se
     earlier measurement left in the heap."""
     repo = Path(__file__).resolve().parents[1]
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(repo)}
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from forward import "
-            f"numerics_peak_in_this_process as m; print(m({reference}, {size!r}, {engram}, {batch}, {seq}))")
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from forward import "
+        f"numerics_peak_in_this_process as m; print(m({reference}, {size!r}, {engram}, {batch}, {seq}))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, check=True)
     return int(done.stdout.split()[-1])
 
@@ -274,7 +321,9 @@ def reference_numerics_cost(model: DeepseekV41ForCausalLM, inputs: dict, args: a
         model.config.reference_numerics = modes[mode]
         forward_only(model, inputs)
 
-    times = median_times({m: m for m in modes}, {m: None for m in modes}, lambda m, _: forward(m), args.warmup, args.reps)
+    times = median_times(
+        {m: m for m in modes}, {m: None for m in modes}, lambda m, _: forward(m), args.warmup, args.reps
+    )
     device = next(model.parameters()).device
     if device.type == "cuda":
         peaks = {}
@@ -297,8 +346,10 @@ def reference_numerics_cost(model: DeepseekV41ForCausalLM, inputs: dict, args: a
     model.config.reference_numerics = False
     print("\n## Reference numerics (bf16 forward): on ÷ off")
     print(f"time: {times['on'] * 1e3:.1f} ms ÷ {times['off'] * 1e3:.1f} ms = {times['on'] / times['off']:.2f}×")
-    print(f"peak memory added by the forward ({where}): {peaks['on'] / 2**20:.1f} MiB ÷ "
-          f"{peaks['off'] / 2**20:.1f} MiB = {peaks['on'] / max(peaks['off'], 1):.2f}×")
+    print(
+        f"peak memory added by the forward ({where}): {peaks['on'] / 2**20:.1f} MiB ÷ "
+        f"{peaks['off'] / 2**20:.1f} MiB = {peaks['on'] / max(peaks['off'], 1):.2f}×"
+    )
 
 
 def our_components(model: DeepseekV41ForCausalLM) -> dict[str, list[tuple[object, str]]]:
@@ -322,9 +373,13 @@ def v4_components(model: DeepseekV4ForCausalLM) -> dict[str, list[tuple[object, 
     for layer in model.model.layers:
         targets["attention (+compressor, indexer)"].append((layer.self_attn, "forward"))
         targets["MoE (gate, experts, shared)"].append((layer.mlp, "forward"))
-        targets["mHC (mixes+Sinkhorn, collapse; expand inline)"] += [(layer.attn_hc, "forward"), (layer.ffn_hc, "forward")]
+        targets["mHC (mixes+Sinkhorn, collapse; expand inline)"] += [
+            (layer.attn_hc, "forward"),
+            (layer.ffn_hc, "forward"),
+        ]
         targets["RMSNorm (attn_norm, ffn_norm)"] += [
-            (layer.input_layernorm, "forward"), (layer.post_attention_layernorm, "forward")
+            (layer.input_layernorm, "forward"),
+            (layer.post_attention_layernorm, "forward"),
         ]
     return targets
 
@@ -378,8 +433,11 @@ def print_times(models: dict[str, nn.Module], results: dict[str, dict[str, float
 
 
 def compiled_times(
-    models: dict[str, nn.Module], inputs: dict[str, dict], eager: dict[str, dict[str, float]],
-    args: argparse.Namespace, clock: Callable[[], float],
+    models: dict[str, nn.Module],
+    inputs: dict[str, dict],
+    eager: dict[str, dict[str, float]],
+    args: argparse.Namespace,
+    clock: Callable[[], float],
 ) -> None:
     """The forward+backward, then the forward, again with the decoder layers compiled: times, compiled ÷ eager, ours ÷
     V4. Each row is printed as soon as it is measured (compiling takes minutes on a GPU: a run stopped by its time
@@ -389,16 +447,21 @@ def compiled_times(
     tokens = args.batch * args.seq
     ours_name, theirs_name = models
     for kind, step in (("forward+backward", forward_backward), ("forward", forward_only)):
-        print(f"\n## {kind}, decoder layers compiled\n{'model':<38}{'compile s':>10}{'ms':>10}{'tok/s':>10}"
-              f"{'compiled ÷ eager':>18}")
+        print(
+            f"\n## {kind}, decoder layers compiled\n{'model':<38}{'compile s':>10}{'ms':>10}{'tok/s':>10}"
+            f"{'compiled ÷ eager':>18}"
+        )
         times = {}
         for name, model in models.items():
             start = clock()
             step(model, inputs[name])
             compile_s = clock() - start
             times[name] = median_times({name: model}, inputs, step, args.warmup, args.reps, clock)[name]
-            print(f"{name:<38}{compile_s:>10.1f}{times[name] * 1e3:>10.1f}{tokens / times[name]:>10,.0f}"
-                  f"{times[name] / eager[kind][name]:>17.2f}×", flush=True)
+            print(
+                f"{name:<38}{compile_s:>10.1f}{times[name] * 1e3:>10.1f}{tokens / times[name]:>10,.0f}"
+                f"{times[name] / eager[kind][name]:>17.2f}×",
+                flush=True,
+            )
         print(f"{kind}, compiled: ours ÷ transformers V4 (time) = {times[ours_name] / times[theirs_name]:.2f}×")
 
 
@@ -417,7 +480,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads; CI uses 2")
-    parser.add_argument("--no-engram", action="store_true", help="drop Engram from ours (V4 has none; medium has none)")
+    parser.add_argument(
+        "--no-engram", action="store_true", help="drop Engram from ours (V4 has none; medium has none)"
+    )
     parser.add_argument("--image", action="store_true", help="one image per row in our breakdown (ours only)")
     parser.add_argument("--profile-rows", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="time both models again with their layers compiled")
@@ -437,12 +502,16 @@ def main() -> None:
     inputs = {"ours (DeepseekV41ForCausalLM)": no_cache, "transformers DeepseekV4ForCausalLM": no_cache}
     n_params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
 
-    where = f"CUDA ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else (
-        f"CPU, torch.set_num_threads({torch.get_num_threads()})"
+    where = (
+        f"CUDA ({torch.cuda.get_device_name(device)})"
+        if device.type == "cuda"
+        else (f"CPU, torch.set_num_threads({torch.get_num_threads()})")
     )
-    print(f"# Forward benchmark, size {args.size}: batch {args.batch} × {args.seq} tokens, {args.dtype}, {where}, "
-          f"torch {torch.__version__}; median of {args.reps} round-robin repeats after {args.warmup} warm-up; "
-          f"ours with Engram: {ours.model.engram_hasher is not None}")
+    print(
+        f"# Forward benchmark, size {args.size}: batch {args.batch} × {args.seq} tokens, {args.dtype}, {where}, "
+        f"torch {torch.__version__}; median of {args.reps} round-robin repeats after {args.warmup} warm-up; "
+        f"ours with Engram: {ours.model.engram_hasher is not None}"
+    )
     results = {
         "forward": median_times(models, inputs, forward_only, args.warmup, args.reps, clock),
         "forward+backward": median_times(models, inputs, forward_backward, args.warmup, args.reps, clock),
@@ -454,7 +523,9 @@ def main() -> None:
         compiled_times(models, inputs, results, args, clock)
         return
 
-    our_inputs = to_device(make_inputs(ours, args.batch, args.seq, image=args.image), device, dtype) | {"use_cache": False}
+    our_inputs = to_device(make_inputs(ours, args.batch, args.seq, image=args.image), device, dtype) | {
+        "use_cache": False
+    }
     parts, total = component_times(ours, our_inputs, our_components(ours), args.reps, clock)
     print_components("ours" + (" (one image per row)" if args.image else ""), parts, total)
     parts, total = component_times(theirs, inputs[theirs_name], v4_components(theirs), args.reps, clock)

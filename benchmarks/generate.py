@@ -139,8 +139,13 @@ def greedy_decode_seconds(
     def step_intervals(model: nn.Module, new_tokens: int) -> list[float]:
         clock = StepClock(device)
         model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
         )
         return [b - a for a, b in zip(clock.times, clock.times[1:])]
 
@@ -204,8 +209,19 @@ def decode_op_count(model: nn.Module, context: int, static: bool, device: str) -
 def baseline_op_count(src: str, args: argparse.Namespace) -> dict[str, int]:
     """:func:`decode_op_count` of the dynamic cache of the checkout at ``src``, run with its modules in a subprocess."""
     command = [
-        sys.executable, __file__, "--size", args.size, "--dtype", args.dtype, "--device", args.device,
-        "--threads", str(args.threads), "--contexts", str(min(args.contexts)), "--op-count-only",
+        sys.executable,
+        __file__,
+        "--size",
+        args.size,
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
+        "--contexts",
+        str(min(args.contexts)),
+        "--op-count-only",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
@@ -217,15 +233,27 @@ def kernel_count(step, token: torch.Tensor, cache) -> int:
     allocations and views excluded (the counterpart of :func:`decode_op_count`'s non-view count)."""
     from torch.profiler import ProfilerActivity, profile
 
-    skip = ("aten::empty", "aten::empty_strided", "aten::as_strided", "aten::view", "aten::reshape", "aten::alias",
-            "aten::_reshape_alias", "aten::resize_", "aten::detach", "aten::lift_fresh")
+    skip = (
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::as_strided",
+        "aten::view",
+        "aten::reshape",
+        "aten::alias",
+        "aten::_reshape_alias",
+        "aten::resize_",
+        "aten::detach",
+        "aten::lift_fresh",
+    )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step(input_ids=token, cache=cache)
     count = 0
     for event in prof.events():
         name = event.name
         fused = "cpp_fused" in name or "triton_" in name
-        top_level_aten = name.startswith("aten::") and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+        top_level_aten = name.startswith("aten::") and (
+            event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::")
+        )
         count += fused or (top_level_aten and name not in skip)
     return count
 
@@ -273,10 +301,14 @@ def cached_against_recompute(model: DeepseekV41ForCausalLM, args: argparse.Names
 def print_compiled_decode(model: nn.Module, context: int, eager_ops: int, args: argparse.Namespace) -> None:
     print(f"\n## compiled static decode step (torch.compile fullgraph, mode {args.compile_mode!r}, context {context})")
     result = compiled_decode(model, context, args.steps, args.compile_mode, args.device)
-    print(f"eager {1 / result['eager']:.1f} tok/s, compiled {1 / result['compiled']:.1f} tok/s "
-          f"(compiled ÷ eager time {result['compiled'] / result['eager']:.2f}×)")
-    print(f"kernels per step: compiled {result['kernels']}, eager non-view ops {eager_ops} "
-          f"({result['kernels'] / eager_ops:.2f}×)")
+    print(
+        f"eager {1 / result['eager']:.1f} tok/s, compiled {1 / result['compiled']:.1f} tok/s "
+        f"(compiled ÷ eager time {result['compiled'] / result['eager']:.2f}×)"
+    )
+    print(
+        f"kernels per step: compiled {result['kernels']}, eager non-view ops {eager_ops} "
+        f"({result['kernels'] / eager_ops:.2f}×)"
+    )
 
 
 def main() -> None:
@@ -291,7 +323,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--baseline-src", help="a checkout whose dynamic-cache decode step ops are the baseline")
     parser.add_argument("--compile", action="store_true", help="also time and count the compiled static decode step")
-    parser.add_argument("--compile-mode", default="reduce-overhead", help="torch.compile mode (CUDA graphs by default)")
+    parser.add_argument(
+        "--compile-mode", default="reduce-overhead", help="torch.compile mode (CUDA graphs by default)"
+    )
     parser.add_argument("--greedy-only", action="store_true", help="only the greedy generate comparison (at --batch)")
     parser.add_argument("--compile-only", action="store_true", help="only the compiled decode step vs eager")
     parser.add_argument("--op-count-only", action="store_true", help=argparse.SUPPRESS)  # --baseline-src's subprocess
@@ -300,7 +334,9 @@ def main() -> None:
     hf_logging.set_verbosity_error()  # V4's YaRN check warns about the small original_max_position_embeddings
     if args.op_count_only:
         torch.manual_seed(0)
-        model = build_ours(engram=args.size == "tiny", size=args.size).eval().to(args.device, getattr(torch, args.dtype))
+        model = (
+            build_ours(engram=args.size == "tiny", size=args.size).eval().to(args.device, getattr(torch, args.dtype))
+        )
         print(json.dumps(decode_op_count(model, min(args.contexts), False, args.device)))
         return
     model, theirs = build(args.size, args.device, getattr(torch, args.dtype))
@@ -326,11 +362,15 @@ def main() -> None:
 
     context = min(args.contexts)
     print(f"\n## aten ops of one decode step (batch 1, context {context})")
-    counts = {"ours, dynamic cache": decode_op_count(model, context, False, args.device),
-              "ours, static cache": decode_op_count(model, context, True, args.device)}
+    counts = {
+        "ours, dynamic cache": decode_op_count(model, context, False, args.device),
+        "ours, static cache": decode_op_count(model, context, True, args.device),
+    }
     if args.baseline_src:
         counts[f"baseline: {args.baseline_src}, dynamic cache"] = baseline = baseline_op_count(args.baseline_src, args)
-    print(f"{'':<44} {'all ops':>8} {'non-view':>9}" + (f" {'÷ baseline (non-view)':>22}" if args.baseline_src else ""))
+    print(
+        f"{'':<44} {'all ops':>8} {'non-view':>9}" + (f" {'÷ baseline (non-view)':>22}" if args.baseline_src else "")
+    )
     for name, count in counts.items():
         ratio = f" {count['compute'] / baseline['compute']:>21.2f}×" if args.baseline_src else ""
         print(f"{name:<44} {count['total']:>8} {count['compute']:>9}{ratio}")

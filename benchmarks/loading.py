@@ -55,12 +55,34 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 STAND_IN = dict(
-    vocab_size=4000, hidden_size=768, moe_intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
-    head_dim=128, qk_rope_head_dim=64, q_lora_rank=256, o_lora_rank=256, o_groups=4, n_routed_experts=64,
-    num_experts_per_tok=4, sliding_window=128, compress_ratios=[0, 2, 2, 1], kv_source_layer_ids=[1, 3],
-    index_source_layer_ids=[1, 3], index_n_heads=4, index_head_dim=64, index_topk=64, candidate_source_layer_id=-1,
-    engram_layer_ids=[1], engram_num_embeddings=[40216], engram_max_ngram_size=3, engram_vocab_size=5000,
-    engram_n_heads=4, engram_head_dim=64, engram_compressed_vocab_size=2000, engram_table_dtype="fp8",
+    vocab_size=4000,
+    hidden_size=768,
+    moe_intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    head_dim=128,
+    qk_rope_head_dim=64,
+    q_lora_rank=256,
+    o_lora_rank=256,
+    o_groups=4,
+    n_routed_experts=64,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    compress_ratios=[0, 2, 2, 1],
+    kv_source_layer_ids=[1, 3],
+    index_source_layer_ids=[1, 3],
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=64,
+    candidate_source_layer_id=-1,
+    engram_layer_ids=[1],
+    engram_num_embeddings=[40216],
+    engram_max_ngram_size=3,
+    engram_vocab_size=5000,
+    engram_n_heads=4,
+    engram_head_dim=64,
+    engram_compressed_vocab_size=2000,
+    engram_table_dtype="fp8",
     num_nextn_predict_layers=0,
 )
 CASES = {
@@ -86,7 +108,11 @@ def _page_out_checkpoint(folder: str) -> None:
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split()
-            if len(fields) >= 6 and fields[5].startswith(str(Path(folder).resolve())) and fields[5].endswith(".safetensors"):
+            if (
+                len(fields) >= 6
+                and fields[5].startswith(str(Path(folder).resolve()))
+                and fields[5].endswith(".safetensors")
+            ):
                 start, end = (int(address, 16) for address in fields[0].split("-"))
                 if libc.madvise(start, end - start, madv_pageout) != 0:
                     raise OSError(ctypes.get_errno(), "madvise(MADV_PAGEOUT) failed")
@@ -152,7 +178,10 @@ def native_against_dequantized(folder: str, device: str, ids) -> dict:
 
     cuda = torch.device(device).type == "cuda"
     logits, result = {}, {"memory": {}}
-    for case, kwargs in (("native", {}), ("dequantized", {"quantization_config": FineGrainedFP8Config(dequantize=True)})):
+    for case, kwargs in (
+        ("native", {}),
+        ("dequantized", {"quantization_config": FineGrainedFP8Config(dequantize=True)}),
+    ):
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -163,9 +192,9 @@ def native_against_dequantized(folder: str, device: str, ids) -> dict:
         if cuda:
             result["memory"][case] = {"held": held, "peak": torch.cuda.max_memory_allocated(device)}
         if case == "native":
-            result["modules"] = dict(Counter(
-                type(m).__name__ for m in model.modules() if isinstance(m, (FP8Linear, FP8Experts))
-            ))
+            result["modules"] = dict(
+                Counter(type(m).__name__ for m in model.modules() if isinstance(m, (FP8Linear, FP8Experts)))
+            )
         del model
         gc.collect()
     native, dequantized = logits["native"], logits["dequantized"]
@@ -181,16 +210,25 @@ def print_device_comparison(folder: Path, device: str) -> None:
     ids = torch.randint(3, STAND_IN["vocab_size"] - 1, (2, 64), generator=torch.Generator().manual_seed(1))
     r = native_against_dequantized(str(folder), device, ids)
     where = f"CUDA ({torch.cuda.get_device_name(device)})" if torch.device(device).type == "cuda" else "CPU"
-    print(f"\nnative vs dequantized on {where}, 2 x 64 tokens, bf16: max |Δ logit| {r['max_abs_logit_diff']:.4g}, "
-          f"greedy argmax equal at {r['argmax_equal']}/{r['positions']} positions")
-    print("native model's quantized modules: " + ", ".join(f"{n} {k}" for k, n in sorted(r["modules"].items()))
-          + " (FP8Linear / FP8Experts: transformers' kernels; WeightOnly*: dequantized in the forward)")
+    print(
+        f"\nnative vs dequantized on {where}, 2 x 64 tokens, bf16: max |Δ logit| {r['max_abs_logit_diff']:.4g}, "
+        f"greedy argmax equal at {r['argmax_equal']}/{r['positions']} positions"
+    )
+    print(
+        "native model's quantized modules: "
+        + ", ".join(f"{n} {k}" for k, n in sorted(r["modules"].items()))
+        + " (FP8Linear / FP8Experts: transformers' kernels; WeightOnly*: dequantized in the forward)"
+    )
     for case, memory in r["memory"].items():
-        print(f"{case:12s} allocated after load {memory['held'] / 2**20:8.0f} MiB, "
-              f"max_memory_allocated (load + forward) {memory['peak'] / 2**20:8.0f} MiB")
+        print(
+            f"{case:12s} allocated after load {memory['held'] / 2**20:8.0f} MiB, "
+            f"max_memory_allocated (load + forward) {memory['peak'] / 2**20:8.0f} MiB"
+        )
     if r["memory"]:
-        print(f"native / dequantized max_memory_allocated: "
-              f"{r['memory']['native']['peak'] / r['memory']['dequantized']['peak']:.2f}")
+        print(
+            f"native / dequantized max_memory_allocated: "
+            f"{r['memory']['native']['peak'] / r['memory']['dequantized']['peak']:.2f}"
+        )
 
 
 def write_checkpoints(workdir: Path, shard_bytes: int) -> dict[str, Path]:
@@ -227,24 +265,30 @@ def _child(folder: Path, case: str, threads: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MALLOC_MMAP_THRESHOLD_="65536")
     argv = [sys.executable, "-c", code, str(REPO), str(folder), case]
     out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[len("RESULT"):])
+    return json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[len("RESULT") :])
 
 
 def resident_memory_table(folders: dict[str, Path], stored: int, threads: int) -> None:
     """Each case in a fresh process: the resident-memory figures of the module docstring, and the goals."""
     mib = 2**20
-    print(f"{'case (MiB)':46s} {'load s':>7s} {'model':>6s} {'peak':>6s} {'after':>6s} {'held':>6s} "
-          f"{'/stored':>7s} {'fwd':>6s} {'fwd peak':>8s}")
+    print(
+        f"{'case (MiB)':46s} {'load s':>7s} {'model':>6s} {'peak':>6s} {'after':>6s} {'held':>6s} "
+        f"{'/stored':>7s} {'fwd':>6s} {'fwd peak':>8s}"
+    )
     results = {}
     for case, name in CASES.items():
         r = results[case] = _child(folders["bf16" if case == "bf16" else "released"], case, threads)
-        print(f"{name:46s} {r['seconds']:7.2f} {r['model_bytes'] / mib:6.0f} {r['peak'] / mib:6.0f} "
-              f"{r['after'] / mib:6.0f} {r['held'] / mib:6.0f} {r['held'] / stored:7.2f} {r['forward'] / mib:6.0f} "
-              f"{r['forward_peak'] / mib:8.0f}")
+        print(
+            f"{name:46s} {r['seconds']:7.2f} {r['model_bytes'] / mib:6.0f} {r['peak'] / mib:6.0f} "
+            f"{r['after'] / mib:6.0f} {r['held'] / mib:6.0f} {r['held'] / stored:7.2f} {r['forward'] / mib:6.0f} "
+            f"{r['forward_peak'] / mib:8.0f}"
+        )
     native, dequantized = results["native"], results["dequantized"]
-    print(f"native / dequantized: held {native['held'] / dequantized['held']:.2f} (goal <= 0.35), peak "
-          f"{native['peak'] / dequantized['peak']:.2f}, after one forward {native['forward'] / dequantized['forward']:.2f}; "
-          f"native held / stored bytes {native['held'] / stored:.2f} (goal <= 1.15)")
+    print(
+        f"native / dequantized: held {native['held'] / dequantized['held']:.2f} (goal <= 0.35), peak "
+        f"{native['peak'] / dequantized['peak']:.2f}, after one forward {native['forward'] / dequantized['forward']:.2f}; "
+        f"native held / stored bytes {native['held'] / stored:.2f} (goal <= 1.15)"
+    )
 
 
 def _pss() -> int:
@@ -274,13 +318,24 @@ def _load_for_lora(rank: int, world: int, port: int, folder: str, device: str, r
         torch.cuda.set_device(target)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     config = DeepseekV41Config.from_pretrained(folder)
-    lora = LoraConfig(r=16, target_modules=["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1",
-                                            "shared_experts.w2", "shared_experts.w3"],
-                      target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    lora = LoraConfig(
+        r=16,
+        target_modules=[
+            "attn.wq_a",
+            "attn.wq_b",
+            "attn.wkv",
+            "attn.wo_b",
+            "shared_experts.w1",
+            "shared_experts.w2",
+            "shared_experts.w3",
+        ],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
 
     def whole():
-        model = DeepseekV41ForCausalLM.from_pretrained(folder, config=config, engram_tables="mmap",
-                                                       device_map=None if device == "cpu" else str(target))
+        model = DeepseekV41ForCausalLM.from_pretrained(
+            folder, config=config, engram_tables="mmap", device_map=None if device == "cpu" else str(target)
+        )
         return shard_model(get_peft_model(model, lora))
 
     def sharded():
@@ -328,16 +383,24 @@ def loading_on_processes(folder: Path, processes: int, device: str) -> None:
     env = dict(os.environ)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors go back to the system (see above)
     try:
-        mp.start_processes(_load_for_lora, args=(processes, port, str(folder), device, results), nprocs=processes,
-                           start_method="spawn")
+        mp.start_processes(
+            _load_for_lora,
+            args=(processes, port, str(folder), device, results),
+            nprocs=processes,
+            start_method="spawn",
+        )
     finally:
         os.environ.clear()
         os.environ.update(env)
     rows = sorted(results.get() for _ in range(2 * processes))
     mib = 2**20
-    print(f"LoRA loading on {processes} processes ({device}): stored {weights / mib:.1f} MiB + Engram tables "
-          f"{tables / mib:.1f} MiB; per process, shards + Engram share: {share / mib:.1f} MiB")
-    print(f"{'load':8s} {'rank':>4s} {'seconds':>8s} {'peak PSS rise MiB':>18s} {'x share':>8s} {'held after MiB':>15s}")
+    print(
+        f"LoRA loading on {processes} processes ({device}): stored {weights / mib:.1f} MiB + Engram tables "
+        f"{tables / mib:.1f} MiB; per process, shards + Engram share: {share / mib:.1f} MiB"
+    )
+    print(
+        f"{'load':8s} {'rank':>4s} {'seconds':>8s} {'peak PSS rise MiB':>18s} {'x share':>8s} {'held after MiB':>15s}"
+    )
     for name, rank, seconds, peak, after in rows:
         print(f"{name:8s} {rank:4d} {seconds:8.2f} {peak / mib:18.1f} {peak / share:8.2f} {after / mib:15.1f}")
 
@@ -361,9 +424,15 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--shard-mb", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="where the native vs dequantized logits check runs (cpu, cuda)")
-    parser.add_argument("--processes", type=int, default=0,
-                        help="LoRA's loading on this many processes instead, sharded against whole (see above)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the native vs dequantized logits check runs (cpu, cuda)"
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="LoRA's loading on this many processes instead, sharded against whole (see above)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
@@ -372,14 +441,17 @@ def main() -> None:
             folders = write_checkpoints(workdir, args.shard_mb * 2**20)
         stored = sum(f.stat().st_size for f in folders["released"].glob("*.safetensors"))
         mib = 2**20
-        print(f"released checkpoint: {stored / mib:.0f} MiB in "
-              f"{len(list(folders['released'].glob('*.safetensors')))} shards of <= {args.shard_mb} MiB")
+        print(
+            f"released checkpoint: {stored / mib:.0f} MiB in "
+            f"{len(list(folders['released'].glob('*.safetensors')))} shards of <= {args.shard_mb} MiB"
+        )
         if args.processes:
             loading_on_processes(folders["released"], args.processes, args.device)
             return
         if args.device == "cpu":
             resident_memory_table(folders, stored, args.threads)
         print_device_comparison(folders["released"], args.device)
+
 
 if __name__ == "__main__":
     main()

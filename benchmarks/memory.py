@@ -77,15 +77,38 @@ def memory_config(chunk: int | None = None):
     from configuration import DeepseekV41Config
 
     text = {
-        "vocab_size": 512, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 32, "o_groups": 2,
-        "o_lora_rank": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
-        "compress_ratios": [0, 4, 4], "kv_source_layer_ids": [1], "index_source_layer_ids": [1, 2],
-        "index_n_heads": 2, "index_head_dim": 32, "index_topk": 64, "candidate_source_layer_id": 1,
-        "candidate_topk_blocks": 32, "candidate_block_size": 4, "engram_layer_ids": [], "engram_num_embeddings": [],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+        "compress_ratios": [0, 4, 4],
+        "kv_source_layer_ids": [1],
+        "index_source_layer_ids": [1, 2],
+        "index_n_heads": 2,
+        "index_head_dim": 32,
+        "index_topk": 64,
+        "candidate_source_layer_id": 1,
+        "candidate_topk_blocks": 32,
+        "candidate_block_size": 4,
+        "engram_layer_ids": [],
+        "engram_num_embeddings": [],
         "num_nextn_predict_layers": 0,
-        "compress_rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
-                                  "original_max_position_embeddings": 32},
+        "compress_rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 32,
+        },
     }
     if chunk is not None:
         text["query_chunk_size"] = chunk
@@ -204,7 +227,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        given = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, torch.Tensor):
                 continue
@@ -246,9 +271,11 @@ def training_stand_in(device: str):
 def _clock(device: str):
     if device == "cpu":
         return time.process_time
+
     def wall() -> float:
         torch.cuda.synchronize(device)
         return time.perf_counter()
+
     return wall
 
 
@@ -321,8 +348,10 @@ def layer_step(model, ids, layer_id: int = 1):
     with torch.no_grad():
         model(ids)
     handle.remove()
-    args = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-            for a in captured["args"]]
+    args = [
+        a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+        for a in captured["args"]
+    ]
     hidden, pre = args[:2]
     upstream = (torch.ones_like(hidden), torch.ones_like(pre))
 
@@ -371,8 +400,10 @@ def train_runs(device: str, seqs: list[int], reps: int) -> dict[str, dict[int, d
 
 def print_train_report(results: dict, seqs: list[int], device: str, threads: int) -> None:
     where = f"CPU, {threads} thread(s), process CPU time" if device == "cpu" else torch.cuda.get_device_name(device)
-    print(f"training step of the released-format stand-in (bf16, gradient checkpointing), {where}; "
-          "recomputing sparse-attention backward vs autograd of its forward (baseline), same run")
+    print(
+        f"training step of the released-format stand-in (bf16, gradient checkpointing), {where}; "
+        "recomputing sparse-attention backward vs autograd of its forward (baseline), same run"
+    )
     header = f"{'':<28}" + "".join(f"{f'S={seq}: autograd':>18}{'recomputing':>13}{'ratio':>8}" for seq in seqs)
     print(header)
     rows = ("attention saved", "layer peak", "layer time", "step peak", "step time")
@@ -386,9 +417,11 @@ def print_train_report(results: dict, seqs: list[int], device: str, threads: int
     if "offloaded step peak" in results["recomputing"][seqs[0]]:
         for seq in seqs:
             r = results["recomputing"][seq]
-            print(f"S={seq}, recomputing, checkpointed inputs offloaded: step peak "
-                  f"{r['offloaded step peak'] / 2**20:.1f} MiB ({r['offloaded step peak'] / r['step peak']:.2f}× "
-                  f"resident), step time {r['offloaded step time']:.3f} s ({r['offloaded step time'] / r['step time']:.2f}×)")
+            print(
+                f"S={seq}, recomputing, checkpointed inputs offloaded: step peak "
+                f"{r['offloaded step peak'] / 2**20:.1f} MiB ({r['offloaded step peak'] / r['step peak']:.2f}× "
+                f"resident), step time {r['offloaded step time']:.3f} s ({r['offloaded step time'] / r['step time']:.2f}×)"
+            )
     saved = max(results["recomputing"][s]["attention saved"] / results["autograd"][s]["attention saved"] for s in seqs)
     step = max(results["recomputing"][s]["step time"] / results["autograd"][s]["step time"] for s in seqs)
     print(f"goals: attention saved ≤ 0.2× (worst {saved:.2f}×), step time ≤ 1.15× (worst {step:.2f}×)")
@@ -400,12 +433,21 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu (peak RSS, fresh process each) or cuda[:N]")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--seqs", type=int, nargs=2, default=[4096, 16384], metavar=("SHORT", "LONG"))
-    parser.add_argument("--chunk", type=int, default=None, help="query_chunk_size of the chunked run (default: the config's)")
+    parser.add_argument(
+        "--chunk", type=int, default=None, help="query_chunk_size of the chunked run (default: the config's)"
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the whole-sequence baseline")
-    parser.add_argument("--baseline-max-seq", type=int, default=32768,
-                        help="skip the whole-sequence baseline above this S (its memory is quadratic)")
-    parser.add_argument("--train", action="store_true",
-                        help="a training step: recomputing sparse-attention backward vs autograd (see the docstring)")
+    parser.add_argument(
+        "--baseline-max-seq",
+        type=int,
+        default=32768,
+        help="skip the whole-sequence baseline above this S (its memory is quadratic)",
+    )
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="a training step: recomputing sparse-attention backward vs autograd (see the docstring)",
+    )
     parser.add_argument("--reps", type=int, default=3, help="with --train: timed runs per case (median)")
     parser.add_argument("--threads", type=int, default=1, help="with --train on CPU: torch threads")
     args = parser.parse_args()
@@ -421,33 +463,43 @@ def main() -> None:
         runs["whole sequence (query_chunk_size = S), baseline"] = lambda s: s if s <= args.baseline_max_seq else None
         for seq in args.seqs:
             if seq > args.baseline_max_seq:
-                print(f"note: whole-sequence baseline skipped at S={seq} (> --baseline-max-seq {args.baseline_max_seq}: "
-                      "its indexer scores alone would not fit)")
+                print(
+                    f"note: whole-sequence baseline skipped at S={seq} (> --baseline-max-seq {args.baseline_max_seq}: "
+                    "its indexer scores alone would not fit)"
+                )
     if args.device == "cpu":
         print(f"peak RSS rise over one forward, batch 1, {args.size}, {args.dtype}, CPU (fresh process each)")
         results = {
-            name: [None if chunk_of(seq) is None else peak_forward_bytes(seq, chunk_of(seq), args.size, args.dtype)
-                   for seq in (short, long)]
+            name: [
+                None if chunk_of(seq) is None else peak_forward_bytes(seq, chunk_of(seq), args.size, args.dtype)
+                for seq in (short, long)
+            ]
             for name, chunk_of in runs.items()
         }
     else:
         total = torch.cuda.get_device_properties(args.device).total_memory
-        print(f"peak CUDA allocation (torch.cuda.max_memory_allocated) over one forward, batch 1, {args.size}, "
-              f"{args.dtype}, {torch.cuda.get_device_name(args.device)} ({total / 2**30:.1f} GiB), torch {torch.__version__}")
+        print(
+            f"peak CUDA allocation (torch.cuda.max_memory_allocated) over one forward, batch 1, {args.size}, "
+            f"{args.dtype}, {torch.cuda.get_device_name(args.device)} ({total / 2**30:.1f} GiB), torch {torch.__version__}"
+        )
         results = cuda_runs(args.size, args.dtype, args.device, runs, [short, long])
         for name, peaks in results.items():
             for seq, peak in zip((short, long), peaks):
                 if isinstance(peak, tuple):
-                    print(f"  {name}, S={seq}: whole peak (weights + forward) {peak[1] / 2**30:.2f} GiB "
-                          f"= {peak[1] / total:.1%} of the device")
+                    print(
+                        f"  {name}, S={seq}: whole peak (weights + forward) {peak[1] / 2**30:.2f} GiB "
+                        f"= {peak[1] / total:.1%} of the device"
+                    )
         results = {name: [p[0] if isinstance(p, tuple) else p for p in peaks] for name, peaks in results.items()}
     print(f"{'configuration':<50}{f'S={short} MiB':>16}{f'S={long} MiB':>16}{'ratio':>8}")
     for name, peaks in results.items():
         cells = [f"{p / 2**20:>16.1f}" if isinstance(p, int) else f"{p or 'skipped':>16}" for p in peaks]
         ratio = f"{peaks[1] / peaks[0]:>7.2f}×" if all(isinstance(p, int) for p in peaks) else f"{'—':>8}"
         print(f"{name:<50}{cells[0]}{cells[1]}{ratio}")
-    print(f"target: ratio ≤ {1.125 * long / short:.1f}× (sequence ×{long / short:.0f}: linear, +12.5%); "
-          + json.dumps(results))
+    print(
+        f"target: ratio ≤ {1.125 * long / short:.1f}× (sequence ×{long / short:.0f}: linear, +12.5%); "
+        + json.dumps(results)
+    )
 
 
 if __name__ == "__main__":

@@ -42,19 +42,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling forward.
 from forward import SIZES, as_loaded, build_ours, build_transformers_v4  # noqa: E402
 
 aten = torch.ops.aten
-MATMULS = frozenset({
-    aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.addbmm, aten.dot, aten._grouped_mm,
-    aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu,
-    aten._efficient_attention_backward, aten._scaled_dot_product_efficient_attention_backward,
-    aten._scaled_dot_product_flash_attention_backward, aten._scaled_dot_product_flash_attention_for_cpu_backward,
-})
+MATMULS = frozenset(
+    {
+        aten.mm,
+        aten.bmm,
+        aten.addmm,
+        aten.baddbmm,
+        aten.addbmm,
+        aten.dot,
+        aten._grouped_mm,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_cudnn_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._efficient_attention_backward,
+        aten._scaled_dot_product_efficient_attention_backward,
+        aten._scaled_dot_product_flash_attention_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    }
+)
 GATHERS = frozenset({aten.index_select, aten.embedding, aten.gather, aten.index})
 # ops that read values back to the host; a repeat_interleave without output_size reads its total
-READ_BACKS = frozenset({
-    aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_consecutive,
-    aten.unique_dim, aten.bincount, aten.equal, aten.is_nonzero,
-})
+READ_BACKS = frozenset(
+    {
+        aten._local_scalar_dense,
+        aten.nonzero,
+        aten.masked_select,
+        aten._unique2,
+        aten.unique_consecutive,
+        aten.unique_dim,
+        aten.bincount,
+        aten.equal,
+        aten.is_nonzero,
+    }
+)
 OURS_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -71,9 +92,7 @@ def _caller() -> str:
 def _nbytes(tensors) -> int:
     """Bytes of the tensors, a broadcast (expanded) one counted as the memory it reads, not its numel."""
     return sum(
-        min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-        for t in tensors
-        if isinstance(t, torch.Tensor)
+        min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in tensors if isinstance(t, torch.Tensor)
     )
 
 
@@ -81,7 +100,9 @@ def _moved_bytes(func, args: tuple, kwargs: dict, out) -> int:
     """Bytes an op reads and writes: its tensor inputs and outputs; a gather reads only the rows it outputs."""
     written = _nbytes(tree_flatten(out)[0])
     if func.overloadpacket in GATHERS:
-        indices = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+        indices = [
+            t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and not t.is_floating_point()
+        ]
         return 2 * written + _nbytes(indices)
     return _nbytes(tree_flatten((args, kwargs))[0]) + written
 
@@ -166,7 +187,10 @@ def build_on_meta(size: str) -> dict[str, nn.Module]:
     torch.manual_seed(0)
     ours = build_ours(engram=size == "tiny", size=size)
     theirs = build_transformers_v4(ours, use_cache=True)
-    return {"ours": as_loaded(ours, "meta", torch.bfloat16), "transformers V4": as_loaded(theirs, "meta", torch.bfloat16)}
+    return {
+        "ours": as_loaded(ours, "meta", torch.bfloat16),
+        "transformers V4": as_loaded(theirs, "meta", torch.bfloat16),
+    }
 
 
 def report(counts: dict[str, StepCount], title: str, top: int) -> None:
@@ -196,10 +220,16 @@ def main() -> None:
     hf_logging.set_verbosity_error()  # V4's YaRN check warns about the small original_max_position_embeddings
     models = build_on_meta(args.size)
     print(f"size {args.size}, bf16 on the meta device, torch {torch.__version__}")
-    report({name: training_step_count(m, args.batch, args.seq) for name, m in models.items()},
-           f"training step: forward + backward, {args.batch} × {args.seq} tokens", args.top)
-    report({name: decode_step_count(m, args.context) for name, m in models.items()},
-           f"decode step: batch 1, one token after {args.context}", args.top)
+    report(
+        {name: training_step_count(m, args.batch, args.seq) for name, m in models.items()},
+        f"training step: forward + backward, {args.batch} × {args.seq} tokens",
+        args.top,
+    )
+    report(
+        {name: decode_step_count(m, args.context) for name, m in models.items()},
+        f"decode step: batch 1, one token after {args.context}",
+        args.top,
+    )
 
 
 if __name__ == "__main__":

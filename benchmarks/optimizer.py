@@ -91,23 +91,73 @@ class Dims:
 
 
 RELEASED = Dims(
-    vocab=129280, dim=5120, layers=40, heads=64, head_dim=512, q_lora=1280, o_groups=8, o_lora=1024,
-    experts=384, inter=2304, compress_ratios=[0, 0] + [2] * 18 + [1] * 20, kv_sources=[2, 8, 14, 20],
-    index_sources=[2, 8, 14, 20, 24, 28, 32, 36], index_heads=32, index_head_dim=128, engram_layers=[1, 14],
-    engram_rows=[384006168, 384016682], engram_heads=8, engram_head_dim=256, vision_layers=32,
+    vocab=129280,
+    dim=5120,
+    layers=40,
+    heads=64,
+    head_dim=512,
+    q_lora=1280,
+    o_groups=8,
+    o_lora=1024,
+    experts=384,
+    inter=2304,
+    compress_ratios=[0, 0] + [2] * 18 + [1] * 20,
+    kv_sources=[2, 8, 14, 20],
+    index_sources=[2, 8, 14, 20, 24, 28, 32, 36],
+    index_heads=32,
+    index_head_dim=128,
+    engram_layers=[1, 14],
+    engram_rows=[384006168, 384016682],
+    engram_heads=8,
+    engram_head_dim=256,
+    vision_layers=32,
 )
 TINY = Dims(
-    vocab=512, dim=64, layers=6, heads=4, head_dim=64, q_lora=32, o_groups=2, o_lora=32, experts=4, inter=32,
-    compress_ratios=[0, 2, 2, 1, 1, 1], kv_sources=[1, 3], index_sources=[1, 3, 5], index_heads=8,
-    index_head_dim=64, engram_layers=[0, 1], engram_rows=[660, 864], engram_heads=2, engram_head_dim=32,
-    vision_layers=2, vision_dim=64, vision_heads=4, vision_inter=128,
+    vocab=512,
+    dim=64,
+    layers=6,
+    heads=4,
+    head_dim=64,
+    q_lora=32,
+    o_groups=2,
+    o_lora=32,
+    experts=4,
+    inter=32,
+    compress_ratios=[0, 2, 2, 1, 1, 1],
+    kv_sources=[1, 3],
+    index_sources=[1, 3, 5],
+    index_heads=8,
+    index_head_dim=64,
+    engram_layers=[0, 1],
+    engram_rows=[660, 864],
+    engram_heads=2,
+    engram_head_dim=32,
+    vision_layers=2,
+    vision_dim=64,
+    vision_heads=4,
+    vision_inter=128,
 )
 # Released widths divided by ~5 (the ViT and head_dim kept); few layers, experts and Engram heads so that
 # three copies, their optimizer state and a Muon step stay within a small CPU box.
 WIDE_1024 = replace(
-    RELEASED, vocab=32768, dim=1024, layers=2, heads=16, q_lora=256, o_groups=4, o_lora=256, experts=4,
-    inter=512, compress_ratios=[0, 2], kv_sources=[1], index_sources=[1], index_heads=8, engram_layers=[1],
-    engram_rows=[65536], engram_heads=2, vision_layers=1,
+    RELEASED,
+    vocab=32768,
+    dim=1024,
+    layers=2,
+    heads=16,
+    q_lora=256,
+    o_groups=4,
+    o_lora=256,
+    experts=4,
+    inter=512,
+    compress_ratios=[0, 2],
+    kv_sources=[1],
+    index_sources=[1],
+    index_heads=8,
+    engram_layers=[1],
+    engram_rows=[65536],
+    engram_heads=2,
+    vision_layers=1,
 )
 
 
@@ -144,7 +194,11 @@ def released_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
                 s[a + "indexer.wk.weight"] = (d.index_head_dim, d.head_dim)  # keys from the compressed latent
                 s[a + "indexer.k_norm.weight"] = (d.index_head_dim,)
         f = p + "ffn."
-        s[f + "gate.weight"], s[f + "gate.bias"], s[f + "gate.bias_vl"] = (d.experts, d.dim), (d.experts,), (d.experts,)
+        s[f + "gate.weight"], s[f + "gate.bias"], s[f + "gate.bias_vl"] = (
+            (d.experts, d.dim),
+            (d.experts,),
+            (d.experts,),
+        )
         for e in [*(f"experts.{e}" for e in range(d.experts)), "shared_experts"]:
             s[f + f"{e}.w1.weight"] = s[f + f"{e}.w3.weight"] = (d.inter, d.dim)
             s[f + f"{e}.w2.weight"] = (d.dim, d.inter)
@@ -201,7 +255,8 @@ def build_standin(d: Dims, device: str | torch.device = "cpu") -> nn.Module:
                 nn.init.normal_(param, std=0.02)
             module.register_parameter(leaf, nn.Parameter(param))
     root.config = argparse.Namespace(
-        num_attention_heads=d.heads, moe_intermediate_size=d.inter,
+        num_attention_heads=d.heads,
+        moe_intermediate_size=d.inter,
         vision_config=argparse.Namespace(hidden_size=d.vision_dim, num_attention_heads=d.vision_heads),
     )
     return root
@@ -429,8 +484,10 @@ def _sharded_worker(rank: int, world: int, port: int, d: Dims, reps: int, single
             best = min(times[name][1:]) * 1e3
             print(f"{name:<30}{best:>10.1f}{best / single_ms:>10.2f}{received[name] / 2**20:>15.2f}")
         ours, naive = (min(times[name][1:]) for name in contenders)
-        print(f"ours / all-gather everywhere: step time {ours / naive:.2f}, "
-              f"bytes {received['owner ranks (ours)'] / max(1, received['all-gather everywhere']):.2f}")
+        print(
+            f"ours / all-gather everywhere: step time {ours / naive:.2f}, "
+            f"bytes {received['owner ranks (ours)'] / max(1, received['all-gather everywhere']):.2f}"
+        )
     dist.destroy_process_group()
 
 

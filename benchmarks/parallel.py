@@ -97,8 +97,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     import torch
 
     if "RANK" not in os.environ:  # spawned here: gloo on the CPU
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(world))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+        )
         torch.set_num_threads(1)
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     result = _measure(_load(args.model, args.plan, world, args.device))
@@ -118,9 +119,11 @@ def _report(out: Path, world: int, args: argparse.Namespace) -> None:
     import torch
 
     baseline = torch.load(out / "one_process.pt")
-    print(f"{args.plan.upper()} on {world} ranks vs one process (native released storage, {args.device}); "
-          f"one process: weights {baseline['weights'] / 2**20:.1f} MiB (Engram tables apart), "
-          f"RSS {baseline['rss'] / 2**20:.0f} MiB")
+    print(
+        f"{args.plan.upper()} on {world} ranks vs one process (native released storage, {args.device}); "
+        f"one process: weights {baseline['weights'] / 2**20:.1f} MiB (Engram tables apart), "
+        f"RSS {baseline['rss'] / 2**20:.0f} MiB"
+    )
     print(f"{'rank':<6}{'weights MiB':>12}{'x one':>8}{'x 1/N':>8}{'RSS MiB':>9}{'max|Δlogit|':>13}{'argmax':>8}")
     for rank in range(world):
         r = torch.load(out / f"rank{rank}.pt")
@@ -128,8 +131,10 @@ def _report(out: Path, world: int, args: argparse.Namespace) -> None:
         diff = (r["logits"] - baseline["logits"]).abs().max().item()
         same = bool((r["logits"].argmax(-1) == baseline["logits"].argmax(-1)).all())
         memory = (r["cuda"] if r["cuda"] is not None else r["rss"]) / 2**20
-        print(f"{rank:<6}{r['weights'] / 2**20:>12.1f}{ratio:>8.3f}{ratio * world:>8.3f}{memory:>9.0f}"
-              f"{diff:>13.2e}{str(same):>8}")
+        print(
+            f"{rank:<6}{r['weights'] / 2**20:>12.1f}{ratio:>8.3f}{ratio * world:>8.3f}{memory:>9.0f}"
+            f"{diff:>13.2e}{str(same):>8}"
+        )
 
 
 def main(argv=None) -> None:
@@ -142,8 +147,16 @@ def main(argv=None) -> None:
         if args.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         result = _measure(_load(args.model, args.plan, world, args.device))
-        print(json.dumps({"rank": int(os.environ["RANK"]), "weights_GiB": result["weights"] / 2**30,
-                          "cuda_allocated_GiB": (result["cuda"] or 0) / 2**30, "rss_GiB": result["rss"] / 2**30}))
+        print(
+            json.dumps(
+                {
+                    "rank": int(os.environ["RANK"]),
+                    "weights_GiB": result["weights"] / 2**30,
+                    "cuda_allocated_GiB": (result["cuda"] or 0) / 2**30,
+                    "rss_GiB": result["rss"] / 2**30,
+                }
+            )
+        )
         return
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         out = Path(tmp)
@@ -154,7 +167,9 @@ def main(argv=None) -> None:
         mp.start_processes(_one_process, args=(args, str(out)), nprocs=1, start_method="spawn")
         from tests.gloo_processes import free_port
 
-        mp.start_processes(_rank, args=(args.nproc, free_port(), args, str(out)), nprocs=args.nproc, start_method="spawn")
+        mp.start_processes(
+            _rank, args=(args.nproc, free_port(), args, str(out)), nprocs=args.nproc, start_method="spawn"
+        )
         _report(out, args.nproc, args)
 
 

@@ -55,12 +55,14 @@ from modeling_dsv41.generation.cache import DeepseekV41Cache  # noqa: E402
 from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments  # noqa: E402
 
 
-
 def build(size: str, block_size: int, stages: int):
     layers = SIZES[size].get("num_hidden_layers", 6)
     dspark = {
-        "num_nextn_predict_layers": stages, "dspark_block_size": block_size, "dspark_noise_token_id": 7,
-        "dspark_target_layer_ids": list(range(layers - 3, layers)), "dspark_markov_rank": 32,
+        "num_nextn_predict_layers": stages,
+        "dspark_block_size": block_size,
+        "dspark_noise_token_id": 7,
+        "dspark_target_layer_ids": list(range(layers - 3, layers)),
+        "dspark_markov_rank": 32,
     }
     torch.manual_seed(0)
     model = build_ours(engram=size == "tiny", size=size, **dspark)
@@ -88,14 +90,17 @@ def load_demo(folder: Path, train_steps: int):
     from processing import DeepseekV41Processor
 
     if not (folder / "config.json").is_file():
-        raise SystemExit(f"--size demo reads the model `dsv41 demo` exports: no {folder / 'config.json'} (run the demo)")
+        raise SystemExit(
+            f"--size demo reads the model `dsv41 demo` exports: no {folder / 'config.json'} (run the demo)"
+        )
     model = DeepseekV41ForCausalLM.from_pretrained(folder)
     processor = DeepseekV41Processor.from_pretrained(folder)
     if train_steps > 0:
         with tempfile.TemporaryDirectory() as out:
             settings = demo.DemoSettings(output=Path(out), steps=train_steps)
-            demo.fine_tune(model, processor, settings, stage="dspark", style="short", steps=train_steps,
-                           train_dspark_head=True)
+            demo.fine_tune(
+                model, processor, settings, stage="dspark", style="short", steps=train_steps, train_dspark_head=True
+            )
 
     def inputs(start: int, stop: int) -> dict[str, torch.Tensor]:
         images = [sample.image for sample in ShapesDataset("eval", stop, seed=1)][start:stop]
@@ -110,19 +115,32 @@ def train_head(model, steps: int, device: str, vocab: int, sequences: int = 32) 
     # image: the continuations leave it out
     no_image = dict(suppress_tokens=[model.config.image_token_id]) if model.config.has_vision else {}
     with torch.no_grad():
-        sequences = torch.cat([model.generate(chunk, max_new_tokens=56, do_sample=False, **no_image).cpu()
-                               for chunk in prompts.split(64)])
+        sequences = torch.cat(
+            [
+                model.generate(chunk, max_new_tokens=56, do_sample=False, **no_image).cpu()
+                for chunk in prompts.split(64)
+            ]
+        )
     with tempfile.TemporaryDirectory() as out:
         # 3e-2: of 3e-3, 1e-2, 3e-2 and 1e-1 (which diverged) over 400 steps on 512 continuations, the most tokens
         # accepted per verification on the benchmark's 72 prompts (1.44, 1.53, 1.65; docs/benchmarks.md)
         args = DeepseekV41TrainingArguments(
-            output_dir=out, train_dspark_head=True, max_steps=steps, per_device_train_batch_size=8,
-            learning_rate=3e-2, report_to=[], save_strategy="no", logging_steps=max(steps // 4, 1),
-            use_cpu=device == "cpu", disable_tqdm=True,
+            output_dir=out,
+            train_dspark_head=True,
+            max_steps=steps,
+            per_device_train_batch_size=8,
+            learning_rate=3e-2,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=max(steps // 4, 1),
+            use_cpu=device == "cpu",
+            disable_tqdm=True,
         )
         DeepseekV41Trainer(model=model, args=args, train_dataset=Sequences(sequences)).train()
     with torch.no_grad():
-        print(f"draft head accuracy on its training sequences: {float(model.dspark_loss(sequences.to(device)).accuracy):.3f}")
+        print(
+            f"draft head accuracy on its training sequences: {float(model.dspark_loss(sequences.to(device)).accuracy):.3f}"
+        )
 
 
 @torch.no_grad()
@@ -135,10 +153,12 @@ def report_held_out(model, prompts: torch.Tensor, new_tokens: int) -> None:
         sequences = sequences[~(sequences == model.config.image_token_id).any(dim=1)]
     logits = model(sequences).logits[:, prompts.shape[1] - 1 : -1].float()
     top2 = logits.topk(2, dim=-1).values
-    print(f"draft head accuracy on {len(sequences)} benchmark prompts' continuations: {float(model.dspark_loss(sequences).accuracy):.3f}; "
-          f"the backbone there: mean top-1 probability {float(logits.softmax(-1).amax(-1).mean()):.4f} "
-          f"(uniform {1 / logits.shape[-1]:.4f}), median top-1 - top-2 logit gap "
-          f"{float((top2[..., 0] - top2[..., 1]).median()):.3f} (logits' standard deviation {float(logits.std(-1).mean()):.3f})")
+    print(
+        f"draft head accuracy on {len(sequences)} benchmark prompts' continuations: {float(model.dspark_loss(sequences).accuracy):.3f}; "
+        f"the backbone there: mean top-1 probability {float(logits.softmax(-1).amax(-1).mean()):.4f} "
+        f"(uniform {1 / logits.shape[-1]:.4f}), median top-1 - top-2 logit gap "
+        f"{float((top2[..., 0] - top2[..., 1]).median()):.3f} (logits' standard deviation {float(logits.std(-1).mean()):.3f})"
+    )
 
 
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
@@ -262,12 +282,16 @@ def time_split(model, clock):
 
         return wrap
 
-    hooks = [model.model.register_forward_pre_hook(before, with_kwargs=True),
-             model.model.register_forward_hook(after, with_kwargs=True)]
+    hooks = [
+        model.model.register_forward_pre_hook(before, with_kwargs=True),
+        model.model.register_forward_hook(after, with_kwargs=True),
+    ]
     try:
-        with patched(model.mtp, "draft", timing("draft passes")), \
-                patched(model.mtp, "write_ring", timing("ring writes")), \
-                patched(DeepseekV41Cache, "crop_rows", timing("cache rollbacks")):
+        with (
+            patched(model.mtp, "draft", timing("draft passes")),
+            patched(model.mtp, "write_ring", timing("ring writes")),
+            patched(DeepseekV41Cache, "crop_rows", timing("cache rollbacks")),
+        ):
             yield split
     finally:
         for hook in hooks:
@@ -300,22 +324,30 @@ def bench_batch(model, prompt_inputs, n_prompts: int, batch: int, args, clock) -
             split[name]["total"] = elapsed
             seconds[name].append(elapsed)
     eos = model.generation_config.eos_token_id
-    tokens = sum(decoded_tokens(out[:, inputs["input_ids"].shape[1] :], eos) for out, inputs in zip(outputs["plain"], calls))
+    tokens = sum(
+        decoded_tokens(out[:, inputs["input_ids"].shape[1] :], eos) for out, inputs in zip(outputs["plain"], calls)
+    )
     prefill = statistics.median(prefill_times)
     median = {name: statistics.median(times) for name, times in seconds.items()}
-    print(f"\nbatch {batch}: {n_prompts} prompts in {len(calls)} calls, {tokens} decoded tokens (at most "
-          f"{args.new_tokens} per row), prefill {prefill * 1e3:.0f} ms")
+    print(
+        f"\nbatch {batch}: {n_prompts} prompts in {len(calls)} calls, {tokens} decoded tokens (at most "
+        f"{args.new_tokens} per row), prefill {prefill * 1e3:.0f} ms"
+    )
     decode = tokens - n_prompts  # the prefill's token of each row is not decoding
     result = {}
     for name, elapsed in median.items():
         decode_ratio = (median["plain"] - prefill) / (elapsed - prefill)
-        line = (f"  {name:15s}  end to end {tokens / elapsed:8.1f} tokens/s ({median['plain'] / elapsed:.2f}x)   "
-                f"decode only {decode / (elapsed - prefill):8.1f} tokens/s ({decode_ratio:.2f}x)")
+        line = (
+            f"  {name:15s}  end to end {tokens / elapsed:8.1f} tokens/s ({median['plain'] / elapsed:.2f}x)   "
+            f"decode only {decode / (elapsed - prefill):8.1f} tokens/s ({decode_ratio:.2f}x)"
+        )
         if name != "plain":
             accepted = accepted_per_verification(kept[name], tokens, n_prompts)
             identical = all(torch.equal(a, b) for a, b in zip(outputs[name], outputs["plain"]))
-            line += (f"   {len(kept[name])} verifications, {accepted:.2f} accepted tokens per verification   "
-                     f"identical tokens: {identical}")
+            line += (
+                f"   {len(kept[name])} verifications, {accepted:.2f} accepted tokens per verification   "
+                f"identical tokens: {identical}"
+            )
             result[name] = (accepted, decode_ratio)
         print(line)
     parts = ("prefill", "verification forwards", "draft passes", "ring writes", "cache rollbacks")
@@ -333,19 +365,31 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--batch", default="1", help="batch sizes, comma-separated (e.g. 1,8,72)")
-    parser.add_argument("--prompts", type=int, default=None,
-                        help="prompts decoded at every batch size, in calls of that many rows (default: the largest batch)")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help="prompts decoded at every batch size, in calls of that many rows (default: the largest batch)",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=5)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--train-steps", type=int, default=200)
-    parser.add_argument("--train-sequences", type=int, default=32,
-                        help="tiny/medium: the backbone's greedy continuations of this many random prompts train the head")
+    parser.add_argument(
+        "--train-sequences",
+        type=int,
+        default=32,
+        help="tiny/medium: the backbone's greedy continuations of this many random prompts train the head",
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="process: this process's CPU time (all its threads), steadier on a machine shared with "
-                             "other jobs; use it with --threads 1 (idle OpenMP threads spin)")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="process: this process's CPU time (all its threads), steadier on a machine shared with "
+        "other jobs; use it with --threads 1 (idle OpenMP threads spin)",
+    )
     args = parser.parse_args()
     batches = [int(size) for size in args.batch.split(",")]
     n_prompts = args.prompts or max(batches)
@@ -371,15 +415,24 @@ def main() -> None:
         return inputs
 
     text = model.config.text_config
-    print(f"size {args.size}, {args.device} {args.dtype}, {args.threads} threads, {args.clock} clock, "
-          f"block {text.dspark_block_size}, {text.num_nextn_predict_layers} stages, {n_prompts} prompts, "
-          f"batches {batches}")
-    per_row = {batch: bench_batch(model, prompt_inputs, n_prompts, batch, args, CLOCKS[args.clock]) for batch in batches}
+    print(
+        f"size {args.size}, {args.device} {args.dtype}, {args.threads} threads, {args.clock} clock, "
+        f"block {text.dspark_block_size}, {text.num_nextn_predict_layers} stages, {n_prompts} prompts, "
+        f"batches {batches}"
+    )
+    per_row = {
+        batch: bench_batch(model, prompt_inputs, n_prompts, batch, args, CLOCKS[args.clock]) for batch in batches
+    }
     if 1 in per_row:
-        print("\nper row against batch 1 (the same prompts one at a time): " + ", ".join(
-            f"batch {batch} accepted tokens per verification {accepted / per_row[1][0]:.2f}x, decode only {ratio:.2f}x"
-            for batch, (accepted, ratio) in per_row.items() if batch != 1
-        ))
+        print(
+            "\nper row against batch 1 (the same prompts one at a time): "
+            + ", ".join(
+                f"batch {batch} accepted tokens per verification {accepted / per_row[1][0]:.2f}x, decode only {ratio:.2f}x"
+                for batch, (accepted, ratio) in per_row.items()
+                if batch != 1
+            )
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,13 @@ _RELEASED_COMPRESS_RATIOS = [0, 0] + [2] * 18 + [1] * 20 + [0] * 3
 
 
 def _default_yarn() -> dict[str, Any]:
-    return {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 65536}
+    return {
+        "rope_type": "yarn",
+        "factor": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 65536,
+    }
 
 
 def _one_of(value: Any, alias: Any) -> Any:
@@ -87,15 +93,26 @@ class LayerSpec:
     def kind(self) -> str:
         """A readable name: ``"window"`` or ``"compressed_{r}"``, after ``"engram+"`` and before its roles,
         e.g. ``"engram+compressed_2+kv_source+index_source"``."""
-        roles = [name for name, has in (("kv_source", self.is_kv_source), ("index_source", self.is_index_source),
-                                        ("candidate_source", self.is_candidate_source)) if has]
+        roles = [
+            name
+            for name, has in (
+                ("kv_source", self.is_kv_source),
+                ("index_source", self.is_index_source),
+                ("candidate_source", self.is_candidate_source),
+            )
+            if has
+        ]
         attention = f"compressed_{self.compress_ratio}" if self.is_compressed else "window"
         return "+".join(["engram"] * self.has_engram + [attention] + roles)
 
 
 @lru_cache(maxsize=64)
 def _layer_plan(
-    n: int, ratios: tuple[int, ...], kv_ids: tuple[int, ...], index_ids: tuple[int, ...], cand: int,
+    n: int,
+    ratios: tuple[int, ...],
+    kv_ids: tuple[int, ...],
+    index_ids: tuple[int, ...],
+    cand: int,
     engram_ids: tuple[int, ...],
 ) -> tuple[LayerSpec, ...]:
     """The specs of layers 0..n-1 from the schedule fields (as tuples, so that each combination is checked and built
@@ -297,9 +314,9 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             self.compress_rope_scaling = _default_yarn()
         self.compress_rope_scaling = dict(self.compress_rope_scaling)
         # DeepSeek's inference/config.json names the draft head's top-k `dspark_n_activated_experts`
-        self.dspark_num_experts_per_tok = _one_of(
-            self.dspark_num_experts_per_tok or None, kwargs.pop("dspark_n_activated_experts", None)
-        ) or 0
+        self.dspark_num_experts_per_tok = (
+            _one_of(self.dspark_num_experts_per_tok or None, kwargs.pop("dspark_n_activated_experts", None)) or 0
+        )
         if self.compress_ratios is None:
             self.compress_ratios = list(_RELEASED_COMPRESS_RATIOS)
         if self.kv_source_layer_ids is None:
@@ -312,10 +329,22 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             self.engram_num_embeddings = [384006168, 384016682] if self.engram_layer_ids == [1, 14] else []
         if self.dspark_target_layer_ids is None:
             self.dspark_target_layer_ids = []
-        for name in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids",
-                     "engram_num_embeddings", "dspark_target_layer_ids"):
-            setattr(self, name, [int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-                                 for v in getattr(self, name)])
+        for name in (
+            "compress_ratios",
+            "kv_source_layer_ids",
+            "index_source_layer_ids",
+            "engram_layer_ids",
+            "engram_num_embeddings",
+            "dspark_target_layer_ids",
+        ):
+            setattr(
+                self,
+                name,
+                [
+                    int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                    for v in getattr(self, name)
+                ],
+            )
         super().__post_init__(**kwargs)
         self._validate_dimensions()
         self._validate_schedule()
@@ -325,14 +354,26 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     # ---- validation -------------------------------------------------------------------------------
     def _validate_dimensions(self) -> None:
         _require_positive_int(
-            "text", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            moe_intermediate_size=self.moe_intermediate_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, head_dim=self.head_dim,
-            qk_rope_head_dim=self.qk_rope_head_dim, q_lora_rank=self.q_lora_rank, o_lora_rank=self.o_lora_rank,
-            o_groups=self.o_groups, n_routed_experts=self.n_routed_experts,
-            num_experts_per_tok=self.num_experts_per_tok, sliding_window=self.sliding_window,
-            index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim, index_topk=self.index_topk,
-            query_chunk_size=self.query_chunk_size, hc_mult=self.hc_mult, hc_sinkhorn_iters=self.hc_sinkhorn_iters,
+            "text",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            head_dim=self.head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            q_lora_rank=self.q_lora_rank,
+            o_lora_rank=self.o_lora_rank,
+            o_groups=self.o_groups,
+            n_routed_experts=self.n_routed_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            sliding_window=self.sliding_window,
+            index_n_heads=self.index_n_heads,
+            index_head_dim=self.index_head_dim,
+            index_topk=self.index_topk,
+            query_chunk_size=self.query_chunk_size,
+            hc_mult=self.hc_mult,
+            hc_sinkhorn_iters=self.hc_sinkhorn_iters,
         )
         if self.num_key_value_heads != 1:
             raise ValueError("DeepSeek-V4.1 shares one K=V vector per token: num_key_value_heads must be 1")
@@ -359,14 +400,22 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             raise ValueError(f"DeepSeek-V4.1 routes with topk_method 'noaux_tc', got {self.topk_method!r}")
         if self.scoring_func not in ("softmax", "sigmoid", "sqrtsoftplus"):
             raise ValueError(f"scoring_func must be softmax, sigmoid or sqrtsoftplus, got {self.scoring_func!r}")
-        for name in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "routed_scaling_factor",
-                     "gate_temp"):
+        for name in (
+            "rms_norm_eps",
+            "hc_eps",
+            "rope_theta",
+            "compress_rope_theta",
+            "routed_scaling_factor",
+            "gate_temp",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be finite and positive, got {value!r}")
         yarn = self.compress_rope_scaling
         if yarn.get("rope_type", "yarn") not in ("yarn", "default"):
-            raise ValueError(f"compress_rope_scaling rope_type must be 'yarn' or 'default', got {yarn.get('rope_type')!r}")
+            raise ValueError(
+                f"compress_rope_scaling rope_type must be 'yarn' or 'default', got {yarn.get('rope_type')!r}"
+            )
         if yarn.get("rope_type", "yarn") == "yarn":
             missing = {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings"} - set(yarn)
             if missing:
@@ -375,8 +424,11 @@ class DeepseekV41TextConfig(PreTrainedConfig):
     def _validate_schedule(self) -> None:
         plan = self.layer_plan  # checks the schedule fields
         if any(spec.is_candidate_source for spec in plan):
-            _require_positive_int("text", candidate_topk_blocks=self.candidate_topk_blocks,
-                                  candidate_block_size=self.candidate_block_size)
+            _require_positive_int(
+                "text",
+                candidate_topk_blocks=self.candidate_topk_blocks,
+                candidate_block_size=self.candidate_block_size,
+            )
             if self.candidate_topk_blocks * self.candidate_block_size < self.index_topk:
                 raise ValueError(
                     f"candidate_topk_blocks × candidate_block_size ({self.candidate_topk_blocks} × "
@@ -394,8 +446,11 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         if not ids:
             return
         _require_positive_int(
-            "text", engram_n_heads=self.engram_n_heads, engram_head_dim=self.engram_head_dim,
-            engram_vocab_size=self.engram_vocab_size, engram_compressed_vocab_size=self.engram_compressed_vocab_size,
+            "text",
+            engram_n_heads=self.engram_n_heads,
+            engram_head_dim=self.engram_head_dim,
+            engram_vocab_size=self.engram_vocab_size,
+            engram_compressed_vocab_size=self.engram_compressed_vocab_size,
         )
         if any(type(rows) is not int or rows <= 0 for rows in self.engram_num_embeddings):
             raise ValueError(f"engram_num_embeddings must be positive integers, got {self.engram_num_embeddings}")
@@ -408,7 +463,9 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         if self.dspark_block_size == 0:
             return
         _require_positive_int(
-            "text", dspark_block_size=self.dspark_block_size, num_nextn_predict_layers=self.num_nextn_predict_layers,
+            "text",
+            dspark_block_size=self.dspark_block_size,
+            num_nextn_predict_layers=self.num_nextn_predict_layers,
             dspark_markov_rank=self.dspark_markov_rank,
         )
         ids = self.dspark_target_layer_ids
@@ -420,13 +477,21 @@ class DeepseekV41TextConfig(PreTrainedConfig):
             raise ValueError(f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary")
         routed, active = self.dspark_n_routed_experts, self.dspark_num_experts_per_tok
         if any(type(v) is not int or v < 0 for v in (routed, active)):
-            raise ValueError(f"dspark_n_routed_experts / dspark_num_experts_per_tok must be ≥ 0, got {routed}, {active}")
+            raise ValueError(
+                f"dspark_n_routed_experts / dspark_num_experts_per_tok must be ≥ 0, got {routed}, {active}"
+            )
         if self.dspark_top_k > self.dspark_num_routed_experts:
-            raise ValueError(f"the DSpark MoE routes to {self.dspark_top_k} of {self.dspark_num_routed_experts} experts")
+            raise ValueError(
+                f"the DSpark MoE routes to {self.dspark_top_k} of {self.dspark_num_routed_experts} experts"
+            )
         # the draft blocks attend over a window only (the reference asserts it); their compress_ratios entries are 0
-        draft_ratios = self.compress_ratios[self.num_hidden_layers : self.num_hidden_layers + self.num_nextn_predict_layers]
+        draft_ratios = self.compress_ratios[
+            self.num_hidden_layers : self.num_hidden_layers + self.num_nextn_predict_layers
+        ]
         if any(draft_ratios):
-            raise ValueError(f"the DSpark draft blocks are window-only: their compress_ratios must be 0, got {draft_ratios}")
+            raise ValueError(
+                f"the DSpark draft blocks are window-only: their compress_ratios must be 0, got {draft_ratios}"
+            )
 
     @property
     def layer_plan(self) -> tuple[LayerSpec, ...]:
@@ -435,8 +500,12 @@ class DeepseekV41TextConfig(PreTrainedConfig):
         serialized form) and checked once per combination of them. Read on access, so it follows a field set later.
         """
         return _layer_plan(
-            self.num_hidden_layers, tuple(self.compress_ratios), tuple(self.kv_source_layer_ids),
-            tuple(self.index_source_layer_ids), self.candidate_source_layer_id, tuple(self.engram_layer_ids),
+            self.num_hidden_layers,
+            tuple(self.compress_ratios),
+            tuple(self.kv_source_layer_ids),
+            tuple(self.index_source_layer_ids),
+            self.candidate_source_layer_id,
+            tuple(self.engram_layer_ids),
         )
 
     # Not `layer_types`: transformers reads that name (its config validation accepts only its own attention kinds,
@@ -502,10 +571,15 @@ class DeepseekV41VisionConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs: Any) -> None:
         super().__post_init__(**kwargs)
         _require_positive_int(
-            "vision", num_hidden_layers=self.num_hidden_layers, hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads, intermediate_size=self.intermediate_size,
-            patch_size=self.patch_size, downsample_ratio=self.downsample_ratio,
-            max_image_tokens=self.max_image_tokens, min_pixels=self.min_pixels,
+            "vision",
+            num_hidden_layers=self.num_hidden_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            intermediate_size=self.intermediate_size,
+            patch_size=self.patch_size,
+            downsample_ratio=self.downsample_ratio,
+            max_image_tokens=self.max_image_tokens,
+            min_pixels=self.min_pixels,
         )
         if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 4:
             raise ValueError(
@@ -520,33 +594,72 @@ class DeepseekV41VisionConfig(PreTrainedConfig):
 
 # the flat reference `inference/config.json` (ModelArgs) → our nested keys
 _REFERENCE_TEXT_KEYS = {
-    "vocab_size": "vocab_size", "dim": "hidden_size", "moe_inter_dim": "moe_intermediate_size",
-    "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "head_dim": "head_dim",
-    "rope_head_dim": "qk_rope_head_dim", "q_lora_rank": "q_lora_rank", "o_lora_rank": "o_lora_rank",
-    "o_groups": "o_groups", "swiglu_limit": "swiglu_limit", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
-    "compress_rope_theta": "compress_rope_theta", "n_routed_experts": "n_routed_experts",
-    "n_shared_experts": "n_shared_experts", "n_activated_experts": "num_experts_per_tok",
-    "score_func": "scoring_func", "gate_temp": "gate_temp", "norm_topk_prob": "norm_topk_prob",
-    "route_scale": "routed_scaling_factor", "window_size": "sliding_window", "compress_ratios": "compress_ratios",
-    "kv_source_layers": "kv_source_layer_ids", "index_source_layers": "index_source_layer_ids",
-    "index_n_heads": "index_n_heads", "index_head_dim": "index_head_dim", "index_topk": "index_topk",
-    "candidate_source_layer": "candidate_source_layer_id", "candidate_topk_blocks": "candidate_topk_blocks",
-    "candidate_block_size": "candidate_block_size", "hc_mult": "hc_mult", "hc_sinkhorn_iters": "hc_sinkhorn_iters",
-    "hc_eps": "hc_eps", "engram_layer_ids": "engram_layer_ids", "engram_num_embeddings": "engram_num_embeddings",
-    "engram_max_ngram_size": "engram_max_ngram_size", "engram_vocab_size": "engram_vocab_size",
-    "engram_n_heads": "engram_n_heads", "engram_head_dim": "engram_head_dim", "engram_pad_id": "engram_pad_token_id",
-    "engram_compressed_vocab_size": "engram_compressed_vocab_size", "n_mtp_layers": "num_nextn_predict_layers",
-    **{key: key for key in (
-        "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
-        "dspark_n_routed_experts",
-    )},
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "moe_inter_dim": "moe_intermediate_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "head_dim": "head_dim",
+    "rope_head_dim": "qk_rope_head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "o_lora_rank": "o_lora_rank",
+    "o_groups": "o_groups",
+    "swiglu_limit": "swiglu_limit",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "compress_rope_theta": "compress_rope_theta",
+    "n_routed_experts": "n_routed_experts",
+    "n_shared_experts": "n_shared_experts",
+    "n_activated_experts": "num_experts_per_tok",
+    "score_func": "scoring_func",
+    "gate_temp": "gate_temp",
+    "norm_topk_prob": "norm_topk_prob",
+    "route_scale": "routed_scaling_factor",
+    "window_size": "sliding_window",
+    "compress_ratios": "compress_ratios",
+    "kv_source_layers": "kv_source_layer_ids",
+    "index_source_layers": "index_source_layer_ids",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "candidate_source_layer": "candidate_source_layer_id",
+    "candidate_topk_blocks": "candidate_topk_blocks",
+    "candidate_block_size": "candidate_block_size",
+    "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "hc_eps": "hc_eps",
+    "engram_layer_ids": "engram_layer_ids",
+    "engram_num_embeddings": "engram_num_embeddings",
+    "engram_max_ngram_size": "engram_max_ngram_size",
+    "engram_vocab_size": "engram_vocab_size",
+    "engram_n_heads": "engram_n_heads",
+    "engram_head_dim": "engram_head_dim",
+    "engram_pad_id": "engram_pad_token_id",
+    "engram_compressed_vocab_size": "engram_compressed_vocab_size",
+    "n_mtp_layers": "num_nextn_predict_layers",
+    **{
+        key: key
+        for key in (
+            "dspark_block_size",
+            "dspark_noise_token_id",
+            "dspark_target_layer_ids",
+            "dspark_markov_rank",
+            "dspark_n_routed_experts",
+        )
+    },
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
 _REFERENCE_VISION_KEYS = {
-    "vision_n_layers": "num_hidden_layers", "vision_dim": "hidden_size", "vision_n_heads": "num_attention_heads",
-    "vision_inter_dim": "intermediate_size", "vision_patch_size": "patch_size", "vision_rope_theta": "rope_theta",
-    "vision_downsample_ratio": "downsample_ratio", "vision_max_n_token": "max_image_tokens",
-    "vision_min_pixels": "min_pixels", "vision_max_wh_ratio": "max_wh_ratio",
+    "vision_n_layers": "num_hidden_layers",
+    "vision_dim": "hidden_size",
+    "vision_n_heads": "num_attention_heads",
+    "vision_inter_dim": "intermediate_size",
+    "vision_patch_size": "patch_size",
+    "vision_rope_theta": "rope_theta",
+    "vision_downsample_ratio": "downsample_ratio",
+    "vision_max_n_token": "max_image_tokens",
+    "vision_min_pixels": "min_pixels",
+    "vision_max_wh_ratio": "max_wh_ratio",
 }
 # runtime knobs of the reference (cache sizes, sampling)
 _REFERENCE_IGNORED_KEYS = {"max_batch_size", "max_seq_len", "temperature"}
@@ -558,8 +671,13 @@ def released_quantization_dict(expert_dtype: str = "fp4") -> dict[str, Any]:
     block, the routed experts ``expert_dtype`` (``"fp4"``: packed E2M1 with a scale per 32 values)."""
     if expert_dtype not in ("fp4", "fp8"):
         raise ValueError(f"the released experts are stored FP4 or FP8, got expert_dtype={expert_dtype!r}")
-    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
-            "scale_fmt": "ue8m0", "expert_dtype": expert_dtype}
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": expert_dtype,
+    }
 
 
 def is_reference_config(config_dict: dict[str, Any]) -> bool:
@@ -593,7 +711,9 @@ def check_required_keys(config_dict: dict[str, Any]) -> None:
     if isinstance(text, dict):
         missing = [key for key in _REQUIRED_TEXT_KEYS if key not in text]
         if missing:
-            raise ValueError(f"the config's text_config is missing {missing[0]!r} (it needs {list(_REQUIRED_TEXT_KEYS)})")
+            raise ValueError(
+                f"the config's text_config is missing {missing[0]!r} (it needs {list(_REQUIRED_TEXT_KEYS)})"
+            )
     elif not isinstance(text, PreTrainedConfig):
         raise ValueError(f"text_config must be a JSON object, got {type(text).__name__}")
 

@@ -92,12 +92,14 @@ def flatten_module_source(source: str, module: str) -> tuple[str, set[str]]:
     lines = source.splitlines(keepends=True)
     needed = set()
     # right to left, so that two imports on one line keep their offsets
-    for node, target in sorted(_project_imports(tree, module), key=lambda f: (f[0].lineno, f[0].col_offset), reverse=True):
+    for node, target in sorted(
+        _project_imports(tree, module), key=lambda f: (f[0].lineno, f[0].col_offset), reverse=True
+    ):
         line = lines[node.lineno - 1]
         head = _IMPORT_HEAD.match(line, node.col_offset)
         if head is None:
             raise ValueError(f"{module} line {node.lineno}: cannot parse the import statement {line.strip()!r}")
-        lines[node.lineno - 1] = f"{line[: head.start()]}from .{_flat_name(target)} import{line[head.end():]}"
+        lines[node.lineno - 1] = f"{line[: head.start()]}from .{_flat_name(target)} import{line[head.end() :]}"
         needed.add(target)
     return "".join(lines), needed
 
@@ -171,7 +173,9 @@ def _classes(auto_map: AutoMap) -> list[type]:
 
 def _references(auto_map: AutoMap) -> dict[str, Any]:
     return {
-        name: {k: class_reference(c) for k, c in value.items()} if isinstance(value, Mapping) else class_reference(value)
+        name: {k: class_reference(c) for k, c in value.items()}
+        if isinstance(value, Mapping)
+        else class_reference(value)
         for name, value in auto_map.items()
     }
 
@@ -215,8 +219,13 @@ def pop_push_arguments(save_directory: str | Path, kwargs: dict[str, Any]) -> di
 
 
 def push_saved_folder(
-    directory: str | Path, repo_id: str, commit_message: str | None = None, private: bool | None = None,
-    token: str | bool | None = None, create_pr: bool = False, revision: str | None = None,
+    directory: str | Path,
+    repo_id: str,
+    commit_message: str | None = None,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    create_pr: bool = False,
+    revision: str | None = None,
 ) -> CommitInfo:
     """Upload a folder ``save_pretrained`` wrote, remote code included, to ``repo_id`` (created if needed) in one
     commit, as transformers' own push does (which uploads before the code is written)."""
@@ -225,11 +234,15 @@ def push_saved_folder(
     directory = Path(directory)
     operations = [
         CommitOperationAdd(path_in_repo=path.relative_to(directory).as_posix(), path_or_fileobj=str(path))
-        for path in sorted(directory.rglob("*")) if path.is_file() and not path.relative_to(directory).parts[0].startswith(".")
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and not path.relative_to(directory).parts[0].startswith(".")
     ]
     return api.create_commit(
-        repo_id, operations, commit_message=commit_message or "Upload DeepSeek-V4.1 with remote code",
-        revision=revision, create_pr=create_pr,
+        repo_id,
+        operations,
+        commit_message=commit_message or "Upload DeepSeek-V4.1 with remote code",
+        revision=revision,
+        create_pr=create_pr,
     )
 
 

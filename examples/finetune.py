@@ -41,7 +41,9 @@ def fine_tune(model, script: ScriptArguments, args: DeepseekV41TrainingArguments
     resumes from the newest complete checkpoint."""
     processor = AutoProcessor.from_pretrained(script.model)
     trainer = DeepseekV41Trainer(
-        model=model, args=args, train_dataset=ShapesDataset("train", script.train_samples),
+        model=model,
+        args=args,
+        train_dataset=ShapesDataset("train", script.train_samples),
         data_collator=CaptionCollator(processor),
     )
     resume = args.resume_from_checkpoint

@@ -37,8 +37,10 @@ from modeling_dsv41.training.fsdp import load_sharded_weights, shard_model
 class FullScriptArguments(ScriptArguments):
     train_engram_tables: bool = field(
         default=False,
-        metadata={"help": "Train the Engram tables (FSDP2 then gathers a whole table at each forward of its layer: "
-                  "fine for small models; the release's are memory-mapped and frozen by default)."},
+        metadata={
+            "help": "Train the Engram tables (FSDP2 then gathers a whole table at each forward of its layer: "
+            "fine for small models; the release's are memory-mapped and frozen by default)."
+        },
     )
 
 

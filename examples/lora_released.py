@@ -45,15 +45,22 @@ from modeling_dsv41.training.launch import fsdp_requested
 
 # README's targets: the attention and shared-expert Linears (FP8) and the routed experts (FP4, adapters of the
 # logical per-expert shape)
-TARGET_MODULES = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1", "shared_experts.w2",
-                  "shared_experts.w3"]
+TARGET_MODULES = [
+    "attn.wq_a",
+    "attn.wq_b",
+    "attn.wkv",
+    "attn.wo_b",
+    "shared_experts.w1",
+    "shared_experts.w2",
+    "shared_experts.w3",
+]
 TARGET_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 @dataclass
 class ScriptArguments:
     model: str = field(metadata={"help": "The released model's folder (hf download deepseek-ai/DeepSeek-V4.1-Flash)."})
-    data: str = field(metadata={"help": "A JSON-lines file, one {\"text\": ...} per line."})
+    data: str = field(metadata={"help": 'A JSON-lines file, one {"text": ...} per line.'})
     rank: int = field(default=16, metadata={"help": "LoRA rank r (lora_alpha = 2r)."})
     seq_len: int = field(default=4096, metadata={"help": "Tokens per packed training row."})
 
@@ -80,15 +87,18 @@ def lora_model(script: ScriptArguments, args: DeepseekV41TrainingArguments):
     config = DeepseekV41Config.from_pretrained(script.model)
     config.text_config.engram_table_dtype = "fp8"
     base = empty_native_model(DeepseekV41ForCausalLM, script.model, config=config, device=args.device)
-    lora = LoraConfig(r=script.rank, lora_alpha=2 * script.rank, target_modules=TARGET_MODULES,
-                      target_parameters=TARGET_PARAMETERS)
+    lora = LoraConfig(
+        r=script.rank, lora_alpha=2 * script.rank, target_modules=TARGET_MODULES, target_parameters=TARGET_PARAMETERS
+    )
     return get_peft_model(base, lora, low_cpu_mem_usage=True)  # adapters on the meta device too: none built on the CPU
 
 
 def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
     parser = HfArgumentParser((ScriptArguments, DeepseekV41TrainingArguments))
     # one row of --seq_len tokens per process and step, as `dsv41 inspect --train lora` plans it (--batch 1)
-    parser.set_defaults(activation_checkpointing=True, per_device_train_batch_size=1, report_to="none", logging_steps=1)
+    parser.set_defaults(
+        activation_checkpointing=True, per_device_train_batch_size=1, report_to="none", logging_steps=1
+    )
     script, args = parser.parse_args_into_dataclasses(argv)
     tokenizer = Tokenizer.from_file(os.path.join(script.model, "tokenizer.json"))
     model = lora_model(script, args)
@@ -100,8 +110,10 @@ def main(argv: list[str] | None = None) -> DeepseekV41Trainer:
     if sharded:  # FSDP2 as the accelerate config says, then each process reads its shards
         trainer.shard_model()
         if not isinstance(model, FSDPModule):
-            raise RuntimeError(f"FSDP was asked for, but the Trainer runs {args.distributed_state.distributed_type}: "
-                               "the model was not sharded (examples/accelerate/fsdp2_lora.yaml sets fsdp_version: 2)")
+            raise RuntimeError(
+                f"FSDP was asked for, but the Trainer runs {args.distributed_state.distributed_type}: "
+                "the model was not sharded (examples/accelerate/fsdp2_lora.yaml sets fsdp_version: 2)"
+            )
         load_sharded_weights(model, script.model, adapter_seed=args.seed)
     resume = args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)

@@ -42,27 +42,39 @@ def preference_pairs(n: int) -> Dataset:
     rows = []
     for sample in ShapesDataset("train", n):
         words = {"color": sample.color, "shape": sample.shape, "position": sample.position}
-        rows.append({
-            "prompt": [{"role": "user", "content": f"Caption: {sample.color} {sample.shape}, {sample.position}."}],
-            "chosen": [{"role": "assistant", "content": CAPTION_STYLES["short"].format(**words)}],
-            "rejected": [{"role": "assistant", "content": CAPTION_STYLES["sentence"].format(**words)}],
-        })
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"Caption: {sample.color} {sample.shape}, {sample.position}."}],
+                "chosen": [{"role": "assistant", "content": CAPTION_STYLES["short"].format(**words)}],
+                "rejected": [{"role": "assistant", "content": CAPTION_STYLES["sentence"].format(**words)}],
+            }
+        )
     return Dataset.from_list(rows)
 
 
 def main(argv: list[str] | None = None) -> DPOTrainer:
     parser = HfArgumentParser((ScriptArguments, DPOConfig))
     # activation_checkpointing: TRL's default (its configs set the name transformers 5.25 deprecates)
-    parser.set_defaults(report_to="none", max_length=64, learning_rate=1e-2, logging_steps=1,
-                        use_cpu=not torch.accelerator.is_available(), activation_checkpointing=True)
+    parser.set_defaults(
+        report_to="none",
+        max_length=64,
+        learning_rate=1e-2,
+        logging_steps=1,
+        use_cpu=not torch.accelerator.is_available(),
+        activation_checkpointing=True,
+    )
     script, args = parser.parse_args_into_dataclasses(argv)
     model = AutoModelForCausalLM.from_pretrained(script.model)
     freeze_default_parameters(model)  # the indexer: its top-k passes no gradient
     optimizer = MixedOptimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay)
     callbacks = [RouterBiasBalancingCallback(script.bias_update_speed)] if script.bias_update_speed > 0 else []
     trainer = DPOTrainer(
-        model=model, args=args, train_dataset=preference_pairs(script.train_samples),
-        processing_class=AutoTokenizer.from_pretrained(script.model), optimizers=(optimizer, None), callbacks=callbacks,
+        model=model,
+        args=args,
+        train_dataset=preference_pairs(script.train_samples),
+        processing_class=AutoTokenizer.from_pretrained(script.model),
+        optimizers=(optimizer, None),
+        callbacks=callbacks,
     )
     trainer.train()
     return trainer

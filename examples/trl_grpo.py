@@ -64,8 +64,14 @@ def caption_reward(completions: list, caption: list[str], **kwargs) -> list[floa
 def main(argv: list[str] | None = None) -> GRPOTrainer:
     parser = HfArgumentParser((ScriptArguments, GRPOConfig))
     parser.set_defaults(
-        report_to="none", max_completion_length=8, num_generations=8, per_device_train_batch_size=32, temperature=2.0,
-        learning_rate=3e-3, logging_steps=1, use_cpu=not torch.accelerator.is_available(),
+        report_to="none",
+        max_completion_length=8,
+        num_generations=8,
+        per_device_train_batch_size=32,
+        temperature=2.0,
+        learning_rate=3e-3,
+        logging_steps=1,
+        use_cpu=not torch.accelerator.is_available(),
         activation_checkpointing=True,  # TRL's default (its configs set the name transformers 5.25 deprecates)
     )
     script, args = parser.parse_args_into_dataclasses(argv)
@@ -74,8 +80,13 @@ def main(argv: list[str] | None = None) -> GRPOTrainer:
     optimizer = MixedOptimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay)
     callbacks = [RouterBiasBalancingCallback(script.bias_update_speed)] if script.bias_update_speed > 0 else []
     trainer = GRPOTrainer(
-        model=model, reward_funcs=caption_reward, args=args, train_dataset=caption_prompts(script.train_samples),
-        processing_class=AutoProcessor.from_pretrained(script.model), optimizers=(optimizer, None), callbacks=callbacks,
+        model=model,
+        reward_funcs=caption_reward,
+        args=args,
+        train_dataset=caption_prompts(script.train_samples),
+        processing_class=AutoProcessor.from_pretrained(script.model),
+        optimizers=(optimizer, None),
+        callbacks=callbacks,
     )
     trainer.train()
     return trainer

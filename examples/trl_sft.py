@@ -49,10 +49,14 @@ def text_conversations(n: int) -> Dataset:
     rows = []
     for sample in ShapesDataset("train", n):
         words = {"color": sample.color, "shape": sample.shape, "position": sample.position}
-        rows.append({"messages": [
-            {"role": "user", "content": f"Say it as a sentence: {sample.caption}"},
-            {"role": "assistant", "content": CAPTION_STYLES["sentence"].format(**words)},
-        ]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Say it as a sentence: {sample.caption}"},
+                    {"role": "assistant", "content": CAPTION_STYLES["sentence"].format(**words)},
+                ]
+            }
+        )
     return Dataset.from_list(rows)
 
 
@@ -74,8 +78,14 @@ def image_conversations(n: int) -> Dataset:
 def main(argv: list[str] | None = None) -> SFTTrainer:
     parser = HfArgumentParser((ScriptArguments, SFTConfig))
     # activation_checkpointing: TRL's default (its configs set the name transformers 5.25 deprecates)
-    parser.set_defaults(report_to="none", max_length=128, learning_rate=1e-2, logging_steps=1,
-                        use_cpu=not torch.accelerator.is_available(), activation_checkpointing=True)
+    parser.set_defaults(
+        report_to="none",
+        max_length=128,
+        learning_rate=1e-2,
+        logging_steps=1,
+        use_cpu=not torch.accelerator.is_available(),
+        activation_checkpointing=True,
+    )
     script, args = parser.parse_args_into_dataclasses(argv)
     model = AutoModelForImageTextToText.from_pretrained(script.model)
     processor = AutoProcessor.from_pretrained(script.model)
@@ -84,9 +94,12 @@ def main(argv: list[str] | None = None) -> SFTTrainer:
     callbacks = [RouterBiasBalancingCallback(script.bias_update_speed)] if script.bias_update_speed > 0 else []
     dataset = image_conversations if script.images else text_conversations
     trainer = SFTTrainer(
-        model=model, args=args, train_dataset=dataset(script.train_samples),
+        model=model,
+        args=args,
+        train_dataset=dataset(script.train_samples),
         processing_class=processor if script.images else processor.tokenizer,
-        optimizer_cls_and_kwargs=optimizer, callbacks=callbacks,
+        optimizer_cls_and_kwargs=optimizer,
+        callbacks=callbacks,
     )
     trainer.train()
     return trainer

@@ -181,7 +181,11 @@ class DeepseekV41Indexer(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, x: torch.Tensor, qr: torch.Tensor, rotation: torch.Tensor, ctx: CompressedContext,
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        rotation: torch.Tensor,
+        ctx: CompressedContext,
         compress_lens: torch.Tensor,
     ) -> torch.Tensor:
         """x [B,S,D], qr [B,S,q_lora], compress_lens [S] or [B, S] (compressed rows each query may see);
@@ -196,16 +200,20 @@ class DeepseekV41Indexer(nn.Module):
             q = _fp4_qdq_index(q)
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         chunk = self.query_chunk_size
-        candidates = ctx.candidates.split(chunk, dim=1) if self.uses_candidates and ctx.candidates is not None else None
+        candidates = (
+            ctx.candidates.split(chunk, dim=1) if self.uses_candidates and ctx.candidates is not None else None
+        )
         selections, blocks = [], []
         for i, (q_chunk, w_chunk, lens) in enumerate(
             zip(q.split(chunk, dim=1), weights.split(chunk, dim=1), compress_lens.split(chunk, dim=-1))
         ):
             scores = self.score(q_chunk, w_chunk, ctx.index_k, lens)
             if self.is_candidate_source:
-                blocks.append(candidate_blocks(
-                    scores, lens.expand(scores.shape[:2]), self.candidate_topk_blocks, self.candidate_block_size
-                ))
+                blocks.append(
+                    candidate_blocks(
+                        scores, lens.expand(scores.shape[:2]), self.candidate_topk_blocks, self.candidate_block_size
+                    )
+                )
             elif candidates is not None:
                 allowed = candidate_mask(candidates[i], scores.shape[-1], self.candidate_block_size)
                 scores = scores.masked_fill(~allowed, -torch.inf)
@@ -266,7 +274,11 @@ def sink_attention(
 
 
 def sink_attention_forward(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
     step: int = SPARSE_ATTENTION_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The output of :func:`sink_attention` [B,S,H,D] and each row's log-sum-exp [B,S,H] (fp32, over its slots'
@@ -308,8 +320,14 @@ def _online_softmax_first(
 
 
 def _online_softmax_step(
-    qf: torch.Tensor, kvf: torch.Tensor, block: torch.Tensor, scale: float, peak: torch.Tensor, denom: torch.Tensor,
-    acc: torch.Tensor, dtype: torch.dtype,
+    qf: torch.Tensor,
+    kvf: torch.Tensor,
+    block: torch.Tensor,
+    scale: float,
+    peak: torch.Tensor,
+    denom: torch.Tensor,
+    acc: torch.Tensor,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block of the online softmax: the running maximum, denominator and accumulator after it (a function of its
     own, so that a block's keys are freed before the next block gathers its own)."""
@@ -333,8 +351,14 @@ def _block_scores(
 
 
 def sink_attention_backward(
-    grad: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float,
-    out: torch.Tensor, lse: torch.Tensor,
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (q [B,S,H,D], kv [B,N,D], sink [H]) of :func:`sink_attention` given the output's ``grad``, from what
     its forward kept: each block's keys and logits are recomputed as the forward computed them, its probabilities
@@ -357,8 +381,15 @@ def sink_attention_backward(
 
 
 def _block_backward(
-    qg: torch.Tensor, kvf: torch.Tensor, rows: torch.Tensor, block: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, scale: float, grad_q: torch.Tensor, grad_kv: torch.Tensor,
+    qg: torch.Tensor,
+    kvf: torch.Tensor,
+    rows: torch.Tensor,
+    block: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    grad_q: torch.Tensor,
+    grad_kv: torch.Tensor,
 ) -> None:
     """One block's share of :func:`sink_attention_backward`, added into ``grad_q`` [B,S,H,D] and ``grad_kv``
     [B·N, D] (fp32) at the flattened ``rows`` its slots picked."""
@@ -444,7 +475,9 @@ class DeepseekV41Attention(nn.Module):
         self.wkv = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.kv_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
         # block-diagonal: group g projects only its own heads' outputs
-        self.wo_a = DeepseekV41GroupedLinear(self.n_heads * self.head_dim // self.n_groups, self.o_lora_rank, self.n_groups)
+        self.wo_a = DeepseekV41GroupedLinear(
+            self.n_heads * self.head_dim // self.n_groups, self.o_lora_rank, self.n_groups
+        )
         self.wo_b = nn.Linear(self.n_groups * self.o_lora_rank, config.hidden_size, bias=False)
         self.compressor = DeepseekV41Compressor(config, self.ratio) if self.is_kv_source else None
         self.indexer = DeepseekV41Indexer(config, layer_id, self.is_kv_source) if self.is_index_source else None
@@ -505,10 +538,13 @@ class DeepseekV41Attention(nn.Module):
         the chunking), then the output projections over all of them."""
         bsz, seq_len = q.shape[:2]
         chunk = self.query_chunk_size
-        out = _joined([
-            sink_attention(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
-            for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
-        ], dim=1)
+        out = _joined(
+            [
+                sink_attention(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
+                for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
+            ],
+            dim=1,
+        )
         out = apply_rotary(out, rot, inverse=True)
         out = out.view(bsz, seq_len, self.n_groups, -1)
         return self.wo_b(self.wo_a(out).flatten(2))
@@ -528,10 +564,13 @@ class DeepseekV41Attention(nn.Module):
     def _slot_probs(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The attention map [B, H, S, K] (see :func:`sink_attention_probs`), ``query_chunk_size`` queries at a time."""
         chunk = self.query_chunk_size
-        return _joined([
-            sink_attention_probs(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
-            for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
-        ], dim=2)
+        return _joined(
+            [
+                sink_attention_probs(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
+                for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
+            ],
+            dim=2,
+        )
 
     def _compressed(
         self,
@@ -586,8 +625,13 @@ class DeepseekV41Attention(nn.Module):
                 layer_cache.record_prefill_projections(*self.compressor.project(x), lengths)
 
     def _forward_incremental(
-        self, x: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, layer_cache: DeepseekV41LayerCache,
-        step: CacheStep, output_attentions: bool = False,
+        self,
+        x: torch.Tensor,
+        rot: torch.Tensor,
+        ctx: CompressedContext,
+        layer_cache: DeepseekV41LayerCache,
+        step: CacheStep,
+        output_attentions: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """New tokens x [B,S,D] at ``step.positions`` [B,S] (rot [B,S,R]) against the cached state."""
         qr = self.q_norm(self.wq_a(x))
@@ -608,8 +652,13 @@ class DeepseekV41Attention(nn.Module):
         return self._attend_with_map(probs, kv, slots, rot), (probs, slot_index)
 
     def _compressed_incremental(
-        self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext,
-        layer_cache: DeepseekV41LayerCache, step: CacheStep,
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        rot: torch.Tensor,
+        ctx: CompressedContext,
+        layer_cache: DeepseekV41LayerCache,
+        step: CacheStep,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`_compressed`, for new tokens: a KV source pools the groups they complete (its open group
         included) and appends them; index sources score the new queries against their owner's complete keys."""

@@ -136,7 +136,9 @@ class BnbExperts(DeepseekV41Experts):
         """The storage of the dense ``weight`` [E, out, in] of ``name``: attribute name → tensor."""
         raise NotImplementedError
 
-    def dequantize(self, name: str, expert: int, rows: slice = slice(None), dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def dequantize(
+        self, name: str, expert: int, rows: slice = slice(None), dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
         """Expert ``expert``'s weight ``name`` [out, in] (the ``rows`` of it) in ``dtype``."""
         raise NotImplementedError
 
@@ -146,7 +148,10 @@ class BnbExperts(DeepseekV41Experts):
         return torch.stack([self.dequantize(name, expert, dtype=dtype) for expert in range(self.num_experts)])
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
         adapters: Mapping[str, ExpertFactors] | None = None,
     ) -> torch.Tensor:
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D], the eager computation with each
@@ -158,7 +163,11 @@ class BnbExperts(DeepseekV41Experts):
             return QuantizedExpertWeight(self, name, expert, adapters[name](expert) if name in adapters else None)
 
         return routed_experts_forward(
-            hidden_states, top_k_index, top_k_weights, self.num_experts, self.swiglu_limit,
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.num_experts,
+            self.swiglu_limit,
             lambda expert: (weight("gate_up_proj", expert), weight("down_proj", expert)),
         )
 
@@ -174,8 +183,13 @@ def _repacks_for_cpu(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``Linear4bit.forward`` is about to repack ``module``'s weight for its CPU inference kernel (its own
     condition: an AVX512-BF16 CPU, eval mode, an input that needs no gradient)."""
     state = module.weight.quant_state
-    return (x.device.type == "cpu" and module.support_avx512bf16_for_cpu and not module.training
-            and not x.requires_grad and not getattr(state, "packing_format_for_cpu", False))
+    return (
+        x.device.type == "cpu"
+        and module.support_avx512bf16_for_cpu
+        and not module.training
+        and not x.requires_grad
+        and not getattr(state, "packing_format_for_cpu", False)
+    )
 
 
 def _restore_before_gradients(module: nn.Module, args: tuple) -> None:
@@ -220,8 +234,14 @@ class Bnb4bitExperts(BnbExperts):
     row-major) and one absmax per 64 weights, [E, ⌈out·in/64⌉] fp32, or 8-bit with double quantization (with
     its nested absmax [E, ⌈blocks/256⌉] and offset [E] per expert)."""
 
-    def __init__(self, config, num_experts: int | None = None, compute_dtype: torch.dtype | None = None,
-                 quant_type: str = "nf4", double_quant: bool = False):
+    def __init__(
+        self,
+        config,
+        num_experts: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+        quant_type: str = "nf4",
+        double_quant: bool = False,
+    ):
         self.quant_type, self.double_quant = quant_type, double_quant
         super().__init__(config, num_experts, compute_dtype)
         if double_quant:  # bitsandbytes' signed dynamic map, shared by every nested state
@@ -260,8 +280,11 @@ class Bnb4bitExperts(BnbExperts):
                 code = state.state2.code
         out = {name: torch.stack(packed), f"{name}_absmax": torch.stack(absmax)}
         if self.double_quant:
-            out |= {f"{name}_nested_absmax": torch.stack(nested_absmax), f"{name}_nested_offset": torch.stack(offsets),
-                    "nested_code": code.float()}
+            out |= {
+                f"{name}_nested_absmax": torch.stack(nested_absmax),
+                f"{name}_nested_offset": torch.stack(offsets),
+                "nested_code": code.float(),
+            }
         return out
 
     def _absmax(self, name: str, expert: int) -> torch.Tensor:
@@ -272,12 +295,16 @@ class Bnb4bitExperts(BnbExperts):
         import bitsandbytes.functional as bnb_functional
 
         nested = bnb_functional.QuantState(
-            absmax=getattr(self, f"{name}_nested_absmax")[expert], code=self.nested_code, blocksize=NESTED_BLOCK,
+            absmax=getattr(self, f"{name}_nested_absmax")[expert],
+            code=self.nested_code,
+            blocksize=NESTED_BLOCK,
             dtype=torch.float32,
         )
         return bnb_functional.dequantize_blockwise(absmax, nested) + getattr(self, f"{name}_nested_offset")[expert]
 
-    def dequantize(self, name: str, expert: int, rows: slice = slice(None), dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def dequantize(
+        self, name: str, expert: int, rows: slice = slice(None), dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
         import bitsandbytes.functional as bnb_functional
 
         _, out_features, in_features = self._shapes[name]
@@ -286,9 +313,12 @@ class Bnb4bitExperts(BnbExperts):
         if in_features % BLOCK_4BIT:  # blocks straddle rows: the whole expert, then its rows
             first, last, rows = 0, out_features, slice(first, last)
         else:  # whole blocks per row: the rows' blocks only
-            absmax, rows = absmax[first * in_features // BLOCK_4BIT: last * in_features // BLOCK_4BIT], slice(None)
+            absmax, rows = absmax[first * in_features // BLOCK_4BIT : last * in_features // BLOCK_4BIT], slice(None)
         state = bnb_functional.QuantState(
-            absmax=absmax, shape=torch.Size((last - first, in_features)), dtype=dtype, blocksize=BLOCK_4BIT,
+            absmax=absmax,
+            shape=torch.Size((last - first, in_features)),
+            dtype=dtype,
+            blocksize=BLOCK_4BIT,
             quant_type=self.quant_type,
         )
         return bnb_functional.dequantize_4bit(getattr(self, name)[expert, first:last].reshape(-1, 1), state)[rows]
@@ -308,7 +338,9 @@ class Bnb8bitExperts(BnbExperts):
         codes, scb, _ = bnb_functional.int8_vectorwise_quant(weight.reshape(experts * rows, columns).to(torch.float16))
         return {name: codes.view(experts, rows, columns), f"{name}_scb": scb.view(experts, rows)}
 
-    def dequantize(self, name: str, expert: int, rows: slice = slice(None), dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def dequantize(
+        self, name: str, expert: int, rows: slice = slice(None), dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
         import bitsandbytes.functional as bnb_functional
 
         codes, scb = getattr(self, name)[expert, rows], getattr(self, f"{name}_scb")[expert, rows]
@@ -403,8 +435,10 @@ class _ExpertsQuantizing:
         implementation = model.config.get_text_config()._experts_implementation
         quantized = any(isinstance(m, BnbExperts) for m in model.modules())
         if quantized and implementation not in (None, "eager"):
-            report += (f"; the quantized experts compute eagerly, dequantizing the experts tokens reach "
-                       f"(experts_implementation={implementation!r} runs the unquantized ones)")
+            report += (
+                f"; the quantized experts compute eagerly, dequantizing the experts tokens reach "
+                f"(experts_implementation={implementation!r} runs the unquantized ones)"
+            )
         if quantized and self.experts_note:
             report += f"; {self.experts_note}"
         logger.warning(report)
@@ -472,8 +506,11 @@ class DeepseekV41Bnb4BitQuantizer(_ExpertsQuantizing, Bnb4BitHfQuantizer):
                 f"bnb_4bit_quant_storage={config.bnb_4bit_quant_storage}: the routed experts are stored as uint8 "
                 "(their packed bytes are a parameter of their own shape); leave bnb_4bit_quant_storage at its default"
             )
-        return dict(compute_dtype=config.bnb_4bit_compute_dtype, quant_type=config.bnb_4bit_quant_type,
-                    double_quant=config.bnb_4bit_use_double_quant)
+        return dict(
+            compute_dtype=config.bnb_4bit_compute_dtype,
+            quant_type=config.bnb_4bit_quant_type,
+            double_quant=config.bnb_4bit_use_double_quant,
+        )
 
 
 @register_quantizer(f"{QUANT_METHOD}_8bit")
@@ -482,8 +519,10 @@ class DeepseekV41Bnb8BitQuantizer(_ExpertsQuantizing, Bnb8BitHfQuantizer):
 
     experts_class = Bnb8bitExperts
     kind = "8-bit"
-    experts_note = ("the int8 experts compute on their dequantized weights (weight-only: llm_int8_threshold's outlier "
-                    "decomposition applies to the Linears)")
+    experts_note = (
+        "the int8 experts compute on their dequantized weights (weight-only: llm_int8_threshold's outlier "
+        "decomposition applies to the Linears)"
+    )
 
 
 def dequantized_experts(experts: BnbExperts, dtype: torch.dtype) -> DeepseekV41Experts:

@@ -200,8 +200,10 @@ def _check_2d(weight: torch.Tensor, name: str) -> None:
 
 def _check_scale(weight: torch.Tensor, scale: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
     if tuple(scale.shape) != tuple(expected):
-        raise ValueError(f"{name}: scale shape {tuple(scale.shape)} does not match the expected {tuple(expected)} "
-                         f"for weight shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"{name}: scale shape {tuple(scale.shape)} does not match the expected {tuple(expected)} "
+            f"for weight shape {tuple(weight.shape)}"
+        )
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block_size: int = 32) -> torch.Tensor:
@@ -295,15 +297,19 @@ def dequantize_released_weight(
     elif columns == stored_columns:
         packed = False
     else:
-        raise ValueError(f"a stored weight of width {stored_columns} fits neither FP8 nor packed FP4 for {columns} columns")
+        raise ValueError(
+            f"a stored weight of width {stored_columns} fits neither FP8 nor packed FP4 for {columns} columns"
+        )
     b = RELEASED_BLOCK_SIZE
     if columns % b == 0 and tuple(scale.shape) == (rows, columns // b):
         dequantize, rows_per_scale = (dequantize_fp4_rows if packed else dequantize_fp8_rows), 1
     elif not packed and tuple(scale.shape) == (math.ceil(rows / b), math.ceil(columns / b)):
         dequantize, rows_per_scale = dequantize_fp8_block, b
     else:
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not match a released layout for a "
-                         f"{'packed FP4' if packed else 'FP8'} weight of {rows}x{columns}")
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not match a released layout for a "
+            f"{'packed FP4' if packed else 'FP8'} weight of {rows}x{columns}"
+        )
     scale = stored_scale(scale)
     out = torch.empty(rows, columns, dtype=dtype, device=weight.device)
     step = max(b, _CHUNK_ELEMENTS // columns // b * b)  # whole 32-row blocks

@@ -98,7 +98,9 @@ class DeepseekV41DSparkBlock(nn.Module):
         dim = config.hidden_size
         self.attn = DeepseekV41DSparkAttention(config, config.num_hidden_layers + stage)
         self.ffn = DeepseekV41MoE(
-            config, use_vision_bias=False, num_experts=config.dspark_num_routed_experts,
+            config,
+            use_vision_bias=False,
+            num_experts=config.dspark_num_routed_experts,
             top_k=config.dspark_top_k,
         )
         self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
@@ -113,7 +115,11 @@ class DeepseekV41DSparkBlock(nn.Module):
             self.confidence_head = DeepseekV41DSparkConfidenceHead(dim + config.dspark_markov_rank)
 
     def forward(
-        self, x: torch.Tensor, pre_mix: torch.Tensor, rotation: torch.Tensor, context: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        pre_mix: torch.Tensor,
+        rotation: torch.Tensor,
+        context: torch.Tensor,
         slots: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, N, hc, D], pre_mix [B, N, hc] → (x, this FFN's pre for the next block); see the attention for
@@ -136,7 +142,9 @@ def greedy_choice(logits: torch.Tensor, column: int) -> torch.Tensor:
 def block_plan(backbone_plan: dict[str, str] | None) -> dict[str, str]:
     """The backbone layers' rules of a TP / EP plan (``layers.*.X``) as the draft blocks' (``*.X``, under ``mtp``):
     a draft block's experts and Linears are split as a backbone layer's."""
-    return {key.removeprefix("layers."): style for key, style in (backbone_plan or {}).items() if key.startswith("layers.")}
+    return {
+        key.removeprefix("layers."): style for key, style in (backbone_plan or {}).items() if key.startswith("layers.")
+    }
 
 
 class DeepseekV41DSpark(nn.ModuleList):
@@ -171,7 +179,11 @@ class DeepseekV41DSpark(nn.ModuleList):
         return ids.flatten(1)
 
     def _run_blocks(
-        self, ids: torch.Tensor, positions: torch.Tensor, contexts: list[torch.Tensor], slots: torch.Tensor,
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        contexts: list[torch.Tensor],
+        slots: torch.Tensor,
         embed: nn.Module,
     ) -> torch.Tensor:
         """The blocks over block tokens ids [B, N] at rope positions [B, N] (``contexts``: each block's K=V rows the
@@ -185,7 +197,11 @@ class DeepseekV41DSpark(nn.ModuleList):
 
     @under_configured_numerics
     def teacher_forced(
-        self, main_hidden: torch.Tensor, predictions: torch.Tensor, valid: torch.Tensor, embed: nn.Module,
+        self,
+        main_hidden: torch.Tensor,
+        predictions: torch.Tensor,
+        valid: torch.Tensor,
+        embed: nn.Module,
         head: nn.Module,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Drafts from every main position of whole sequences at once, for training.
@@ -228,7 +244,10 @@ class DeepseekV41DSpark(nn.ModuleList):
 
     @under_configured_numerics
     def write_ring(
-        self, cache: DeepseekV41DSparkCache, main_hidden: torch.Tensor, positions: torch.Tensor,
+        self,
+        cache: DeepseekV41DSparkCache,
+        main_hidden: torch.Tensor,
+        positions: torch.Tensor,
         valid: torch.Tensor | None = None,
     ) -> None:
         """Write main positions into every block's ring: main_hidden [B, S, D·n_targets] at positions [B, S]
@@ -240,8 +259,13 @@ class DeepseekV41DSpark(nn.ModuleList):
 
     @under_configured_numerics
     def draft(
-        self, cache: DeepseekV41DSparkCache, first_ids: torch.Tensor, positions: torch.Tensor, embed: nn.Module,
-        head: nn.Module, choose: Callable[[torch.Tensor, int], torch.Tensor] = greedy_choice,
+        self,
+        cache: DeepseekV41DSparkCache,
+        first_ids: torch.Tensor,
+        positions: torch.Tensor,
+        embed: nn.Module,
+        head: nn.Module,
+        choose: Callable[[torch.Tensor, int], torch.Tensor] = greedy_choice,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft pass from main positions ``positions`` [B] (written to the rings), whose next token is
         ``first_ids`` [B].

@@ -280,7 +280,9 @@ class DeepseekV41NgramHasher(nn.Module):
         dead = torch.zeros_like(input_ids, dtype=torch.bool)
         for name, mask in (("image_mask", image_mask), ("attention_mask", attention_mask)):
             if mask is not None and mask.shape != input_ids.shape:
-                raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(mask.shape)}")
+                raise ValueError(
+                    f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(mask.shape)}"
+                )
         if image_mask is not None:
             dead |= image_mask.bool()
         if attention_mask is not None:
@@ -307,7 +309,9 @@ class DeepseekV41NgramHasher(nn.Module):
             check_on_device(~invalid.any(), "input ids without a compressed Engram id (outside the map's tokenizer)")
         elif not torch.compiler.is_compiling() and invalid.any():
             bad = input_ids[invalid].unique()[:8].tolist()
-            raise ValueError(f"input ids {bad} have no compressed Engram id (outside the tokenizer the map was built from)")
+            raise ValueError(
+                f"input ids {bad} have no compressed Engram id (outside the tokenizer the map was built from)"
+            )
         return compressed.masked_fill(dead, DEAD)
 
     def hash_ids_from_compressed(
@@ -477,7 +481,9 @@ class DeepseekV41Engram(nn.Module):
         if isinstance(self.embed, DeepseekV41Fp8EngramTable):
             rows = self.embed(ids, device)
         elif (
-            self.table_device.type == "cpu" and device.type != "cpu" and self.embed.weight.is_pinned()
+            self.table_device.type == "cpu"
+            and device.type != "cpu"
+            and self.embed.weight.is_pinned()
             and not (torch.is_grad_enabled() and self.embed.weight.requires_grad)
         ):
             rows = _gather_pinned(self.embed.weight, ids).to(device, non_blocking=True)
@@ -505,7 +511,11 @@ class DeepseekV41Engram(nn.Module):
         return recomputed(self._gated_add, hidden_states, kv, self.q_weight, self.k_weight, token_mask)
 
     def _gated_add(
-        self, hidden_states: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+        self,
+        hidden_states: torch.Tensor,
+        kv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
         token_mask: torch.BoolTensor | None,
     ) -> torch.Tensor:
         """The gate and the write, in fp32; recomputed in the backward (:func:`~.recompute.recomputed`), which keeps

@@ -124,7 +124,10 @@ class _CollectedOutputs:
 
     @classmethod
     def asked(
-        cls, embeds: torch.Tensor | None, output_hidden_states: bool, output_attentions: bool,
+        cls,
+        embeds: torch.Tensor | None,
+        output_hidden_states: bool,
+        output_attentions: bool,
         dspark_targets: Iterable[int],
     ) -> "_CollectedOutputs":
         """Empty lists for the outputs asked for; the hidden states open with ``embeds`` (the embedding copies
@@ -138,7 +141,10 @@ class _CollectedOutputs:
         )
 
     def add(
-        self, stream: ResidualStream, probs: torch.Tensor | None, slots: torch.LongTensor | None,
+        self,
+        stream: ResidualStream,
+        probs: torch.Tensor | None,
+        slots: torch.LongTensor | None,
         tap: torch.Tensor | None,
     ) -> None:
         """One layer's: the stream it handed up, its attention map and slots, its DSpark tap (None when not asked)."""
@@ -151,7 +157,9 @@ class _CollectedOutputs:
             self.attention_slots.append(slots)
 
     def outputs(
-        self, last_hidden_state: torch.Tensor, cache: DeepseekV41Cache | None,
+        self,
+        last_hidden_state: torch.Tensor,
+        cache: DeepseekV41Cache | None,
         image_outputs: BaseModelOutputWithPooling | None,
     ) -> DeepseekV41ModelOutputWithPast:
         """The backbone's output: ``last_hidden_state`` and ``cache``, with what was collected."""
@@ -227,7 +235,11 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         attn_pre, post, comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         layer_cache = None if cache is None else cache.layers[self.layer_id]
         out = self.attn(
-            self.attn_norm(self.hc.collapse(x, pre_mix)), rotation, ctx, layer_cache=layer_cache, step=step,
+            self.attn_norm(self.hc.collapse(x, pre_mix)),
+            rotation,
+            ctx,
+            layer_cache=layer_cache,
+            step=step,
             output_attentions=output_attentions,
         )
         out, (probs, slots) = out if output_attentions else (out, (None, None))
@@ -258,7 +270,13 @@ class DeepseekV41PreTrainedModel(ReleasedCheckpointMixin, PreTrainedModel):
     # fp32 in the reference whatever the model dtype: mHC, sinks, router biases (and, per instance, what only some
     # configs have: see post_init). Plain module names, matched as transformers does (`(?:^|\.)name(?:\.|$)`).
     _keep_in_fp32_modules_strict = [
-        "hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale", "attn_sink",
+        "hc_attn_fn",
+        "hc_ffn_fn",
+        "hc_attn_base",
+        "hc_ffn_base",
+        "hc_attn_scale",
+        "hc_ffn_scale",
+        "attn_sink",
         "gate.bias",
     ]
     # the released checkpoint carries an unused image_pad vector, and the DSpark draft head (mtp.*), which a model
@@ -398,7 +416,13 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         )
 
     def _embed_inputs(
-        self, input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
+        self,
+        input_ids,
+        inputs_embeds,
+        pixel_values,
+        image_grid_hw,
+        image_token_types,
+        output_hidden_states,
         output_attentions,
     ) -> tuple[torch.Tensor, BaseModelOutputWithPooling | None]:
         """The LM input [B, S, D] (images merged into their spans) and what the image encoder returned."""
@@ -421,12 +445,20 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                     f"({vision.max_image_tokens}); preprocess it with the DeepseekV41ImageProcessor"
                 )
         image_outputs = self.get_image_features(
-            pixel_values, image_grid_hw, output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions, return_dict=True,
+            pixel_values,
+            image_grid_hw,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            return_dict=True,
         )
         merged = merge_image_embeddings(
-            inputs_embeds, image_token_types, image_outputs.pooler_output, self.image_start, self.image_newline,
-            self.image_end, grids,
+            inputs_embeds,
+            image_token_types,
+            image_outputs.pooler_output,
+            self.image_start,
+            self.image_newline,
+            self.image_end,
+            grids,
         )
         return merged, image_outputs
 
@@ -504,7 +536,12 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         embeds = image_outputs = None
         if stream is None:
             embeds, image_outputs = self._embed_inputs(
-                input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, output_hidden_states,
+                input_ids,
+                inputs_embeds,
+                pixel_values,
+                image_grid_hw,
+                image_token_types,
+                output_hidden_states,
                 output_attentions,
             )
             stream = ResidualStream.from_embeddings(embeds, self.text_config.hc_mult)
@@ -513,7 +550,9 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         # The layers, at the tokens' cache rows, n-gram hashes and rotary positions.
         step, hash_ids, rotations = self._locate_tokens(stream, input_ids, attention_mask, image_mask, cache, prefill)
         collected = _CollectedOutputs.asked(
-            embeds, output_hidden_states, output_attentions,
+            embeds,
+            output_hidden_states,
+            output_attentions,
             self.text_config.dspark_target_layer_ids if output_dspark_hidden_states else (),
         )
         stream = self._run_layers(stream, rotations, hash_ids, image_mask, cache, step, collected)
@@ -527,24 +566,40 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return in_caller_layout(collected.outputs(last_hidden_state, cache, image_outputs), shift)
 
     def _check_inputs(
-        self, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor | None,
-        attention_mask: torch.Tensor | None, pixel_values: torch.Tensor | None, image_grid_hw: torch.LongTensor | None,
-        image_token_types: torch.LongTensor | None, cache: DeepseekV41Cache | None,
+        self,
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        pixel_values: torch.Tensor | None,
+        image_grid_hw: torch.LongTensor | None,
+        image_token_types: torch.LongTensor | None,
+        cache: DeepseekV41Cache | None,
     ) -> None:
         """Refuse malformed text and image inputs; skipped while compiling, as the checks read values on the host."""
         if torch.compiler.is_compiling():
             return
         past_length = 0 if cache is None else cache.get_seq_length()
-        check_text_inputs(input_ids, inputs_embeds, attention_mask, self.text_config.vocab_size, past_length,
-                          self.text_config.max_position_embeddings)
+        check_text_inputs(
+            input_ids,
+            inputs_embeds,
+            attention_mask,
+            self.text_config.vocab_size,
+            past_length,
+            self.text_config.max_position_embeddings,
+        )
         if self.config.has_vision and past_length == 0:
             check_image_inputs(
                 input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, self.config.image_token_id
             )
 
     def _locate_tokens(
-        self, stream: ResidualStream, input_ids: torch.LongTensor | None, attention_mask: torch.Tensor | None,
-        image_mask: torch.Tensor | None, cache: DeepseekV41Cache | None, prefill: bool,
+        self,
+        stream: ResidualStream,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        image_mask: torch.Tensor | None,
+        cache: DeepseekV41Cache | None,
+        prefill: bool,
     ) -> tuple[CacheStep | None, torch.Tensor | None, dict[bool, torch.Tensor]]:
         """Where this call's tokens sit: their cache step (rows of the decode state), their Engram n-gram hash ids
         [B, S, n_layers, n_cols] and the rotary tables of their positions (``{compressed layer: table}``)."""
@@ -561,8 +616,13 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return step, hash_ids, {False: self.window_rotary(positions), True: self.compress_rotary(positions)}
 
     def _run_layers(
-        self, stream: ResidualStream, rotations: dict[bool, torch.Tensor], hash_ids: torch.Tensor | None,
-        image_mask: torch.Tensor | None, cache: DeepseekV41Cache | None, step: CacheStep | None,
+        self,
+        stream: ResidualStream,
+        rotations: dict[bool, torch.Tensor],
+        hash_ids: torch.Tensor | None,
+        image_mask: torch.Tensor | None,
+        cache: DeepseekV41Cache | None,
+        step: CacheStep | None,
         collected: _CollectedOutputs,
     ) -> ResidualStream:
         """This stage's decoder layers on ``stream`` → the stream the last one hands up; what each layer returns
@@ -572,8 +632,15 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         for layer in self._stage_layers():
             rotation = rotations[layer.spec.is_compressed]
             *handed_up, probs, slots, tap = layer(
-                *stream, rotation, engram_rows.get(layer.layer_id), image_mask=image_mask, engram_hash_ids=hash_ids,
-                engram_mask=engram_mask, cache=cache, step=step, output_attentions=collected.attentions is not None,
+                *stream,
+                rotation,
+                engram_rows.get(layer.layer_id),
+                image_mask=image_mask,
+                engram_hash_ids=hash_ids,
+                engram_mask=engram_mask,
+                cache=cache,
+                step=step,
+                output_attentions=collected.attentions is not None,
                 tap_stream=layer.layer_id in collected.dspark_targets,
             )
             stream = ResidualStream(*handed_up)
@@ -661,17 +728,27 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
         """As :meth:`DeepseekV41Model.forward`, plus ``labels`` ([B, S], -100 ignored; shifted inside, as in every
         transformers causal LM) and ``logits_to_keep`` (an int keeps the last N positions, a tensor indexes)."""
         check_pipeline_call(
-            self._pp_stage, input_ids if input_ids is not None else inputs_embeds, labels, self.training,
+            self._pp_stage,
+            input_ids if input_ids is not None else inputs_embeds,
+            labels,
+            self.training,
             output_hidden_states=_flag(output_hidden_states, self.config, "output_hidden_states"),
             output_attentions=_flag(output_attentions, self.config, "output_attentions"),
             output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
         )
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-            pixel_values=pixel_values, image_grid_hw=image_grid_hw, image_token_types=image_token_types,
-            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            pixel_values=pixel_values,
+            image_grid_hw=image_grid_hw,
+            image_token_types=image_token_types,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
             output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
-            cache=cache, use_cache=use_cache, output_dspark_hidden_states=output_dspark_hidden_states,
+            cache=cache,
+            use_cache=use_cache,
+            output_dspark_hidden_states=output_dspark_hidden_states,
             return_dict=True,
         )
         hidden = outputs.last_hidden_state  # None on all pipeline stages but the last
@@ -684,9 +761,14 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
             vocab_size = self.config.get_text_config().vocab_size
             loss = self.loss_function(logits, labels, vocab_size=vocab_size, **kwargs)
         return DeepseekV41CausalLMOutputWithPast(
-            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, image_outputs=outputs.image_outputs,
-            attention_slots=outputs.attention_slots, router_logits=outputs.router_logits,
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            image_outputs=outputs.image_outputs,
+            attention_slots=outputs.attention_slots,
+            router_logits=outputs.router_logits,
             dspark_hidden_states=outputs.dspark_hidden_states,
         )
 
@@ -702,8 +784,13 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
         if self.mtp is None:
             raise ValueError("dspark_loss needs the DSpark draft head (dspark_block_size > 0)")
         with torch.no_grad():
-            out = self(input_ids=input_ids, attention_mask=attention_mask, output_dspark_hidden_states=True,
-                       use_cache=False, **inputs)
+            out = self(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                output_dspark_hidden_states=True,
+                use_cache=False,
+                **inputs,
+            )
         predictions = out.logits.argmax(dim=-1)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         logits, confidence, targets = self.mtp.teacher_forced(
@@ -715,7 +802,9 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
         draft_loss = F.cross_entropy(logits, targets)
         confidence_loss = F.binary_cross_entropy_with_logits(confidence, accepted)
         return DeepseekV41DSparkLossOutput(
-            loss=draft_loss + confidence_loss, draft_loss=draft_loss, confidence_loss=confidence_loss,
+            loss=draft_loss + confidence_loss,
+            draft_loss=draft_loss,
+            confidence_loss=confidence_loss,
             accuracy=accepted.mean(),
         )
 

@@ -173,7 +173,11 @@ class DeepseekV41Experts(nn.Module):
         # zero-padded [E, ...] gradient per expert)
         gate_ups, downs = gate_up_proj.unbind(0), down_proj.unbind(0)
         return routed_experts_forward(
-            hidden_states, top_k_index, top_k_weights, self.num_experts, self.swiglu_limit,
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.num_experts,
+            self.swiglu_limit,
             lambda expert: (gate_ups[expert], downs[expert]),
         )
 
@@ -183,7 +187,11 @@ class DeepseekV41Experts(nn.Module):
         """:func:`per_slot_experts_forward` on the chosen experts' weights, gathered."""
         gate_up_proj, down_proj = self.expert_weights()
         return per_slot_experts_forward(
-            hidden_states, top_k_index, top_k_weights, self.swiglu_limit, gate_up_proj.shape[0],
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.swiglu_limit,
+            gate_up_proj.shape[0],
             lambda experts: (gate_up_proj.index_select(0, experts), down_proj.index_select(0, experts)),
         )
 

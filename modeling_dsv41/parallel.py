@@ -82,7 +82,9 @@ def check_parallel_load(config: DeepseekV41Config, parallel, native: bool, relea
         )
     if released and tp > 1 and text.moe_intermediate_size % (RELEASED_BLOCK_SIZE * tp):
         sizes = [size for size in working_tp_sizes(config, max(world, tp)) if size > 1]
-        instead = f"use tp_size in {sizes}" if sizes else "no tp_size > 1 does for this config: load it with device_map"
+        instead = (
+            f"use tp_size in {sizes}" if sizes else "no tp_size > 1 does for this config: load it with device_map"
+        )
         raise ValueError(
             f"tp_size={tp} splits moe_intermediate_size={text.moe_intermediate_size} of the released storage into "
             f"{text.moe_intermediate_size / tp:g} per rank, which cuts its {RELEASED_BLOCK_SIZE}-wide E8M0 scale blocks: {instead}"
@@ -92,8 +94,11 @@ def check_parallel_load(config: DeepseekV41Config, parallel, native: bool, relea
         counts["dspark_n_routed_experts"] = text.dspark_num_routed_experts
     for name, count in counts.items():
         if ep > 1 and count % ep:
-            sizes = [size for size in range(2, world + 1)
-                     if all(n % size == 0 for n in counts.values()) and world % size == 0]
+            sizes = [
+                size
+                for size in range(2, world + 1)
+                if all(n % size == 0 for n in counts.values()) and world % size == 0
+            ]
             raise ValueError(
                 f"ep_size={ep} does not divide {name}={count} (whole experts per rank): use ep_size in {sizes}"
             )

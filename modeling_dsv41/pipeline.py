@@ -76,10 +76,12 @@ class DeepseekV41PipelineStage(PipelineStage):
         """Receive the stream :meth:`send_stream` sent from the previous stage, onto ``device``."""
         receive = partial(self.communicate, "recv_forward", device=device)
         header = receive(dtype=torch.long, shape=(len(ResidualStream._fields), 2 + _MAX_NDIM))
-        return ResidualStream(*[
-            None if code < 0 else receive(dtype=_DTYPES[code], shape=shape[:ndim])
-            for code, ndim, *shape in header.tolist()
-        ])
+        return ResidualStream(
+            *[
+                None if code < 0 else receive(dtype=_DTYPES[code], shape=shape[:ndim])
+                for code, ndim, *shape in header.tolist()
+            ]
+        )
 
 
 def stage_layers(layers: Sequence[nn.Module], stage: DeepseekV41PipelineStage | None) -> list[nn.Module]:

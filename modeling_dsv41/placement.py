@@ -182,8 +182,11 @@ def _infer_device_map(model, max_memory, sizes: TensorSizes, strategy: str) -> d
         budget = get_max_memory(dict(max_memory) if max_memory else None)
     else:
         budget = get_balanced_memory(
-            model, max_memory=dict(max_memory) if max_memory else None, no_split_module_classes=no_split,
-            hf_quantizer=sizes, low_zero=strategy == "balanced_low_0",
+            model,
+            max_memory=dict(max_memory) if max_memory else None,
+            no_split_module_classes=no_split,
+            hf_quantizer=sizes,
+            low_zero=strategy == "balanced_low_0",
         )
     return infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split, hf_quantizer=sizes)
 
@@ -285,31 +288,55 @@ def _bytes(n: float) -> str:
 def format_plan(plan: DevicePlan, max_memory: dict[int | str, int], native: bool) -> str:
     """The placement table ``dsv41 inspect --devices`` prints."""
     storage = "released storage (FP8 Linears, FP4 experts, FP8 Engram tables)" if native else "loaded dtypes"
-    lines = [f"Placement with device_map=\"auto\" ({storage}):", f"{'device':<10}{'weights':>14}{'capacity':>14}{'used':>8}"]
+    lines = [
+        f'Placement with device_map="auto" ({storage}):',
+        f"{'device':<10}{'weights':>14}{'capacity':>14}{'used':>8}",
+    ]
     for device in sorted(max_memory, key=lambda d: (isinstance(d, str), 0 if isinstance(d, str) else d, str(d))):
         used = plan.weights.get(device, 0)
         if isinstance(device, str) and not used:
             continue
-        lines.append(f"{device!s:<10}{_bytes(used):>14}{_bytes(max_memory[device]):>14}{used / max_memory[device]:>8.0%}")
+        lines.append(
+            f"{device!s:<10}{_bytes(used):>14}{_bytes(max_memory[device]):>14}{used / max_memory[device]:>8.0%}"
+        )
     for device, used in plan.weights.items():
         if device not in max_memory:
             lines.append(f"{device!s:<10}{_bytes(used):>14}{'-':>14}{'':>8}")
     on_devices = sum(plan.weights.values())
-    lines.append(f"weights in all: {_bytes(on_devices + plan.engram_host_bytes)} ({_bytes(on_devices)} placed, "
-                 f"{_bytes(plan.engram_host_bytes)} of Engram tables in host memory)")
-    tables = ", ".join(f"layer {layer}: {where if where == 'host' else f'device {where}'}"
-                       for layer, where in plan.engram_tables.items())
+    lines.append(
+        f"weights in all: {_bytes(on_devices + plan.engram_host_bytes)} ({_bytes(on_devices)} placed, "
+        f"{_bytes(plan.engram_host_bytes)} of Engram tables in host memory)"
+    )
+    tables = ", ".join(
+        f"layer {layer}: {where if where == 'host' else f'device {where}'}"
+        for layer, where in plan.engram_tables.items()
+    )
     if plan.engram_tables:
         lines.append(f"Engram tables ({tables}); host memory for Engram: {_bytes(plan.engram_host_bytes)}")
-    lines.append("all weights on accelerators" if plan.fits else "DOES NOT FIT: some weights would be offloaded to cpu/disk")
-    lines.append(f"decode cache: {_bytes(plan.cache_bytes_per_token)} per token of context per sequence "
-                 f"({_bytes(plan.cache_bytes_per_token * 2**20)} per 1M tokens), plus a fixed sliding window per sequence")
+    lines.append(
+        "all weights on accelerators" if plan.fits else "DOES NOT FIT: some weights would be offloaded to cpu/disk"
+    )
+    lines.append(
+        f"decode cache: {_bytes(plan.cache_bytes_per_token)} per token of context per sequence "
+        f"({_bytes(plan.cache_bytes_per_token * 2**20)} per 1M tokens), plus a fixed sliding window per sequence"
+    )
     return "\n".join(lines)
 
 
 # parameter styles of transformers' TP and EP plans that split a parameter (the rest replicate it or hook a forward)
-_SPLITTING_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_split_input", "rowwise_rep",
-                     "packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise", "grouped_gemm")
+_SPLITTING_STYLES = (
+    "colwise",
+    "colwise_gather_output",
+    "colwise_rep",
+    "rowwise",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "packed_colwise",
+    "packed_rowwise",
+    "embedding_rowwise",
+    "embedding_colwise",
+    "grouped_gemm",
+)
 
 
 @dataclass
@@ -327,9 +354,7 @@ class ParallelPlan:
         return sum(nbytes for nbytes, _ in self.tensors.values())
 
 
-def plan_parallel(
-    model: nn.Module, tp_size: int = 1, ep_size: int = 1, native: bool = True
-) -> ParallelPlan:
+def plan_parallel(model: nn.Module, tp_size: int = 1, ep_size: int = 1, native: bool = True) -> ParallelPlan:
     """Per-rank weights of ``model`` (meta or not) under the config's TP plan (``tp_size`` ranks) and EP plan (``ep_size``,
     whose rules win for the experts), sized by the released storage when ``native``. The sizes are checked as
     loading checks them (:func:`~modeling_dsv41.parallel.check_parallel_load`: whole scale blocks, whole experts)."""
@@ -338,7 +363,9 @@ def plan_parallel(
     from .parallel import check_parallel_load
     from .upstream import _get_parameter_plan
 
-    check_parallel_load(model.config, DistributedConfig(tp_size=tp_size, ep_size=ep_size), native=False, released=native)
+    check_parallel_load(
+        model.config, DistributedConfig(tp_size=tp_size, ep_size=ep_size), native=False, released=native
+    )
     rules = [(ep_size, model.ep_plan if ep_size > 1 else {}), (tp_size, model.tp_plan if tp_size > 1 else {})]
     plan = ParallelPlan(tp_size=tp_size, ep_size=ep_size)
     for name, param in model.named_parameters():
@@ -346,7 +373,9 @@ def plan_parallel(
         if is_engram_table_tensor(name):
             plan.engram_table_bytes += nbytes
             continue
-        ways = next((size for size, plan_rules in rules if _get_parameter_plan(name, plan_rules) in _SPLITTING_STYLES), 1)
+        ways = next(
+            (size for size, plan_rules in rules if _get_parameter_plan(name, plan_rules) in _SPLITTING_STYLES), 1
+        )
         plan.tensors[name] = (nbytes / ways, ways > 1)
     return plan
 
@@ -412,7 +441,9 @@ def hook_split_layers(model: nn.Module) -> None:
         return  # not dispatched: no hooks anywhere
     for layer in _decoder_layers(model):
         if layer.engram is not None and not hasattr(layer, "_hf_hook"):
-            hook = AlignDevicesHook(execution_device=layer.hc_attn_fn.device, skip_keys=model._skip_keys_device_placement)
+            hook = AlignDevicesHook(
+                execution_device=layer.hc_attn_fn.device, skip_keys=model._skip_keys_device_placement
+            )
             add_hook_to_module(layer, hook)
 
 
@@ -470,7 +501,9 @@ def engram_device_map(
     device_map = check_and_set_device_map(kwargs["device_map"])
     tables = "auto" if placement == "auto" else "host" if placement in HOST_PLACEMENTS else str(placement)
     if isinstance(device_map, str):
-        return plan_device_map(probe, kwargs.get("max_memory"), tables, native=native(), strategy=device_map).device_map
+        return plan_device_map(
+            probe, kwargs.get("max_memory"), tables, native=native(), strategy=device_map
+        ).device_map
     if placement == "auto":
         return device_map
     device_map = engram_tables_off_map(device_map, probe)
@@ -479,7 +512,9 @@ def engram_device_map(
     return device_map
 
 
-def place_loaded_engram_tables(model: nn.Module, placement: str | torch.device, device_map_given: bool, source) -> None:
+def place_loaded_engram_tables(
+    model: nn.Module, placement: str | torch.device, device_map_given: bool, source
+) -> None:
     """Put the tables of a model just loaded where ``placement`` says, if its device map did not already."""
     if placement == "pinned" or (isinstance(placement, torch.device) and not device_map_given):
         place_engram_tables(model, placement)

@@ -47,17 +47,17 @@ class _Recomputed(torch.autograd.Function):
     @backward_in_forward_numerics
     def backward(ctx, *grads):
         wanted = ctx.needs_input_grad[1:]
-        inputs = [
-            None if t is None else t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, wanted)
-        ]
+        inputs = [None if t is None else t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, wanted)]
         with torch.enable_grad():
             outputs = ctx.region(*inputs)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
         pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
         targets = [t for t, need in zip(inputs, wanted) if need]
-        found = iter(torch.autograd.grad(
-            [out for out, _ in pairs], targets, [grad for _, grad in pairs], allow_unused=True
-        ) if pairs and targets else [None] * len(targets))
+        found = iter(
+            torch.autograd.grad([out for out, _ in pairs], targets, [grad for _, grad in pairs], allow_unused=True)
+            if pairs and targets
+            else [None] * len(targets)
+        )
         return None, *(next(found) if need else None for need in wanted)
 
 

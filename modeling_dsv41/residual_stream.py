@@ -42,7 +42,9 @@ class ResidualStream(NamedTuple):
         return cls(hidden, identity_pre_mix(hidden, hc_mult))
 
     @classmethod
-    def handed_up(cls, hidden_states: torch.Tensor, pre_mix: torch.Tensor, context: CompressedContext) -> ResidualStream:
+    def handed_up(
+        cls, hidden_states: torch.Tensor, pre_mix: torch.Tensor, context: CompressedContext
+    ) -> ResidualStream:
         """What a layer hands the next: its output copies, its FFN's ``pre`` and the compressed context."""
         return cls(hidden_states, pre_mix, context.compress_kv, context.index_k, context.selection, context.candidates)
 

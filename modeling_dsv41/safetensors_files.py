@@ -18,9 +18,18 @@ from pathlib import Path
 import torch
 
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 
@@ -77,8 +86,10 @@ def read_rows(
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
     size = (stop - start) * row_bytes
     if out is not None and (not out.is_contiguous() or out.nbytes != size or out.device.type != "cpu"):
-        raise ValueError(f"reading {size} bytes into a {'non-contiguous ' * (not out.is_contiguous())}"
-                         f"{out.device.type} tensor of {out.nbytes} bytes")
+        raise ValueError(
+            f"reading {size} bytes into a {'non-contiguous ' * (not out.is_contiguous())}"
+            f"{out.device.type} tensor of {out.nbytes} bytes"
+        )
     target = torch.empty(size, dtype=torch.uint8) if out is None else out.view(-1).view(torch.uint8)
     view, offset = memoryview(target.numpy()), data_start + begin + start * row_bytes
     with open(path, "rb", buffering=0) as handle:

@@ -49,10 +49,14 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         return
     low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()
     if low < 0:
-        hint = " (-100 is the labels' ignore index: it belongs in labels, not input_ids)" if low == IGNORE_INDEX else ""
+        hint = (
+            " (-100 is the labels' ignore index: it belongs in labels, not input_ids)" if low == IGNORE_INDEX else ""
+        )
         raise ValueError(f"input_ids holds {low}: token ids must be in [0, {vocab_size}){hint}")
     if high >= vocab_size:
-        raise ValueError(f"input_ids holds {high}, outside the vocabulary: token ids must be below vocab_size {vocab_size}")
+        raise ValueError(
+            f"input_ids holds {high}, outside the vocabulary: token ids must be below vocab_size {vocab_size}"
+        )
 
 
 def check_attention_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int, past_length: int) -> None:
@@ -92,8 +96,10 @@ def check_text_inputs(
     if attention_mask is not None:
         check_attention_mask(attention_mask, shape[0], shape[1], past_length)
     if max_positions is not None and past_length + shape[1] > max_positions:
-        raise ValueError(f"the inputs reach position {past_length + shape[1]} ({past_length} cached and {shape[1]} "
-                         f"new), past max_position_embeddings ({max_positions}): {_POSITION_LIMIT}")
+        raise ValueError(
+            f"the inputs reach position {past_length + shape[1]} ({past_length} cached and {shape[1]} "
+            f"new), past max_position_embeddings ({max_positions}): {_POSITION_LIMIT}"
+        )
 
 
 # why the limit is one (the same words for forward and generate)
@@ -106,8 +112,10 @@ def check_generation_length(max_length: int, input_length: int, max_positions: i
     """``generate`` must not decode past ``max_positions``: said before the first step rather than at the step that
     reaches it."""
     if max_length > max_positions:
-        raise ValueError(f"generating up to max_length={max_length} tokens (an input of {input_length}) passes "
-                         f"max_position_embeddings ({max_positions}): {_POSITION_LIMIT} or lower max_new_tokens")
+        raise ValueError(
+            f"generating up to max_length={max_length} tokens (an input of {input_length}) passes "
+            f"max_position_embeddings ({max_positions}): {_POSITION_LIMIT} or lower max_new_tokens"
+        )
 
 
 def check_pixel_values(pixel_values: torch.Tensor, image_grid_hw: torch.Tensor | None = None) -> None:
@@ -150,7 +158,9 @@ def check_image_inputs(
         if image_token_types is not None:
             spans = int((image_token_types == ImageTokenType.START.value).sum())  # one per image span
             if spans:
-                raise ValueError(f"image_token_types marks {count(spans, 'image span')} but no pixel_values were given: {fix}")
+                raise ValueError(
+                    f"image_token_types marks {count(spans, 'image span')} but no pixel_values were given: {fix}"
+                )
         elif input_ids is not None and not reads_values_on_host(input_ids):
             check_on_device(
                 ~(input_ids == image_token_id).any(), f"input_ids hold image placeholders but no pixel_values: {fix}"

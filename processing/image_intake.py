@@ -142,9 +142,7 @@ def _as_uint8(array: np.ndarray) -> np.ndarray:
     raise ValueError(f"unsupported pixel dtype {array.dtype}; pass uint8, bool, or floats in [0, 1]")
 
 
-def array_to_rgb(
-    image: np.ndarray | torch.Tensor, data_format: ChannelDimension | str | None = None
-) -> np.ndarray:
+def array_to_rgb(image: np.ndarray | torch.Tensor, data_format: ChannelDimension | str | None = None) -> np.ndarray:
     """An HW / HWC / CHW array with 1–4 channels → uint8 HWC RGB, with the meaning PIL gives L, LA, RGB, RGBA.
 
     Without ``data_format``, a tensor is read channels-first and a numpy array channels-last when both would fit.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+
 def pixel_value_table(
     *,
     do_rescale: bool,

@@ -66,9 +66,7 @@ def _shrink_to_budget(
     )
 
 
-def _letterbox_box(
-    height: int, width: int, canvas_size: tuple[int, int]
-) -> tuple[tuple[int, int], tuple[int, int]]:
+def _letterbox_box(height: int, width: int, canvas_size: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
     """(content_size, content_offset) as PIL ``ImageOps.contain`` + ``pad(centering=(0.5, 0.5))`` compute them."""
     canvas_h, canvas_w = canvas_size
     content_h, content_w = canvas_h, canvas_w

@@ -191,7 +191,9 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
                 f"{type(self).__name__} resamples with {names}, got {resample!r}"
                 + ("; DeepseekV41ImageProcessorPil takes every PIL filter" if self.backend == "torch" else "")
             )
-        if do_rescale and not (isinstance(rescale_factor, (int, float)) and math.isfinite(rescale_factor) and rescale_factor):
+        if do_rescale and not (
+            isinstance(rescale_factor, (int, float)) and math.isfinite(rescale_factor) and rescale_factor
+        ):
             # a negative factor is plain arithmetic (transformers' processor tests flip images with -1)
             raise ValueError(f"rescale_factor must be a finite non-zero number, got {rescale_factor!r}")
         if do_normalize:

@@ -78,7 +78,9 @@ class DeepseekV41Processor(ProcessorMixin):
         placeholders = [sample.count(self.image_token) for sample in text]
         if images is None:
             if any(placeholders):
-                raise ValueError(f"the text has {_count(sum(placeholders), self.image_token + ' placeholder')} but no images")
+                raise ValueError(
+                    f"the text has {_count(sum(placeholders), self.image_token + ' placeholder')} but no images"
+                )
             return
         per_prompt = (
             isinstance(images, (list, tuple))
@@ -133,7 +135,9 @@ class DeepseekV41Processor(ProcessorMixin):
         with the same image settings (flat, as ``min_pixels=``, or nested, as ``images_kwargs={...}``) gives."""
         if image_sizes is None:
             return MultiModalData()
-        settings = {key: value for key, value in kwargs.items() if key in self.image_processor.valid_kwargs.__annotations__}
+        settings = {
+            key: value for key, value in kwargs.items() if key in self.image_processor.valid_kwargs.__annotations__
+        }
         settings.update(kwargs.get("images_kwargs") or {})
         plans = [self.image_processor.plan(height, width, **settings) for height, width in image_sizes]
         return MultiModalData(

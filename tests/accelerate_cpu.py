@@ -24,8 +24,12 @@ def forward_dtypes(model: torch.nn.Module, batch: dict) -> dict[str, torch.dtype
     base = model.module if hasattr(model, "module") else model  # DDP
     layer = base.model.layers[0]
     seen = {}
-    probes = {"lm_head": (base.lm_head, "weight"), "wq_a": (layer.attn.wq_a, "weight"),
-              "hc_attn_fn": (layer, "hc_attn_fn"), "attn_sink": (layer.attn, "attn_sink")}
+    probes = {
+        "lm_head": (base.lm_head, "weight"),
+        "wq_a": (layer.attn.wq_a, "weight"),
+        "hc_attn_fn": (layer, "hc_attn_fn"),
+        "attn_sink": (layer.attn, "attn_sink"),
+    }
 
     def probe(key: str, name: str):
         def hook(module, args) -> None:

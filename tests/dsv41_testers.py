@@ -52,9 +52,22 @@ def _download_sdist(into: Path) -> Path:
     if given:
         return Path(given)
     command = [
-        sys.executable, "-m", "pip", "download", f"transformers=={transformers.__version__}",
-        "--no-binary", ":all:", "--no-deps", "--no-build-isolation", "--quiet", "-d", str(into),
-        "--timeout", "30", "--retries", "2",  # without a network: a clear error in about a minute, not ten
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        f"transformers=={transformers.__version__}",
+        "--no-binary",
+        ":all:",
+        "--no-deps",
+        "--no-build-isolation",
+        "--quiet",
+        "-d",
+        str(into),
+        "--timeout",
+        "30",
+        "--retries",
+        "2",  # without a network: a clear error in about a minute, not ten
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     archives = sorted(into.glob("transformers-*.tar.gz"))
@@ -145,8 +158,10 @@ def load_common_tests() -> types.SimpleNamespace:
     _stand_in(f"{PACKAGE}.utils.test_configuration_utils", config_common_kwargs=CONFIG_COMMON_KWARGS)
     _stand_in("fetch_hub_objects_for_ci", url_to_local_path=_uncached_url)
     return types.SimpleNamespace(
-        **{name.removesuffix(".py"): importlib.import_module(f"{PACKAGE}.{name.removesuffix('.py')}")
-           for name in COMMON_TEST_FILES}
+        **{
+            name.removesuffix(".py"): importlib.import_module(f"{PACKAGE}.{name.removesuffix('.py')}")
+            for name in COMMON_TEST_FILES
+        }
     )
 
 
@@ -157,29 +172,65 @@ def tiny_text_config(engram: bool) -> dict:
     """2 layers (transformers' limit for testers): a ratio-2 KV source with its indexer, then a ratio-1 KV source
     that also picks the candidate blocks."""
     config = {
-        "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "q_lora_rank": 32,
-        "head_dim": 64, "qk_rope_head_dim": 16, "o_groups": 2, "o_lora_rank": 32, "sliding_window": 8,
-        "compress_ratios": [2, 1], "kv_source_layer_ids": [0, 1], "index_source_layer_ids": [0, 1],
-        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 4, "candidate_source_layer_id": 1,
-        "candidate_topk_blocks": 2, "candidate_block_size": 2, "hc_mult": 2, "hc_sinkhorn_iters": 4,
-        "num_nextn_predict_layers": 0, "emulate_quantization": False,
-        "compress_rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
-                                  "original_max_position_embeddings": 16},
-        "engram_layer_ids": [], "engram_num_embeddings": [],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "q_lora_rank": 32,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "o_groups": 2,
+        "o_lora_rank": 32,
+        "sliding_window": 8,
+        "compress_ratios": [2, 1],
+        "kv_source_layer_ids": [0, 1],
+        "index_source_layer_ids": [0, 1],
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "index_topk": 4,
+        "candidate_source_layer_id": 1,
+        "candidate_topk_blocks": 2,
+        "candidate_block_size": 2,
+        "hc_mult": 2,
+        "hc_sinkhorn_iters": 4,
+        "num_nextn_predict_layers": 0,
+        "emulate_quantization": False,
+        "compress_rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 16,
+        },
+        "engram_layer_ids": [],
+        "engram_num_embeddings": [],
     }
     if engram:
         config |= {
-            "engram_layer_ids": [0, 1], "engram_num_embeddings": [660, 864], "engram_max_ngram_size": 4,
-            "engram_vocab_size": 100, "engram_n_heads": 2, "engram_head_dim": 32, "engram_pad_token_id": 2,
+            "engram_layer_ids": [0, 1],
+            "engram_num_embeddings": [660, 864],
+            "engram_max_ngram_size": 4,
+            "engram_vocab_size": 100,
+            "engram_n_heads": 2,
+            "engram_head_dim": 32,
+            "engram_pad_token_id": 2,
             "engram_compressed_vocab_size": 128,
         }
     return config
 
 
 TINY_VISION_CONFIG = {
-    "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64, "patch_size": 14,
-    "downsample_ratio": 3, "max_image_tokens": 64, "min_pixels": 20000,
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "patch_size": 14,
+    "downsample_ratio": 3,
+    "max_image_tokens": 64,
+    "min_pixels": 20000,
 }
 # one image: ViT grid 6×6 → LM grid 2×2 → start, 2 rows of (2 tokens + newline), end
 IMAGE_GRID = (6, 6)
@@ -222,7 +273,8 @@ class DeepseekV41ModelTester:
 
     def get_config(self) -> DeepseekV41Config:
         return DeepseekV41Config(
-            text_config=dict(self.text_config), vision_config=getattr(self, "vision_config", None),
+            text_config=dict(self.text_config),
+            vision_config=getattr(self, "vision_config", None),
             image_token_id=IMAGE_TOKEN_ID,
         )
 
@@ -288,7 +340,9 @@ class GenerationTesterMixin:
         """Inputs of a full forward over ``sequences`` (the prompt plus generated text)."""
         out = dict(inputs, input_ids=sequences)
         grow = sequences.shape[1] - inputs["input_ids"].shape[1]
-        out["attention_mask"] = torch.cat([inputs["attention_mask"], inputs["attention_mask"].new_ones(len(sequences), grow)], 1)
+        out["attention_mask"] = torch.cat(
+            [inputs["attention_mask"], inputs["attention_mask"].new_ones(len(sequences), grow)], 1
+        )
         if "image_token_types" in inputs:
             types = inputs["image_token_types"]
             out["image_token_types"] = torch.cat([types, types.new_full((len(sequences), grow), TEXT_TYPE)], 1)
@@ -301,15 +355,21 @@ class GenerationTesterMixin:
         how many compressed rows exist, as in DeepSeek's reference; a prefix has as many rows as the decode step."""
         prompt = inputs["input_ids"].shape[1]
         with torch.no_grad():
-            return torch.stack([
-                model(**self._extend(inputs, sequences[:, : prompt + i]), use_cache=False).logits[:, -1]
-                for i in range(sequences.shape[1] - prompt)
-            ], dim=1)
+            return torch.stack(
+                [
+                    model(**self._extend(inputs, sequences[:, : prompt + i]), use_cache=False).logits[:, -1]
+                    for i in range(sequences.shape[1] - prompt)
+                ],
+                dim=1,
+            )
 
     def test_greedy_generate_matches_full_recomputation(self):
         model, inputs = self._generation_model()
         out = model.generate(
-            **inputs, do_sample=False, max_new_tokens=self.max_new_tokens, return_dict_in_generate=True,
+            **inputs,
+            do_sample=False,
+            max_new_tokens=self.max_new_tokens,
+            return_dict_in_generate=True,
             output_logits=True,
         )
         assert len(out.logits) == self.max_new_tokens
@@ -335,14 +395,30 @@ class GenerationTesterMixin:
     def test_beam_search_best_beam_scores_its_own_tokens(self):
         model, inputs = self._generation_model()
         out = model.generate(
-            **inputs, do_sample=False, num_beams=2, num_return_sequences=2, max_new_tokens=self.max_new_tokens,
-            return_dict_in_generate=True, output_scores=True, length_penalty=0.0,
+            **inputs,
+            do_sample=False,
+            num_beams=2,
+            num_return_sequences=2,
+            max_new_tokens=self.max_new_tokens,
+            return_dict_in_generate=True,
+            output_scores=True,
+            length_penalty=0.0,
         )
-        assert out.sequences.shape == (2 * len(inputs["input_ids"]), inputs["input_ids"].shape[1] + self.max_new_tokens)
+        assert out.sequences.shape == (
+            2 * len(inputs["input_ids"]),
+            inputs["input_ids"].shape[1] + self.max_new_tokens,
+        )
         # with length_penalty 0, a beam's score is the sum of its tokens' log-probabilities: recompute them
-        expanded = {k: v.repeat_interleave(2, 0) for k, v in inputs.items() if k not in ("pixel_values", "image_grid_hw")}
+        expanded = {
+            k: v.repeat_interleave(2, 0) for k, v in inputs.items() if k not in ("pixel_values", "image_grid_hw")
+        }
         if "pixel_values" in inputs:
-            expanded["pixel_values"] = inputs["pixel_values"].unflatten(0, (len(inputs["input_ids"]), -1)).repeat_interleave(2, 0).flatten(0, 1)
+            expanded["pixel_values"] = (
+                inputs["pixel_values"]
+                .unflatten(0, (len(inputs["input_ids"]), -1))
+                .repeat_interleave(2, 0)
+                .flatten(0, 1)
+            )
             expanded["image_grid_hw"] = inputs["image_grid_hw"].repeat_interleave(2, 0)
         logits = self._full_pass_logits(model, expanded, out.sequences)
         prompt = inputs["input_ids"].shape[1]
@@ -392,7 +468,11 @@ class GenerationTesterMixin:
             padded["image_token_types"][1, :pad] = TEXT_TYPE
         out = model.generate(**padded, do_sample=False, max_new_tokens=self.max_new_tokens)
         for row in range(2):
-            alone = {k: v[row : row + 1, pad * row :] for k, v in padded.items() if k not in ("pixel_values", "image_grid_hw")}
+            alone = {
+                k: v[row : row + 1, pad * row :]
+                for k, v in padded.items()
+                if k not in ("pixel_values", "image_grid_hw")
+            }
             if "pixel_values" in inputs:
                 alone["pixel_values"] = inputs["pixel_values"].unflatten(0, (2, -1))[row]
                 alone["image_grid_hw"] = inputs["image_grid_hw"][row : row + 1]

@@ -44,7 +44,11 @@ def spawn(fn: Callable[..., None], tmp: Path, *args, timeout_s: float = TIMEOUT_
     """Run ``fn(rank, tmp, *args)`` (a module-level function, picklable args) on ``world_size`` gloo processes; fail,
     not hang, after ``timeout_s``."""
     context = mp.start_processes(
-        _worker, args=(fn, free_port(), str(tmp), args, world_size), nprocs=world_size, join=False, start_method="spawn"
+        _worker,
+        args=(fn, free_port(), str(tmp), args, world_size),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + timeout_s
     try:

@@ -44,8 +44,10 @@ def dequantize_released_tensor(weight: torch.Tensor, scale: torch.Tensor) -> tor
         return dequantize_fp8_rows(weight, scale, b)
     if tuple(scale.shape) == (math.ceil(rows / b), math.ceil(cols / b)):
         return dequantize_fp8_block(weight, scale, b)
-    raise ValueError(f"scale shape {tuple(scale.shape)} fits neither per-row [{rows}, {cols}/{b}] nor 32x32 block "
-                     f"{(math.ceil(rows / b), math.ceil(cols / b))} scales for FP8 weight {tuple(weight.shape)}")
+    raise ValueError(
+        f"scale shape {tuple(scale.shape)} fits neither per-row [{rows}, {cols}/{b}] nor 32x32 block "
+        f"{(math.ceil(rows / b), math.ceil(cols / b))} scales for FP8 weight {tuple(weight.shape)}"
+    )
 
 
 def reference_state_dict(fixtures: Path) -> dict[str, torch.Tensor]:
@@ -124,10 +126,31 @@ def fixture_checkpoint(fixtures: Path, variant: str, folder: Path, with_tokenize
 # Shapes of fixtures/quant_format (the reference's FP8/FP4 small model): hidden 256, q_lora 64, 4 heads of 64 in
 # 2 output groups of rank 32, an indexer of 4 x 64, experts of width 128, the fixture's Engram tables.
 QUANT_FORMAT_TEXT = dict(
-    vocab_size=512, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2, n_routed_experts=4,
-    num_experts_per_tok=2, sliding_window=16, compress_ratios=[0, 2], kv_source_layer_ids=[1],
-    index_source_layer_ids=[1], index_n_heads=4, index_head_dim=64, index_topk=8, candidate_source_layer_id=-1,
-    engram_layer_ids=[0, 1], engram_num_embeddings=[660, 864], engram_vocab_size=100, engram_n_heads=2,
-    engram_head_dim=32, engram_compressed_vocab_size=256, num_nextn_predict_layers=0,
+    vocab_size=512,
+    hidden_size=256,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=64,
+    o_lora_rank=32,
+    o_groups=2,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    compress_ratios=[0, 2],
+    kv_source_layer_ids=[1],
+    index_source_layer_ids=[1],
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=8,
+    candidate_source_layer_id=-1,
+    engram_layer_ids=[0, 1],
+    engram_num_embeddings=[660, 864],
+    engram_vocab_size=100,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    engram_compressed_vocab_size=256,
+    num_nextn_predict_layers=0,
 )

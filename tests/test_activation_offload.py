@@ -94,11 +94,21 @@ def test_the_trainer_offloads_when_asked(tmp_path):
     with pytest.raises(ValueError, match="activation_checkpointing=True"):
         DeepseekV41TrainingArguments(output_dir=str(tmp_path), offload_activations=True)
     with pytest.raises(ValueError, match="keep one"):
-        DeepseekV41TrainingArguments(output_dir=str(tmp_path), offload_activations=True, activation_checkpointing=True,
-                                     activation_checkpointing_kwargs={"offload": True})
+        DeepseekV41TrainingArguments(
+            output_dir=str(tmp_path),
+            offload_activations=True,
+            activation_checkpointing=True,
+            activation_checkpointing_kwargs={"offload": True},
+        )
     args = DeepseekV41TrainingArguments(
-        output_dir=str(tmp_path), offload_activations=True, activation_checkpointing=True, max_steps=1,
-        per_device_train_batch_size=1, report_to=[], save_strategy="no", bias_update_speed=0,
+        output_dir=str(tmp_path),
+        offload_activations=True,
+        activation_checkpointing=True,
+        max_steps=1,
+        per_device_train_batch_size=1,
+        report_to=[],
+        save_strategy="no",
+        bias_update_speed=0,
     )
     ids = torch.randint(3, 500, (SEQ,), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": ids, "labels": ids}]

@@ -33,8 +33,15 @@ from modeling_dsv41.released.writing import save_released_checkpoint
 import tiny_models
 
 # a draft head (mtp.*), which the export leaves out; two routed experts in its blocks
-DSPARK = dict(num_nextn_predict_layers=1, dspark_block_size=3, dspark_target_layer_ids=[0, 1], dspark_markov_rank=16,
-              dspark_noise_token_id=7, dspark_n_routed_experts=2, dspark_n_activated_experts=1)
+DSPARK = dict(
+    num_nextn_predict_layers=1,
+    dspark_block_size=3,
+    dspark_target_layer_ids=[0, 1],
+    dspark_markov_rank=16,
+    dspark_noise_token_id=7,
+    dspark_n_routed_experts=2,
+    dspark_n_activated_experts=1,
+)
 TARGETS = ["wq_a", "wkv", "wo_b", "w1", "w2", "w3", "lm_head"]
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 BASE, ADAPTER = "dsv41-demo/model", "dsv41-lora/adapter"  # where the README's snippets put them
@@ -68,8 +75,9 @@ def trained(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)  # the adapter records the base's path as given: relative, as in the README
         base = DeepseekV41ForCausalLM.from_pretrained(BASE).eval()
-        model = randomized(get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS,
-                                                           target_parameters=EXPERTS)))
+        model = randomized(
+            get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS, target_parameters=EXPERTS))
+        )
         model.save_pretrained(ADAPTER)
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     export_serving_adapter(model, root / "exported")
@@ -93,18 +101,28 @@ def test_keys_are_the_release_names_with_per_expert_factors(trained):
         "layers.0.ffn.shared_experts.w1": ((r, D), (I, r)),
         "layers.0.ffn.shared_experts.w2": ((r, I), (D, r)),
         "head": ((r, D), (config.vocab_size, r)),
-        **{f"layers.{i}.ffn.experts.{e}.{w}": ((r, I), (D, r)) if w == "w2" else ((r, D), (I, r))
-           for i in range(config.num_hidden_layers) for e in range(E) for w in ("w1", "w2", "w3")},
+        **{
+            f"layers.{i}.ffn.experts.{e}.{w}": ((r, I), (D, r)) if w == "w2" else ((r, D), (I, r))
+            for i in range(config.num_hidden_layers)
+            for e in range(E)
+            for w in ("w1", "w2", "w3")
+        },
     }
     for name, shapes in expected.items():
         key = prefix + name
         assert (tensors[f"{key}.lora_A.weight"].shape, tensors[f"{key}.lora_B.weight"].shape) == shapes, name
     serving = json.loads((trained["exported"] / "adapter_config.json").read_text())
     assert serving["dsv41_export"] == {"format": FORMAT, "version": 1, "skipped": serving["dsv41_export"]["skipped"]}
-    assert serving["dsv41_export"]["skipped"] == ["mtp.0.attn.wkv", "mtp.0.attn.wo_b", "mtp.0.attn.wq_a",
-                                                  "mtp.0.ffn.experts.down_proj", "mtp.0.ffn.experts.gate_up_proj",
-                                                  "mtp.0.ffn.shared_experts.w1", "mtp.0.ffn.shared_experts.w2",
-                                                  "mtp.0.ffn.shared_experts.w3"]
+    assert serving["dsv41_export"]["skipped"] == [
+        "mtp.0.attn.wkv",
+        "mtp.0.attn.wo_b",
+        "mtp.0.attn.wq_a",
+        "mtp.0.ffn.experts.down_proj",
+        "mtp.0.ffn.experts.gate_up_proj",
+        "mtp.0.ffn.shared_experts.w1",
+        "mtp.0.ffn.shared_experts.w2",
+        "mtp.0.ffn.shared_experts.w3",
+    ]
     assert serving["base_model_name_or_path"] == BASE
     assert (serving["r"], serving["lora_alpha"], serving["use_rslora"]) == (2, 4, False)
     assert set(serving["target_modules"]) == {"wq_a", "wkv", "wo_b", "w1", "w2", "w3", "head"}
@@ -143,8 +161,14 @@ def test_the_documented_command_runs_as_printed(trained):
     (command,) = command_lines("dsv41 export ")
     argv = shlex.split(command)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "modeling_dsv41.cli", *argv[1:]], cwd=trained["root"], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "modeling_dsv41.cli", *argv[1:]],
+        cwd=trained["root"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"({FORMAT} version 1, left out" in result.stdout
     written = load_file(trained["root"] / argv[-1] / "adapter_model.safetensors")
@@ -155,8 +179,14 @@ def test_the_documented_command_runs_as_printed(trained):
 def test_a_rank_pattern_is_folded_into_one_scale(tmp_path):
     base = tiny_models.tiny_model(tiny_config(), engram_map="default")
     ids = torch.randint(3, 500, (1, 10), generator=torch.Generator().manual_seed(0))
-    config = LoraConfig(r=2, lora_alpha=4, target_modules=["wo_b", "lm_head"], target_parameters=EXPERTS,
-                        rank_pattern={"wo_b": 4}, alpha_pattern={"wo_b": 3})
+    config = LoraConfig(
+        r=2,
+        lora_alpha=4,
+        target_modules=["wo_b", "lm_head"],
+        target_parameters=EXPERTS,
+        rank_pattern={"wo_b": 4},
+        alpha_pattern={"wo_b": 3},
+    )
     model = randomized(get_peft_model(base, config))
     expected = logits(model, ids)
     export_serving_adapter(model, tmp_path / "out")
@@ -173,25 +203,35 @@ def meta_adapter(**lora):
     return get_peft_model(meta_instance(tiny_config(), DeepseekV41ForCausalLM, torch.float32), LoraConfig(**lora))
 
 
-@pytest.mark.parametrize("lora, message", [
-    (dict(r=2, target_modules=["wq_a", "wkv"], rank_pattern={"wkv": 4}),
-     r"layers\.0\.attn has ranks \{'wq_a': 2, 'wkv': 4\}.*one LoRA slot"),
-    (dict(r=2, target_modules=["compressor.wkv", "wgate"], rank_pattern={"wgate": 4}), r"compressor has ranks"),
-    (dict(r=2, target_parameters=EXPERTS, rank_pattern={"experts.down_proj": 4}),
-     r"ffn\.experts has ranks \{.*'down_proj': 4.*one LoRA slot"),
-])
+@pytest.mark.parametrize(
+    "lora, message",
+    [
+        (
+            dict(r=2, target_modules=["wq_a", "wkv"], rank_pattern={"wkv": 4}),
+            r"layers\.0\.attn has ranks \{'wq_a': 2, 'wkv': 4\}.*one LoRA slot",
+        ),
+        (dict(r=2, target_modules=["compressor.wkv", "wgate"], rank_pattern={"wgate": 4}), r"compressor has ranks"),
+        (
+            dict(r=2, target_parameters=EXPERTS, rank_pattern={"experts.down_proj": 4}),
+            r"ffn\.experts has ranks \{.*'down_proj': 4.*one LoRA slot",
+        ),
+    ],
+)
 def test_ranks_that_differ_in_one_vllm_slot_are_refused(tmp_path, lora, message):
     with pytest.raises(ValueError, match=message):
         export_serving_adapter(meta_adapter(**lora), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("config, message", [
-    (LoraConfig(r=2, target_modules=["wq_a"], use_dora=True), "DoRA"),
-    (LoraConfig(r=2, target_modules=["wq_a"], modules_to_save=["lm_head"]), "modules_to_save"),
-    (LoraConfig(r=2, target_modules=["wq_a"], lora_bias=True), "lora_bias"),
-    (IA3Config(target_modules=["wq_a"], feedforward_modules=[]), "IA3 adapter.*LoRA adapters only"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (LoraConfig(r=2, target_modules=["wq_a"], use_dora=True), "DoRA"),
+        (LoraConfig(r=2, target_modules=["wq_a"], modules_to_save=["lm_head"]), "modules_to_save"),
+        (LoraConfig(r=2, target_modules=["wq_a"], lora_bias=True), "lora_bias"),
+        (IA3Config(target_modules=["wq_a"], feedforward_modules=[]), "IA3 adapter.*LoRA adapters only"),
+    ],
+)
 def test_what_vllm_does_not_serve_is_refused(tmp_path, config, message):
     config.save_pretrained(tmp_path / "adapter")
     with pytest.raises(ValueError, match=message):
@@ -210,8 +250,10 @@ def test_an_adapter_of_another_base_is_refused(trained, tmp_path):
     # another architecture's module names
     llama = tmp_path / "llama"
     LoraConfig(r=2, target_modules=["q_proj", "v_proj"]).save_pretrained(llama)
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64)},
-              llama / "adapter_model.safetensors")
+    save_file(
+        {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 64)},
+        llama / "adapter_model.safetensors",
+    )
     with pytest.raises(ValueError, match="does not fit DeepSeek-V4.1.*another base"):
         export_serving_adapter(llama, tmp_path / "out", base=tiny_config())
     # our names, another size: the experts of the tiny adapter do not fit wider experts
@@ -254,8 +296,11 @@ def test_an_adapter_of_the_natively_loaded_release_round_trips(tmp_path):
     stub_tokenizer().save(str(tmp_path / "released" / "tokenizer.json"))  # the Engram hasher's token map
     native = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "released", dtype=torch.float32)
     assert any(isinstance(m, FP8Linear) for m in native.modules())  # kept as stored
-    adapted = randomized(get_peft_model(native, LoraConfig(r=2, target_modules=["wq_a", "wkv", "w1", "w2", "w3"],
-                                                           target_parameters=EXPERTS)))
+    adapted = randomized(
+        get_peft_model(
+            native, LoraConfig(r=2, target_modules=["wq_a", "wkv", "w1", "w2", "w3"], target_parameters=EXPERTS)
+        )
+    )
     assert any(isinstance(m, NativeExpertsLora) for m in adapted.modules())  # on the packed FP4 experts
     ids = torch.randint(3, 500, (1, 10), generator=torch.Generator().manual_seed(0))
     expected = logits(adapted, ids)

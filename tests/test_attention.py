@@ -48,7 +48,7 @@ def test_blockwise_softmax_equals_the_plain_formula_across_blocks(monkeypatch, s
     width = 2 * SPARSE_ATTENTION_BLOCK + 7
     slots = torch.randint(0, rows, (bsz, seq, width), generator=generator)
     slots = slots.masked_fill(torch.rand(bsz, seq, width, generator=generator) < 0.3, -1)
-    slots[0, 1, : SPARSE_ATTENTION_BLOCK] = -1  # a whole empty first block: the running max starts late
+    slots[0, 1, :SPARSE_ATTENTION_BLOCK] = -1  # a whole empty first block: the running max starts late
     slots[1, 2] = -1  # nothing to attend to
     out = sink_attention(q, kv, slots, sink, dim**-0.5)
     expected = dense_sink_attention(q, kv, slots, sink, dim**-0.5)
@@ -72,7 +72,11 @@ def test_the_online_softmax_takes_the_kernels_blocks_in_reference_numerics_and_f
 def test_window_slots_follow_the_reference_layout():
     # full pass: oldest first, empty slots last
     assert prefill_window_slots(5, 3, torch.device("cpu")).tolist() == [
-        [0, -1, -1], [0, 1, -1], [0, 1, 2], [1, 2, 3], [2, 3, 4]
+        [0, -1, -1],
+        [0, 1, -1],
+        [0, 1, 2],
+        [1, 2, 3],
+        [2, 3, 4],
     ]
     assert prefill_window_slots(2, 4, torch.device("cpu")).tolist() == [[0, -1], [0, 1]]
     # decode: keys cover positions past - W … past + S - 1; empty slots (before the first token) come first
@@ -147,7 +151,9 @@ def test_recomputing_backward_in_bf16_is_as_close_as_rounding(numerics):
     q, kv, slots, sink, upstream = attention_inputs(0, torch.bfloat16, seq=33, heads=8, dim=64, rows=300, width=209)
     ours = sink_attention_grads(q, kv, slots, sink, upstream, numerics=numerics)
     autograd = sink_attention_grads(q, kv, slots, sink, upstream, autograd_sink_attention, numerics)
-    exact = sink_attention_grads(q.double(), kv.double(), slots, sink.double(), upstream.double(), autograd_sink_attention)
+    exact = sink_attention_grads(
+        q.double(), kv.double(), slots, sink.double(), upstream.double(), autograd_sink_attention
+    )
     assert torch.equal(ours[0], autograd[0])
     for name, mine, theirs, truth in zip(("q", "kv", "sink"), ours[1:], autograd[1:], exact[1:]):
         mine, theirs, truth = mine.double(), theirs.double(), truth.double()

@@ -32,12 +32,33 @@ from reference_fixture import stub_tokenizer
 # that 4-bit quantizes most Linears on CPU; index_n_heads=4 gives the indexer's weights_proj 4 outputs, which bnb's
 # CPU 4-bit kernels cannot pack.
 TEXT = dict(
-    vocab_size=512, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2, n_routed_experts=4,
-    num_experts_per_tok=2, sliding_window=16, compress_ratios=[0, 2], kv_source_layer_ids=[1],
-    index_source_layer_ids=[1], index_n_heads=4, index_head_dim=64, index_topk=8, candidate_source_layer_id=-1,
-    engram_layer_ids=[0], engram_num_embeddings=[660], engram_vocab_size=100, engram_n_heads=2, engram_head_dim=32,
-    engram_compressed_vocab_size=256, num_nextn_predict_layers=0,
+    vocab_size=512,
+    hidden_size=64,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=64,
+    o_lora_rank=32,
+    o_groups=2,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    compress_ratios=[0, 2],
+    kv_source_layer_ids=[1],
+    index_source_layer_ids=[1],
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=8,
+    candidate_source_layer_id=-1,
+    engram_layer_ids=[0],
+    engram_num_embeddings=[660],
+    engram_vocab_size=100,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    engram_compressed_vocab_size=256,
+    num_nextn_predict_layers=0,
 )
 LORA_TARGETS = r"model\.layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b)|ffn\.shared_experts\.(w1|w2|w3))"
 EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
@@ -69,12 +90,22 @@ def test_quantized_load_keeps_high_precision_modules(checkpoint, kind):
     model = DeepseekV41ForCausalLM.from_pretrained(checkpoint, quantization_config=config, dtype=torch.bfloat16)
     quantized = "Linear4bit" if kind == "4bit" else "Linear8bitLt"
     types = _linear_types(model)
-    for name in ("layers.0.attn.wq_a", "layers.0.attn.wq_b", "layers.1.attn.wkv", "layers.1.attn.wo_b",
-                 "layers.1.ffn.shared_experts.w1", "layers.1.attn.indexer.wq_b"):
+    for name in (
+        "layers.0.attn.wq_a",
+        "layers.0.attn.wq_b",
+        "layers.1.attn.wkv",
+        "layers.1.attn.wo_b",
+        "layers.1.ffn.shared_experts.w1",
+        "layers.1.attn.indexer.wq_b",
+    ):
         assert types[f"model.{name}"] == quantized, name
     # read as raw tensors by the model (fp32 head and ratio-2 compressor, Engram wkv's dtype): never quantized
-    for name in ("lm_head", "model.layers.1.attn.compressor.wkv", "model.layers.1.attn.compressor.wgate",
-                 "model.layers.0.engram.wkv"):
+    for name in (
+        "lm_head",
+        "model.layers.1.attn.compressor.wkv",
+        "model.layers.1.attn.compressor.wgate",
+        "model.layers.0.engram.wkv",
+    ):
         assert types[name] != quantized, name
     assert (types["model.layers.1.attn.indexer.weights_proj"] == quantized) == (kind == "8bit")  # 4 outputs: no 4-bit
     backbone = model.model
@@ -91,7 +122,9 @@ def test_quantized_load_keeps_high_precision_modules(checkpoint, kind):
     ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     ours, theirs = _logits(model, ids), _logits(reference, ids)
     # a tiny random model: NF4 keeps ~4 bits per weight, so only the direction of the logits is close
-    assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > (0.95 if kind == "4bit" else 0.99)
+    assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > (
+        0.95 if kind == "4bit" else 0.99
+    )
 
 
 def test_released_checkpoint_refuses_bitsandbytes(checkpoint, tmp_path):
@@ -118,10 +151,22 @@ def _qlora(model):
 
 def test_qlora_trains_the_4bit_experts_adapters(checkpoint):
     model = _qlora(_load(checkpoint, FORMATS["nf4-double"]))
-    adapted = collections.Counter(getattr(m, "parameter_name", None) or name.split(".")[-1]
-                                  for name, m in model.base_model.model.named_modules() if hasattr(m, "lora_A"))
-    assert adapted == {"wq_a": 2, "wq_b": 2, "wkv": 2, "wo_b": 2, "w1": 2, "w2": 2, "w3": 2, "gate_up_proj": 2,
-                       "down_proj": 2}
+    adapted = collections.Counter(
+        getattr(m, "parameter_name", None) or name.split(".")[-1]
+        for name, m in model.base_model.model.named_modules()
+        if hasattr(m, "lora_A")
+    )
+    assert adapted == {
+        "wq_a": 2,
+        "wq_b": 2,
+        "wkv": 2,
+        "wo_b": 2,
+        "w1": 2,
+        "w2": 2,
+        "w3": 2,
+        "gate_up_proj": 2,
+        "down_proj": 2,
+    }
     assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
     experts = model.base_model.model.model.layers[0].ffn.experts
     assert type(experts.get_base_layer()) is Bnb4bitExperts
@@ -202,7 +247,9 @@ def test_each_expert_is_quantized_on_its_own_as_bitsandbytes_quantizes_a_weight(
             else:  # bitsandbytes' own 4-bit round trip of this expert alone: one state per expert
                 options = FORMATS[fmt]
                 data, state = bnb_functional.quantize_4bit(
-                    weights[expert], blocksize=64, quant_type=options["bnb_4bit_quant_type"],
+                    weights[expert],
+                    blocksize=64,
+                    quant_type=options["bnb_4bit_quant_type"],
                     compress_statistics=options.get("bnb_4bit_use_double_quant", False),
                 )
                 expected = bnb_functional.dequantize_4bit(data, state)
@@ -214,8 +261,10 @@ def test_each_expert_is_quantized_on_its_own_as_bitsandbytes_quantizes_a_weight(
 
 AUTOGRAD_FALLBACK = "autograd kernel was not registered"
 # top-k expert ids: each of the 4 experts gets one token (two tokens, two experts each), or 64 tokens routed at random
-ROUTES = {"one token per expert": torch.tensor([[0, 1], [2, 3]]),
-          "many tokens": torch.randint(0, 4, (64, 2), generator=torch.Generator().manual_seed(3))}
+ROUTES = {
+    "one token per expert": torch.tensor([[0, 1], [2, 3]]),
+    "many tokens": torch.randint(0, 4, (64, 2), generator=torch.Generator().manual_seed(3)),
+}
 
 
 @pytest.mark.parametrize("routes", list(ROUTES))
@@ -362,9 +411,16 @@ def test_qlora_under_deepseek_trainer_reloads_exactly_in_a_fresh_process(checkpo
     torch.set_num_threads(1)  # the fresh process computes with one thread too
     model = _qlora(_load(checkpoint, FORMATS["nf4-double"]))
     args = DeepseekV41TrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
-        lr_scheduler_type="constant", bias_update_speed=0.0, report_to="none", save_strategy="no",
-        logging_strategy="no", use_cpu=True,
+        output_dir=str(tmp_path / "run"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        bias_update_speed=0.0,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     DeepseekV41Trainer(model=model, args=args, train_dataset=_Tokens()).train()
@@ -377,9 +433,18 @@ def test_qlora_under_deepseek_trainer_reloads_exactly_in_a_fresh_process(checkpo
     torch.save(ids, tmp_path / "ids.pt")
     expected = _logits(model, ids)
     subprocess.run(
-        [sys.executable, "-c", RELOAD_SCRIPT, str(checkpoint), str(tmp_path / "adapter"), str(tmp_path / "ids.pt"),
-         str(tmp_path / "logits.pt")],
-        check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-c",
+            RELOAD_SCRIPT,
+            str(checkpoint),
+            str(tmp_path / "adapter"),
+            str(tmp_path / "ids.pt"),
+            str(tmp_path / "logits.pt"),
+        ],
+        check=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     # the same quantization of the same checkpoint, the same adapter, the same ops on the same machine: same bits
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt").float(), expected, rtol=0, atol=0)
@@ -394,8 +459,15 @@ def test_qlora_under_trl_sft_trainer(checkpoint, tmp_path):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=stub_tokenizer(), pad_token="<pad>", eos_token="<eos>")
     rows = Dataset.from_list([{"input_ids": row.tolist()} for row in _Tokens().ids])
     args = SFTConfig(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, use_cpu=True,
-        report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
         activation_checkpointing=True,  # TRL's default, under transformers' new name
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "experts.lora_A" in n}
@@ -414,7 +486,9 @@ def _held_bytes(model) -> dict[str, int]:
             nbytes = param.nbytes
             state = getattr(param, "quant_state", None)
             if state is not None:
-                nbytes += state.absmax.nbytes + (state.state2.absmax.nbytes + state.offset.nbytes if state.nested else 0)
+                nbytes += state.absmax.nbytes + (
+                    state.state2.absmax.nbytes + state.offset.nbytes if state.nested else 0
+                )
             if getattr(param, "SCB", None) is not None:
                 nbytes += param.SCB.nbytes
             if isinstance(module, (Bnb4bitExperts, Bnb8bitExperts)):
@@ -423,8 +497,14 @@ def _held_bytes(model) -> dict[str, int]:
     return sizes
 
 
-@pytest.mark.parametrize("label, fmt", [("bitsandbytes NF4, double quantization", "nf4-double"),
-                                        ("bitsandbytes NF4", "nf4"), ("bitsandbytes int8", "int8")])
+@pytest.mark.parametrize(
+    "label, fmt",
+    [
+        ("bitsandbytes NF4, double quantization", "nf4-double"),
+        ("bitsandbytes NF4", "nf4"),
+        ("bitsandbytes int8", "int8"),
+    ],
+)
 def test_inspector_storage_is_what_the_quantized_model_holds(checkpoint, label, fmt):
     from modeling_dsv41.cli.inspection import storage_costs
 
@@ -458,8 +538,15 @@ def test_released_preset_nf4_double_quant_under_0_6_bytes_per_parameter():
 
 def test_the_dspark_heads_experts_are_quantized_too(tmp_path):
     torch.manual_seed(0)
-    text = dict(TEXT, num_nextn_predict_layers=1, dspark_block_size=3, dspark_target_layer_ids=[0, 1],
-                dspark_markov_rank=16, dspark_n_routed_experts=2, dspark_n_activated_experts=1)
+    text = dict(
+        TEXT,
+        num_nextn_predict_layers=1,
+        dspark_block_size=3,
+        dspark_target_layer_ids=[0, 1],
+        dspark_markov_rank=16,
+        dspark_n_routed_experts=2,
+        dspark_n_activated_experts=1,
+    )
     model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config=text))
     model.model.engram_hasher.load_tokenizer(stub_tokenizer())
     model.save_pretrained(tmp_path)
@@ -476,7 +563,10 @@ def test_the_dspark_heads_experts_are_quantized_too(tmp_path):
 
 def test_saving_the_quantized_model_is_refused_saying_what_to_do(checkpoint, tmp_path, caplog):
     model = _load(checkpoint, FORMATS["nf4"])
-    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"), pytest.raises(ValueError, match="not serializable"):
+    with (
+        caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"),
+        pytest.raises(ValueError, match="not serializable"),
+    ):
         model.save_pretrained(tmp_path)
     assert "save its LoRA adapters" in caplog.text and "same BitsAndBytesConfig" in caplog.text
     # model.dequantize() gives plain experts holding the dequantized weights, which save
@@ -498,11 +588,14 @@ def test_4bit_experts_whose_blocks_straddle_rows(double_quant):
     dense = DeepseekV41Experts(config).to(torch.bfloat16)
     torch.nn.init.normal_(dense.gate_up_proj, std=0.05)
     torch.nn.init.normal_(dense.down_proj, std=0.05)
-    experts = Bnb4bitExperts.from_dense(dense, compute_dtype=torch.bfloat16, quant_type="nf4", double_quant=double_quant)
+    experts = Bnb4bitExperts.from_dense(
+        dense, compute_dtype=torch.bfloat16, quant_type="nf4", double_quant=double_quant
+    )
     assert experts.down_proj.shape == (4, 64, 16) and experts.down_proj_absmax.shape == (4, 32)
     for expert in range(4):
-        data, state = bnb_functional.quantize_4bit(dense.down_proj[expert].detach(), blocksize=64, quant_type="nf4",
-                                                   compress_statistics=double_quant)
+        data, state = bnb_functional.quantize_4bit(
+            dense.down_proj[expert].detach(), blocksize=64, quant_type="nf4", compress_statistics=double_quant
+        )
         expected = bnb_functional.dequantize_4bit(data, state)
         assert torch.equal(experts.dequantize("down_proj", expert, dtype=torch.bfloat16), expected)
         assert torch.equal(experts.dequantize("down_proj", expert, slice(5, 9), torch.bfloat16), expected[5:9])
@@ -517,8 +610,9 @@ def test_merging_expert_adapters_gives_bf16_experts_holding_dequantized_weights_
     model = _load(checkpoint, FORMATS["nf4-double"])
     ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(2))
     base_logits = _logits(model, ids)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERT_PARAMETERS,
-                        init_lora_weights=False)  # random B: the adapters act
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERT_PARAMETERS, init_lora_weights=False
+    )  # random B: the adapters act
     model = get_peft_model(model, config).eval()
     adapted = _logits(model, ids)
     wrapper = model.base_model.model.model.layers[0].ffn.experts  # down_proj's, around gate_up_proj's

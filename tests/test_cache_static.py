@@ -49,7 +49,9 @@ def test_static_cache_generates_what_the_dynamic_cache_generates(engram, prompt_
     model = tiny_model() if engram else text_only_model()
     assert (model.model.engram_hasher is not None) == engram
     prompt = random_prompt(prompt_len, 0)
-    assert_same_generation(model.generate(prompt, **GREEDY), model.generate(prompt, cache_implementation="static", **GREEDY))
+    assert_same_generation(
+        model.generate(prompt, **GREEDY), model.generate(prompt, cache_implementation="static", **GREEDY)
+    )
 
 
 def test_static_cache_with_left_padding_an_image_and_beams():
@@ -61,13 +63,15 @@ def test_static_cache_with_left_padding_an_image_and_beams():
     batch = {
         "input_ids": torch.cat([torch.nn.functional.pad(image["input_ids"], (pad, 0), value=2), text]),
         "attention_mask": torch.cat([torch.tensor([[0] * pad + [1] * 24]), torch.ones(1, 30, dtype=torch.long)]),
-        "image_token_types": torch.cat([
-            torch.nn.functional.pad(image["image_token_types"], (pad, 0), value=-1), torch.full((1, 30), -1)
-        ]),
+        "image_token_types": torch.cat(
+            [torch.nn.functional.pad(image["image_token_types"], (pad, 0), value=-1), torch.full((1, 30), -1)]
+        ),
         "pixel_values": image["pixel_values"],
         "image_grid_hw": image["image_grid_hw"],
     }
-    assert_same_generation(model.generate(**batch, **GREEDY), model.generate(**batch, cache_implementation="static", **GREEDY))
+    assert_same_generation(
+        model.generate(**batch, **GREEDY), model.generate(**batch, cache_implementation="static", **GREEDY)
+    )
     beams = dict(max_new_tokens=5, num_beams=2, num_return_sequences=2, do_sample=False)
     text = {"input_ids": batch["input_ids"][1:], "attention_mask": batch["attention_mask"][1:]}
     assert torch.equal(model.generate(**text, **beams), model.generate(**text, cache_implementation="static", **beams))
@@ -108,7 +112,11 @@ def test_per_slot_experts_equal_the_per_expert_loop():
     assert index.numel() <= experts.num_experts  # the per-slot path is what forward takes here
     per_slot = experts(x, index, weights)
     per_expert = routed_experts_forward(
-        x, index, weights, experts.num_experts, experts.swiglu_limit,
+        x,
+        index,
+        weights,
+        experts.num_experts,
+        experts.swiglu_limit,
         lambda e: (experts.gate_up_proj[e], experts.down_proj[e]),
     )
     # fp32 rounding of GEMMs of other shapes (one slot vs an expert's two tokens) on outputs of scale ~100

@@ -27,9 +27,13 @@ from modeling_dsv41.codec import (
 from modeling_dsv41.released.reading import stores_scales
 from modeling_dsv41.released.writing import released_state_dict, save_released_checkpoint
 from reference_fixture import (
-    QUANT_FORMAT_TEXT, dequantize_released_tensor, fixture_checkpoint, reference_inputs, reference_model, stub_tokenizer,
+    QUANT_FORMAT_TEXT,
+    dequantize_released_tensor,
+    fixture_checkpoint,
+    reference_inputs,
+    reference_model,
+    stub_tokenizer,
 )
-
 
 
 def _load(folder, **kwargs):
@@ -52,7 +56,9 @@ def released_view(model: DeepseekV41ForCausalLM, name: str) -> torch.Tensor:
         return model.get_buffer(ours) if ".gate.bias" in ours else model.get_parameter(ours)
     experts, e, w = model.get_submodule(f"model.{routed[1]}"), int(routed[2]), routed[3]
     inter = experts.intermediate_dim
-    return {"w1": experts.gate_up_proj[e, :inter], "w3": experts.gate_up_proj[e, inter:], "w2": experts.down_proj[e]}[w]
+    return {"w1": experts.gate_up_proj[e, :inter], "w3": experts.gate_up_proj[e, inter:], "w2": experts.down_proj[e]}[
+        w
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +109,19 @@ def test_fp8_engram_tables_load_as_stored(fixtures_dir, fixture_folder):
     for layer in (0, 1):
         table = model.model.layers[layer].engram.embed
         assert table.weight.dtype == torch.float8_e4m3fn and table.scale.dtype == torch.float8_e8m0fnu
-        assert torch.equal(table.weight.view(torch.uint8), stored[f"layers.{layer}.engram.embed.weight"].view(torch.uint8))
-        assert torch.equal(table.scale.view(torch.uint8), stored[f"layers.{layer}.engram.embed.scale"].view(torch.uint8))
+        assert torch.equal(
+            table.weight.view(torch.uint8), stored[f"layers.{layer}.engram.embed.weight"].view(torch.uint8)
+        )
+        assert torch.equal(
+            table.scale.view(torch.uint8), stored[f"layers.{layer}.engram.embed.scale"].view(torch.uint8)
+        )
     # looked up, every row reads what the float-table model (the reference's bf16 dequantization) holds
     dequantized = _load(fixture_folder, dtype=torch.bfloat16)
     for layer, rows in ((0, 660), (1, 864)):
         rows = torch.arange(rows)
-        assert torch.equal(model.model.layers[layer].engram.embed(rows), dequantized.model.layers[layer].engram.embed(rows))
+        assert torch.equal(
+            model.model.layers[layer].engram.embed(rows), dequantized.model.layers[layer].engram.embed(rows)
+        )
 
 
 def test_missing_token_map_is_a_clear_error_unless_a_tokenizer_is_given(fixtures_dir, tmp_path):
@@ -282,7 +294,9 @@ def test_save_original_format_writes_the_released_names_and_reloads(fixtures_dir
             if "engram.embed" not in name:  # stored plain in the fixture: the same values again
                 assert torch.equal(tensor.float(), released[name].float()), name
     inter = model.config.text_config.moe_intermediate_size
-    assert torch.equal(saved["layers.0.ffn.experts.1.w3.weight"], model.model.layers[0].ffn.experts.gate_up_proj[1, inter:])
+    assert torch.equal(
+        saved["layers.0.ffn.experts.1.w3.weight"], model.model.layers[0].ffn.experts.gate_up_proj[1, inter:]
+    )
     reloaded = _load(tmp_path, dtype=torch.bfloat16)
     before, after = model.state_dict(), reloaded.state_dict()
     assert before.keys() == after.keys()
@@ -315,7 +329,9 @@ def test_released_storage_round_trips_and_loads_without_a_dtype(released_folder,
             assert torch.equal(ours.float(), tensor.to(ours.dtype).float()), name
         if name.endswith(".scale"):  # dequantized, the values are the stored ones
             weight = name[: -len("scale")] + "weight"
-            assert torch.equal(dequantize_released_tensor(again[weight], ours), dequantize_released_tensor(state[weight], tensor)), weight
+            assert torch.equal(
+                dequantize_released_tensor(again[weight], ours), dequantize_released_tensor(state[weight], tensor)
+            ), weight
     save_released_checkpoint(model, tmp_path)
     reloaded = _load_dequantized(tmp_path, engram_tokenizer=stub_tokenizer())
     for name, tensor in model.state_dict().items():

@@ -50,8 +50,11 @@ def _one_line_error(stderr: str, command: str) -> str:
 def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, capsys):
     """``dsv41 demo --steps 4`` with Ctrl-C at step 2, then the same command again: it resumes and finishes.
     Batches and the eval split are made small so that the whole flow takes seconds."""
-    monkeypatch.setattr(demo_module, "DemoSettings", functools.partial(demo_module.DemoSettings, batch_size=4,
-                                                                       num_eval=8, num_train=64))
+    monkeypatch.setattr(
+        demo_module,
+        "DemoSettings",
+        functools.partial(demo_module.DemoSettings, batch_size=4, num_eval=8, num_train=64),
+    )
     out = tmp_path / "demo"
     original_step_end = demo_module._LossOnProgressBar.on_step_end
 
@@ -80,16 +83,28 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     captured = capsys.readouterr()
     assert f"Resuming from {checkpoints / 'checkpoint-2'}" in captured.out
     assert "caption exact match" in captured.out and "generations equal" in captured.out
-    stages = re.search(r"Wall time per stage: build \+ baseline [\d.]+ s, fine-tuning [\d.]+ s, DSpark head [\d.]+ s, "
-                       r"export [\d.]+ s, reload check [\d.]+ s", captured.out)
+    stages = re.search(
+        r"Wall time per stage: build \+ baseline [\d.]+ s, fine-tuning [\d.]+ s, DSpark head [\d.]+ s, "
+        r"export [\d.]+ s, reload check [\d.]+ s",
+        captured.out,
+    )
     assert stages, captured.out
-    assert re.search(rf"CPU time [\d.]+ min\), .*, (1 thread|\d+ threads) on {re.escape(demo_report.cpu_name())}\n",
-                     captured.out)
+    assert re.search(
+        rf"CPU time [\d.]+ min\), .*, (1 thread|\d+ threads) on {re.escape(demo_report.cpu_name())}\n", captured.out
+    )
 
     report = json.loads((out / "report.json").read_text())
     assert report["before"] == baseline  # measured once, before any training
-    assert report["settings"] == {"steps": 4, "lora": False, "seed": 0, "batch_size": 4, "learning_rate": 1e-2,
-                                  "num_train": 64, "num_eval": 8, "output": str(out)}
+    assert report["settings"] == {
+        "steps": 4,
+        "lora": False,
+        "seed": 0,
+        "batch_size": 4,
+        "learning_rate": 1e-2,
+        "num_train": 64,
+        "num_eval": 8,
+        "output": str(out),
+    }
     assert [step for step, _ in report["loss_curves"]["train"]][-1] == 4
     assert report["loss_curves"]["eval"][0][0] == 0  # evaluated before the first step too
     assert report["chance_exact_match"] == pytest.approx(1 / len(CAPTIONS))
@@ -104,10 +119,12 @@ def test_demo_interrupts_resumes_and_writes_every_output(tmp_path, monkeypatch, 
     assert [p.name for p in (out / "checkpoints" / "dspark").iterdir()] == ["checkpoint-4"]
     assert dspark["captions_identical"] is True and dspark["images"] == 8 and dspark["train_steps"] == 4
     assert dspark["plain_tokens_per_s"] > 0 and dspark["speedup"] == pytest.approx(
-        dspark["dspark_tokens_per_s"] / dspark["plain_tokens_per_s"])
+        dspark["dspark_tokens_per_s"] / dspark["plain_tokens_per_s"]
+    )
     assert 1 <= dspark["mean_accepted_length"] <= 1 + demo_module.DEMO_DSPARK["dspark_block_size"]
-    assert re.search(r"DSpark [\d.]+ tokens/s \([\d.]+x\), [\d.]+ tokens per verification, captions identical",
-                     captured.out)
+    assert re.search(
+        r"DSpark [\d.]+ tokens/s \([\d.]+x\), [\d.]+ tokens per verification, captions identical", captured.out
+    )
 
     with Image.open(out / "loss.png") as image:
         assert image.format == "PNG" and image.size == (640, 400)
@@ -160,7 +177,9 @@ def test_demo_computes_with_the_cores_other_jobs_leave_free(monkeypatch, capsys)
 
 def test_busy_cores_counts_what_other_processes_compute():
     cores = os.sched_getaffinity(0)
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"]
+    )
     try:
         time.sleep(0.3)  # started
         busy = demo_report.busy_cores(cores, seconds=0.5)
@@ -171,8 +190,11 @@ def test_busy_cores_counts_what_other_processes_compute():
 
 
 def test_demo_lora_stage_teaches_a_new_wording_and_publishes_the_merged_model(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(demo_module, "DemoSettings", functools.partial(demo_module.DemoSettings, batch_size=4,
-                                                                       num_eval=8, num_train=64))
+    monkeypatch.setattr(
+        demo_module,
+        "DemoSettings",
+        functools.partial(demo_module.DemoSettings, batch_size=4, num_eval=8, num_train=64),
+    )
     monkeypatch.chdir(tmp_path)
     out = Path("demo")  # relative, as the default output is
     assert main(["demo", "--output", str(out), "--steps", "2", "--lora"]) == 0
@@ -193,12 +215,15 @@ def test_demo_lora_stage_teaches_a_new_wording_and_publishes_the_merged_model(tm
     assert "peft" not in json.dumps(state).lower()  # merged: a plain DeepSeek-V4.1 checkpoint
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["demo", "--steps", "0"], "--steps: expected an integer ≥ 1, got '0'"),
-    (["demo", "--seed", "x"], "--seed: expected an integer ≥ 0, got 'x'"),
-    (["demo", "--unknown"], "unrecognized arguments: --unknown"),
-    (["convert", "only-one"], "the following arguments are required: DST"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--steps", "0"], "--steps: expected an integer ≥ 1, got '0'"),
+        (["demo", "--seed", "x"], "--seed: expected an integer ≥ 0, got 'x'"),
+        (["demo", "--unknown"], "unrecognized arguments: --unknown"),
+        (["convert", "only-one"], "the following arguments are required: DST"),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -259,7 +284,11 @@ def test_inspect_reads_the_reference_config(fixtures_dir, capsys):
     weights = fixtures_dir / "v41_tiny_vl" / "model.safetensors"
     with safe_open(weights, "pt") as f:
         # parameters only: not the FP8 tables' scales, nor the router biases (buffers, moved by the balancing rule)
-        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if not k.endswith((".scale", ".gate.bias", ".gate.bias_vl")))
+        stored = sum(
+            math.prod(f.get_slice(k).get_shape())
+            for k in f.keys()
+            if not k.endswith((".scale", ".gate.bias", ".gate.bias_vl"))
+        )
     assert main(["inspect", str(fixtures_dir / "v41_tiny_vl" / "sparse" / "config.json")]) == 0
     assert f"Parameters: {stored:,} " in capsys.readouterr().out
 
@@ -279,9 +308,16 @@ def test_inspect_storage_compares_the_load_paths(capsys):
     loaded model in tests/test_bitsandbytes.py)."""
     assert main(["inspect", "tiny", "--storage", "nf4"]) == 0
     out = capsys.readouterr().out
-    for path in ("bf16 (fp32 where kept)", "native FP8 / FP4 (released storage)", "bitsandbytes int8",
-                 "bitsandbytes NF4 ", "bitsandbytes NF4, double quantization"):
-        assert re.search(rf"^{re.escape(path)}\s+[\d.]+ [KMG]iB\s+\d\.\d{{3}}\s+[\d.]+ [KMG]iB\s+\d\.\d{{3}}$", out, re.M), path
+    for path in (
+        "bf16 (fp32 where kept)",
+        "native FP8 / FP4 (released storage)",
+        "bitsandbytes int8",
+        "bitsandbytes NF4 ",
+        "bitsandbytes NF4, double quantization",
+    ):
+        assert re.search(
+            rf"^{re.escape(path)}\s+[\d.]+ [KMG]iB\s+\d\.\d{{3}}\s+[\d.]+ [KMG]iB\s+\d\.\d{{3}}$", out, re.M
+        ), path
     assert main(["inspect", "tiny", "--storage", "int8", "--devices", "8x80GiB"]) == 2
     assert "drop --devices" in _one_line_error(capsys.readouterr().err, "inspect")
 
@@ -290,7 +326,9 @@ def test_inspect_storage_without_bitsandbytes_is_a_one_line_error(monkeypatch, c
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)
+    )
     assert main(["inspect", "tiny", "--storage", "nf4"]) == 2
     assert 'pip install -e ".[quant]"' in _one_line_error(capsys.readouterr().err, "inspect")
 
@@ -299,8 +337,14 @@ def test_inspect_storage_without_bitsandbytes_is_a_one_line_error(monkeypatch, c
     "content, message",
     [
         (b"[1, 2, 3]", "is not a DeepSeek-V4.1 config: a DeepSeek-V4.1 config must be a JSON object, got list"),
-        (b'{"model_type": "llama", "hidden_size": 4096}', "is not a DeepSeek-V4.1 config: the config is missing 'text_config'"),
-        (b'{"text_config": {"vocab_size": 100}}', "is not a DeepSeek-V4.1 config: the config's text_config is missing 'hidden_size'"),
+        (
+            b'{"model_type": "llama", "hidden_size": 4096}',
+            "is not a DeepSeek-V4.1 config: the config is missing 'text_config'",
+        ),
+        (
+            b'{"text_config": {"vocab_size": 100}}',
+            "is not a DeepSeek-V4.1 config: the config's text_config is missing 'hidden_size'",
+        ),
         (b'{"a": 1', "is not valid JSON"),
         (b"\xff\xfe{}", "is not valid JSON"),
     ],
@@ -347,7 +391,9 @@ def test_convert_dequantizes_to_what_from_pretrained_loads(released_checkpoint, 
     assert "quantization_config" not in json.loads((destination / "config.json").read_text())
 
     dequantize = FineGrainedFP8Config(dequantize=True)
-    direct = DeepseekV41ForCausalLM.from_pretrained(released_checkpoint, dtype=torch.bfloat16, quantization_config=dequantize)
+    direct = DeepseekV41ForCausalLM.from_pretrained(
+        released_checkpoint, dtype=torch.bfloat16, quantization_config=dequantize
+    )
     direct = direct.state_dict()
     converted = DeepseekV41ForCausalLM.from_pretrained(destination, dtype=torch.bfloat16).state_dict()
     assert direct.keys() == converted.keys()
@@ -414,8 +460,9 @@ def test_convert_of_a_truncated_shard_is_a_one_line_error(released_checkpoint, t
 def test_console_script_is_declared_and_runs():
     scripts = importlib.metadata.entry_points(group="console_scripts")
     assert [ep.value for ep in scripts if ep.name == "dsv41"] == ["modeling_dsv41.cli:main"]
-    result = subprocess.run([sys.executable, "-m", "modeling_dsv41.cli", "inspect", "--help"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "modeling_dsv41.cli", "inspect", "--help"], capture_output=True, text=True
+    )
     assert result.returncode == 0 and "without allocating the weights" in result.stdout
 
 
@@ -434,16 +481,21 @@ def test_help_and_usage_errors_import_neither_torch_nor_the_model(tmp_path, how,
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == (0 if argv == ["--help"] else 2), result.stderr[-2000:]
     assert "usage: dsv41" in result.stdout or "dsv41 demo: error: argument --steps" in result.stderr
-    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in result.stderr.splitlines()
-                if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "argparse" in imported  # the listing works
     assert not imported & {"torch", "transformers", "numpy", "PIL", "configuration", "processing"}, imported
 
 
 def test_the_package_still_registers_the_auto_classes_on_import():
-    code = ("import modeling_dsv41\nfrom transformers import AutoConfig, AutoModelForCausalLM\n"
-            "config = AutoConfig.for_model('deepseek_v41')\n"
-            "print(AutoModelForCausalLM._model_mapping[type(config)].__name__, modeling_dsv41.DeepseekV41Trainer.__name__)")
+    code = (
+        "import modeling_dsv41\nfrom transformers import AutoConfig, AutoModelForCausalLM\n"
+        "config = AutoConfig.for_model('deepseek_v41')\n"
+        "print(AutoModelForCausalLM._model_mapping[type(config)].__name__, modeling_dsv41.DeepseekV41Trainer.__name__)"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -34,7 +34,10 @@ def _layer_inputs(model, ids, which):
     with torch.no_grad():
         model(ids)
     handle.remove()
-    args = [a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in captured["args"]]
+    args = [
+        a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+        for a in captured["args"]
+    ]
     return args, captured["kwargs"]
 
 
@@ -160,8 +163,13 @@ def _losses_eager_and_compiled(tmp: Path, steps: int, batches: int, check) -> No
         torch._dynamo.reset()
         model = tiny_training_model(2)
         args = training_args(
-            tmp / str(compiled), max_steps=steps, activation_checkpointing=True, torch_compile=compiled,
-            torch_compile_backend="aot_eager" if compiled else None, logging_strategy="steps", logging_steps=1,
+            tmp / str(compiled),
+            max_steps=steps,
+            activation_checkpointing=True,
+            torch_compile=compiled,
+            torch_compile_backend="aot_eager" if compiled else None,
+            logging_strategy="steps",
+            logging_steps=1,
         )
         rows = Rows(batches * args.train_batch_size * args.world_size)
         trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=rows)
@@ -187,8 +195,15 @@ def test_trainer_torch_compile_trains_block_by_block(tmp_path):
 
 def _fsdp2_compiled_trains_as_eager(rank: int, tmp: Path) -> None:
     """What ``accelerate launch`` hands every process of an FSDP2 config (fp32), here on gloo CPU processes."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                      ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", ACCELERATE_MIXED_PRECISION="no")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        ACCELERATE_USE_FSDP="true",
+        FSDP_VERSION="2",
+        ACCELERATE_MIXED_PRECISION="no",
+    )
     from torch.distributed.fsdp import FSDPModule
 
     def check(trainer, model, compiled):

@@ -25,7 +25,11 @@ def test_flat_reference_config_folder_gives_equivalent_config(fixtures_dir, tmp_
     (tmp_path / "config.json").write_text(json.dumps(ref))
     config = DeepseekV41Config.from_pretrained(tmp_path)
     text, vision = config.text_config, config.vision_config
-    assert (text.hidden_size, text.num_hidden_layers, text.qk_rope_head_dim) == (ref["dim"], ref["n_layers"], ref["rope_head_dim"])
+    assert (text.hidden_size, text.num_hidden_layers, text.qk_rope_head_dim) == (
+        ref["dim"],
+        ref["n_layers"],
+        ref["rope_head_dim"],
+    )
     assert text.kv_source_layer_ids == ref["kv_source_layers"]
     assert text.engram_pad_token_id == ref["engram_pad_id"]
     assert text.compress_rope_scaling["factor"] == ref["rope_factor"]
@@ -37,7 +41,9 @@ def test_flat_reference_config_folder_gives_equivalent_config(fixtures_dir, tmp_
 
 
 def test_text_only_config_has_no_vision():
-    config = DeepseekV41Config(text_config=DeepseekV41Config.from_preset("tiny").text_config.to_dict(), vision_config=None)
+    config = DeepseekV41Config(
+        text_config=DeepseekV41Config.from_preset("tiny").text_config.to_dict(), vision_config=None
+    )
     assert not config.has_vision
 
 
@@ -169,14 +175,16 @@ def _plan_from_fields(text):
     rows = []
     for i in range(n):
         compressed = ratios[i] > 0
-        rows.append((
-            ratios[i],
-            max(s for s in kv if s <= i) if compressed else None,
-            max(s for s in index if s <= i) if compressed else None,
-            cand if compressed and i in index and 0 <= cand < i else None,
-            i == cand,
-            text.engram_layer_ids.index(i) if i in text.engram_layer_ids else None,
-        ))
+        rows.append(
+            (
+                ratios[i],
+                max(s for s in kv if s <= i) if compressed else None,
+                max(s for s in index if s <= i) if compressed else None,
+                cand if compressed and i in index and 0 <= cand < i else None,
+                i == cand,
+                text.engram_layer_ids.index(i) if i in text.engram_layer_ids else None,
+            )
+        )
     return rows
 
 
@@ -188,14 +196,27 @@ def test_the_layer_plan_follows_the_schedule_fields(fixtures_dir):
     for text in (tiny, released):
         plan = text.layer_plan
         assert [spec.layer_id for spec in plan] == list(range(text.num_hidden_layers))
-        assert [(s.compress_ratio, s.kv_source_id, s.index_source_id, s.candidate_source_id, s.is_candidate_source,
-                 s.engram_index) for s in plan] == _plan_from_fields(text)
+        assert [
+            (
+                s.compress_ratio,
+                s.kv_source_id,
+                s.index_source_id,
+                s.candidate_source_id,
+                s.is_candidate_source,
+                s.engram_index,
+            )
+            for s in plan
+        ] == _plan_from_fields(text)
         assert [s.layer_id for s in plan if s.is_kv_source] == [i for i in text.kv_source_layer_ids if i < len(plan)]
         assert text.layer_plan is plan  # built once
         assert not {"layer_plan", "layer_kinds"} & set(text.to_dict())
     assert tiny.layer_kinds == [
-        "engram+window", "engram+compressed_2+kv_source+index_source", "compressed_2",
-        "compressed_1+kv_source+index_source+candidate_source", "compressed_1", "compressed_1+index_source",
+        "engram+window",
+        "engram+compressed_2+kv_source+index_source",
+        "compressed_2",
+        "compressed_1+kv_source+index_source+candidate_source",
+        "compressed_1",
+        "compressed_1+index_source",
     ]
     kinds = released.layer_kinds
     assert kinds[:3] == ["window", "engram+window", "compressed_2+kv_source+index_source"]

@@ -120,7 +120,9 @@ def test_the_release_names_load_into_mtp(dspark_checkpoint):
     assert len(model.mtp) == 2 and model.mtp.block_size == 4
     ours = dict(model.named_parameters())
     torch.testing.assert_close(ours["mtp.0.main_proj.weight"], state["mtp.0.main_proj.weight"], rtol=0, atol=0)
-    torch.testing.assert_close(ours["mtp.1.markov_head.head.weight"], state["mtp.1.markov_head.head.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        ours["mtp.1.markov_head.head.weight"], state["mtp.1.markov_head.head.weight"], rtol=0, atol=0
+    )
     assert ours["mtp.1.confidence_head.proj.weight"].dtype == torch.float32
     experts = state["mtp.1.ffn.experts.3.w2.weight"]
     torch.testing.assert_close(ours["mtp.1.ffn.experts.down_proj"][3], experts, rtol=0, atol=0)
@@ -132,8 +134,12 @@ def test_token_independent_pieces_match(protocol):
     routing decision but the one the reference also flips in the mode."""
     mode, _, got, expected = protocol
     ring = 0.05 if mode == "qdq" else 0.01  # one FP8 step is 1/8 of a binade (measured 0.036); bf16 0.0062
-    for name, budget in (("prefill_main_hidden", 0.01), ("prefill.main_x", 0.01), ("prefill.window_kv.mtp.0", ring),
-                         ("prefill.window_kv.mtp.1", ring)):
+    for name, budget in (
+        ("prefill_main_hidden", 0.01),
+        ("prefill.main_x", 0.01),
+        ("prefill.window_kv.mtp.0", ring),
+        ("prefill.window_kv.mtp.1", ring),
+    ):
         assert share(got[name][0], expected[name]) <= budget, name
     for name, budget in (("main_hidden", 0.01), ("window_kv.mtp.0", ring), ("window_kv.mtp.1", ring)):
         assert share(torch.stack(got[name]), expected[name]) <= budget, name
@@ -146,8 +152,12 @@ def test_token_independent_pieces_match(protocol):
     # before the flip (qdq) or up to the draft ids (noqdq, whose block inputs never see a drafted id): measured
     # attn_out 0.0083 / 0.0054, x_out 0.011 / 0.015, draft_hidden 0.0059 / 0.013 of the largest magnitude
     steps = slice(0, FLIPPED_STEP[mode]) if mode == "qdq" else slice(None)
-    for name, budget in (("mtp.0.attn_out", 0.01), ("mtp.0.x_out", 0.02), ("mtp.1.x_out", 0.02),
-                         ("draft_hidden", 0.02)):
+    for name, budget in (
+        ("mtp.0.attn_out", 0.01),
+        ("mtp.0.x_out", 0.02),
+        ("mtp.1.x_out", 0.02),
+        ("draft_hidden", 0.02),
+    ):
         assert share(torch.stack(got[name])[steps], expected[name][steps]) <= budget, name
 
 
@@ -192,7 +202,9 @@ def test_every_step_equals_the_reference_in_reference_numerics_bit_for_bit(proto
         for s in range(S - P):
             ours, expected = got[name][s], golden[name][s]
             assert ours.dtype == expected.dtype and torch.equal(ours, expected), (
-                name, s, (ours.float() - expected.float()).abs().max().item()
+                name,
+                s,
+                (ours.float() - expected.float()).abs().max().item(),
             )
 
 
@@ -203,10 +215,14 @@ def test_the_full_pass_equals_the_reference_in_reference_numerics_bit_for_bit(ds
     ids = load_file(fixtures_dir / "v41_tiny_dspark/inputs.safetensors")["input_ids"]
     with torch.no_grad():
         out = model(ids, output_dspark_hidden_states=True)
-    for ours, name in ((out.logits, "full_logits"), (out.logits[:, -1], "full_last_logits"),
-                       (out.dspark_hidden_states, "full_main_hidden")):
+    for ours, name in (
+        (out.logits, "full_logits"),
+        (out.logits[:, -1], "full_last_logits"),
+        (out.dspark_hidden_states, "full_main_hidden"),
+    ):
         assert ours.dtype == golden[name].dtype and torch.equal(ours, golden[name]), (
-            name, (ours.float() - golden[name].float()).abs().max().item()
+            name,
+            (ours.float() - golden[name].float()).abs().max().item(),
         )
 
 
@@ -259,14 +275,18 @@ def test_released_storage_of_the_head_loads_natively_and_dequantized(fixtures_di
         tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
     ).eval()
     native = DeepseekV41ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    expected = dequantize_released_weight(state["mtp.0.attn.wq_b.weight"], state["mtp.0.attn.wq_b.scale"], 32, torch.bfloat16)
+    expected = dequantize_released_weight(
+        state["mtp.0.attn.wq_b.weight"], state["mtp.0.attn.wq_b.scale"], 32, torch.bfloat16
+    )
     torch.testing.assert_close(dequantized.mtp[0].attn.wq_b.weight, expected, rtol=0, atol=0)
     assert dequantized.mtp[1].ffn.experts.gate_up_proj.shape[0] == 2
     for linear in (native.mtp[0].attn.wq_b, native.mtp[0].main_proj, native.mtp[1].ffn.shared_experts.w2):
         assert isinstance(linear, WeightOnlyFP8Linear) and linear.weight.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(native.mtp[0].attn.wq_b.weight, state["mtp.0.attn.wq_b.weight"], rtol=0, atol=0)
     experts = native.mtp[1].ffn.experts
-    assert isinstance(experts, WeightOnlyFP4Experts) and experts.num_experts == 2 and experts.gate_up_proj.shape[0] == 2
+    assert (
+        isinstance(experts, WeightOnlyFP4Experts) and experts.num_experts == 2 and experts.gate_up_proj.shape[0] == 2
+    )
     plain = {n: t for n, t in draft_parameters(native).items() if t.dtype not in (torch.float8_e4m3fn, torch.int8)}
     for name, tensor in plain.items():  # what the release stores unquantized (norms, mHC, heads, routers)
         if not name.endswith("_scale_inv"):
@@ -290,8 +310,12 @@ def test_save_pretrained_round_trips_the_head(fixtures_dir, tmp_path, save_origi
     for name, tensor in before.items():
         torch.testing.assert_close(after[name].to(tensor.dtype), tensor, rtol=0, atol=0, msg=name)
     # the reference's fp32 tensors of the head load in fp32 whatever the dtype asked for
-    for name in ("mtp.0.hc_attn_fn", "mtp.1.attn.attn_sink", "mtp.1.markov_head.head.weight",
-                 "mtp.1.confidence_head.proj.weight"):
+    for name in (
+        "mtp.0.hc_attn_fn",
+        "mtp.1.attn.attn_sink",
+        "mtp.1.markov_head.head.weight",
+        "mtp.1.confidence_head.proj.weight",
+    ):
         assert after[name].dtype == torch.float32, name
     assert after["mtp.0.main_proj.weight"].dtype == torch.bfloat16
 
@@ -337,5 +361,13 @@ def test_bad_dspark_configs_are_refused(fixtures_dir, override, message):
 
 def test_the_released_preset_has_the_released_head():
     text = DeepseekV41Config.from_preset("deepseek-v4.1-flash").text_config
-    assert (text.dspark_block_size, text.num_nextn_predict_layers, text.dspark_target_layer_ids) == (5, 3, [37, 38, 39])
-    assert (text.dspark_num_routed_experts, text.dspark_num_experts_per_tok, text.dspark_noise_token_id) == (128, 3, 128799)
+    assert (text.dspark_block_size, text.num_nextn_predict_layers, text.dspark_target_layer_ids) == (
+        5,
+        3,
+        [37, 38, 39],
+    )
+    assert (text.dspark_num_routed_experts, text.dspark_num_experts_per_tok, text.dspark_noise_token_id) == (
+        128,
+        3,
+        128799,
+    )

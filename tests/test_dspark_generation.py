@@ -27,8 +27,12 @@ NEW_TOKENS = 16
 
 def dspark_model(block_size: int = 4, stages: int = 2) -> DeepseekV41ForCausalLM:
     model = tiny_model(
-        num_nextn_predict_layers=stages, dspark_block_size=block_size, dspark_noise_token_id=7,
-        dspark_target_layer_ids=[3, 5, 4], dspark_markov_rank=16, dspark_n_routed_experts=2,
+        num_nextn_predict_layers=stages,
+        dspark_block_size=block_size,
+        dspark_noise_token_id=7,
+        dspark_target_layer_ids=[3, 5, 4],
+        dspark_markov_rank=16,
+        dspark_n_routed_experts=2,
         dspark_n_activated_experts=1,
     )
     model.generation_config.eos_token_id = None
@@ -102,9 +106,11 @@ def test_greedy_equals_plain_greedy_on_a_left_padded_batch(block_size, stages, m
     assert crops.out_of_step()
     if block_size == 4:  # and a row alone; and the whole vocabulary (no processor)
         alone = model.generate(rows[1], use_mtp=True, **greedy)
-        assert torch.equal(alone[0, rows[1].shape[1]:], plain[1, width:])
-        assert torch.equal(model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True),
-                           model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False))
+        assert torch.equal(alone[0, rows[1].shape[1] :], plain[1, width:])
+        assert torch.equal(
+            model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True),
+            model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False),
+        )
 
 
 class ZeroInRowZero(LogitsProcessor):
@@ -161,9 +167,9 @@ def image_and_text_batch() -> dict[str, torch.Tensor]:
     pad = text.shape[1] - image["input_ids"].shape[1]
     return {
         **left_pad([image["input_ids"], text]),
-        "image_token_types": torch.cat([
-            torch.nn.functional.pad(image["image_token_types"], (pad, 0), value=-1), torch.full((1, 41), -1)
-        ]),
+        "image_token_types": torch.cat(
+            [torch.nn.functional.pad(image["image_token_types"], (pad, 0), value=-1), torch.full((1, 41), -1)]
+        ),
         "pixel_values": image["pixel_values"],
         "image_grid_hw": image["image_grid_hw"],
     }
@@ -195,8 +201,14 @@ def test_static_cache_rolls_back_in_its_fixed_buffers(prompt, monkeypatch):
 
     def record(self, tokens):
         if not buffers:  # after the prefill: the fixed buffers every later step must reuse
-            buffers.update({(i, name): getattr(layer, name).data_ptr() for i, layer in enumerate(self.layers)
-                            for name in layer._STATE if getattr(layer, name) is not None})
+            buffers.update(
+                {
+                    (i, name): getattr(layer, name).data_ptr()
+                    for i, layer in enumerate(self.layers)
+                    for name in layer._STATE
+                    if getattr(layer, name) is not None
+                }
+            )
         crops.append(tokens.tolist())
         crop_rows(self, tokens)
 
@@ -206,8 +218,12 @@ def test_static_cache_rolls_back_in_its_fixed_buffers(prompt, monkeypatch):
     assert any(len(set(call)) > 1 for call in crops)  # rows rolled back by their own counts
     cache = out.past_key_values
     assert isinstance(cache, DeepseekV41StaticCache)
-    assert {(i, name): getattr(layer, name).data_ptr() for i, layer in enumerate(cache.layers)
-            for name in layer._STATE if getattr(layer, name) is not None} == buffers
+    assert {
+        (i, name): getattr(layer, name).data_ptr()
+        for i, layer in enumerate(cache.layers)
+        for name in layer._STATE
+        if getattr(layer, name) is not None
+    } == buffers
 
 
 def test_compiled_verification_steps_reuse_one_graph(monkeypatch):
@@ -230,7 +246,9 @@ def test_compiled_verification_steps_reuse_one_graph(monkeypatch):
     compile_config = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)  # a mode is for inductor
     compile_config._compile_all_devices = True  # transformers compiles on accelerators only, unless told so
     crops = RowCrops(monkeypatch)  # (outside the compiled forward: a hook counting inside it would be recompiled)
-    spec = model.generate(**inputs, use_mtp=True, cache_implementation="static", compile_config=compile_config, **greedy)
+    spec = model.generate(
+        **inputs, use_mtp=True, cache_implementation="static", compile_config=compile_config, **greedy
+    )
     assert torch.equal(spec, plain) and crops.out_of_step()
     assert len(crops.calls) > 3 and counters["stats"]["unique_graphs"] == 1  # one graph, never recompiled
 
@@ -261,12 +279,15 @@ def test_bounded_cache_crop_equals_a_cache_that_never_saw_the_tokens(bounded):
             cache.crop(-1)
         assert cache.get_seq_length() == 35 and cache.lengths.tolist() == [35]
         if bounded == "dynamic":  # a fixed amount kept: the window and 4 more, not every token since the prefill
-            assert max(layer.window_kv.shape[1] for layer in cache.layers) <= model.config.text_config.sliding_window + 4
+            assert (
+                max(layer.window_kv.shape[1] for layer in cache.layers) <= model.config.text_config.sliding_window + 4
+            )
         plain = DeepseekV41Cache(model.config)
         model(ids[:, :35], cache=plain)
         for new in (ids[:, 35:40], ids[:, 40:41]):  # groups across the crop point, then one token
-            torch.testing.assert_close(model(new, cache=cache).logits, model(new, cache=plain).logits, rtol=0,
-                                       atol=1e-4)
+            torch.testing.assert_close(
+                model(new, cache=cache).logits, model(new, cache=plain).logits, rtol=0, atol=1e-4
+            )
 
 
 def test_confidence_threshold_cuts_drafts_and_keeps_the_output():
@@ -275,14 +296,19 @@ def test_confidence_threshold_cuts_drafts_and_keeps_the_output():
     plain = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
     forwards = Forwards(model)
     # a threshold of 1 keeps no draft token at all: one forward per token, as plain decoding
-    never = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True,
-                           dspark_confidence_threshold=1.0)
+    never = model.generate(
+        prompt, max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True, dspark_confidence_threshold=1.0
+    )
     assert torch.equal(never, plain) and forwards.count == NEW_TOKENS
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True, dspark_confidence_threshold=0.5)
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True, dspark_confidence_threshold=0.5
+    )
     assert torch.equal(model.generate(prompt, generation_config=config), plain)
     batch = left_padded_batch()  # each row's draft cut at its own unconfident token
-    assert torch.equal(model.generate(**batch, generation_config=config),
-                       model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False))
+    assert torch.equal(
+        model.generate(**batch, generation_config=config),
+        model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False),
+    )
     with pytest.raises(ValueError, match="dspark_confidence_threshold must be a probability"):
         model.generate(prompt, max_new_tokens=3, use_mtp=True, dspark_confidence_threshold=2.0)
 
@@ -357,15 +383,23 @@ def test_stop_strings_end_each_row_as_plain_decoding_does(eos):
     batch = left_padded_batch()
     greedy = model.generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False)
     new = greedy[:, -NEW_TOKENS:]
-    stops = ["".join(tokenizer.convert_ids_to_tokens(new[row, start : start + 2].tolist()))
-             for row, start in ((0, 3), (1, 9), (2, 5))]
-    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, stop_strings=stops, tokenizer=tokenizer, pad_token_id=2,
-                  **({"eos_token_id": 1} if eos else {}))
+    stops = [
+        "".join(tokenizer.convert_ids_to_tokens(new[row, start : start + 2].tolist()))
+        for row, start in ((0, 3), (1, 9), (2, 5))
+    ]
+    kwargs = dict(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        stop_strings=stops,
+        tokenizer=tokenizer,
+        pad_token_id=2,
+        **({"eos_token_id": 1} if eos else {}),
+    )
     plain = model.generate(**batch, **kwargs)
     assert plain.shape[1] < greedy.shape[1]  # every row stopped before max_new_tokens
     spec = model.generate(**batch, use_mtp=True, **kwargs)
     assert torch.equal(spec, plain)
-    assert (plain[:, batch["input_ids"].shape[1]:] == 2).any() == eos  # padding after a stop
+    assert (plain[:, batch["input_ids"].shape[1] :] == 2).any() == eos  # padding after a stop
 
 
 def test_each_row_keeps_its_own_accepted_prefix():
@@ -428,7 +462,9 @@ def test_speculative_sampling_keeps_the_target_distribution():
     assert 0 < int((kept == 0).sum()) < n  # rows keep different lengths
     assert chi_square(tokens[:, 0], p[0]) < 16.27  # the 0.999 quantile of chi-square(3)
     assert chi_square(tokens[kept >= 1, 1], p[1]) < 16.27
-    cut, cut_kept = accept_sampled(draft, q_logits.expand(n, 2, 4), p_logits.expand(n, 3, 4), torch.zeros(n, dtype=torch.long))
+    cut, cut_kept = accept_sampled(
+        draft, q_logits.expand(n, 2, 4), p_logits.expand(n, 3, 4), torch.zeros(n, dtype=torch.long)
+    )
     assert not cut_kept.any() and chi_square(cut[:, 0], p[0]) < 16.27
 
 

@@ -25,7 +25,12 @@ def test_teacher_forced_drafts_are_the_decoding_drafts():
         logits, confidence, targets = model.mtp.teacher_forced(
             out.dspark_hidden_states, predictions, valid, model.model.embed, model.lm_head
         )
-        assert logits.shape == (1, 24, 4, 512) and targets[0, 22].tolist() == [int(predictions[0, 23]), -100, -100, -100]
+        assert logits.shape == (1, 24, 4, 512) and targets[0, 22].tolist() == [
+            int(predictions[0, 23]),
+            -100,
+            -100,
+            -100,
+        ]
         for c in (3, 15, 20):
             rings = DeepseekV41DSparkCache(len(model.mtp), 16)
             model.mtp.write_ring(rings, out.dspark_hidden_states[:, : c + 1], torch.arange(c + 1).unsqueeze(0))
@@ -67,8 +72,15 @@ def test_trainer_trains_the_head_alone_and_acceptance_rises(tmp_path):
     with torch.no_grad():
         before = model.dspark_loss(sequences)
     args = DeepseekV41TrainingArguments(
-        output_dir=str(tmp_path), train_dspark_head=True, max_steps=30, per_device_train_batch_size=4,
-        learning_rate=3e-3, report_to=[], save_strategy="no", logging_steps=10, use_cpu=True,
+        output_dir=str(tmp_path),
+        train_dspark_head=True,
+        max_steps=30,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10,
+        use_cpu=True,
     )
     trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=Sequences(sequences))
     trainer.train()

@@ -58,8 +58,12 @@ def test_hash_constants_match_reference(tiny):
 def test_released_prime_search_fills_released_tables():
     # the released table sizes are the sums of the 24 primes searched from 16,000,000, per layer
     released = DeepseekV41TextConfig()
-    primes = engram_primes(len(released.engram_layer_ids), released.engram_max_ngram_size,
-                           released.engram_n_heads, released.engram_vocab_size)
+    primes = engram_primes(
+        len(released.engram_layer_ids),
+        released.engram_max_ngram_size,
+        released.engram_n_heads,
+        released.engram_vocab_size,
+    )
     sums = [sum(sum(per_ngram) for per_ngram in layer) for layer in primes]
     assert sums == released.engram_num_embeddings
     flat = [p for layer in primes for per_ngram in layer for p in per_ngram]
@@ -198,7 +202,9 @@ def test_model_from_config_trains_saves_and_reloads_without_a_tokenizer(tmp_path
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny"))
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
-    assert all(table.weight.grad is not None for table in (layer.engram.embed for layer in model.model.layers if layer.engram))
+    assert all(
+        table.weight.grad is not None for table in (layer.engram.embed for layer in model.model.layers if layer.engram)
+    )
     model.eval().save_pretrained(tmp_path)  # no tokenizer.json beside the weights
     reloaded = DeepseekV41ForCausalLM.from_pretrained(tmp_path).eval()
     assert reloaded.model.engram_hasher.has_token_map  # the saved default map counts as the checkpoint's own
@@ -257,8 +263,31 @@ def byte_bpe():
 
     alphabet = _bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)}
-    words = [" the", " The", "THE", "the", "café", "cafe", " CAFÉ", "naïve", "naive", "æ", "ß", "ﬁ", "fi",
-             "  ", "\n\n", " \t", "①", "1", "Ａ", "a", "\x0b", "µ", "μ"]
+    words = [
+        " the",
+        " The",
+        "THE",
+        "the",
+        "café",
+        "cafe",
+        " CAFÉ",
+        "naïve",
+        "naive",
+        "æ",
+        "ß",
+        "ﬁ",
+        "fi",
+        "  ",
+        "\n\n",
+        " \t",
+        "①",
+        "1",
+        "Ａ",
+        "a",
+        "\x0b",
+        "µ",
+        "μ",
+    ]
     for word in words:
         piece = "".join(alphabet[b] for b in word.encode())
         vocab.setdefault(piece, len(vocab))
@@ -276,9 +305,31 @@ def test_compressed_map_follows_documented_rule(byte_bpe):
     assert (lookup, size) == _expected_map(vocab, specials)
 
     alphabet = _bytes_to_unicode()
-    compressed = {word: lookup[vocab["".join(alphabet[b] for b in word.encode())]] for word in
-                  [" the", "THE", "the", "café", " CAFÉ", "cafe", "ﬁ", "fi", "  ", "\n\n", "①", "1", "Ａ", "a",
-                   "æ", "ß", "naïve", "naive", "µ", "μ"]}
+    compressed = {
+        word: lookup[vocab["".join(alphabet[b] for b in word.encode())]]
+        for word in [
+            " the",
+            "THE",
+            "the",
+            "café",
+            " CAFÉ",
+            "cafe",
+            "ﬁ",
+            "fi",
+            "  ",
+            "\n\n",
+            "①",
+            "1",
+            "Ａ",
+            "a",
+            "æ",
+            "ß",
+            "naïve",
+            "naive",
+            "µ",
+            "μ",
+        ]
+    }
     assert compressed[" the"] == compressed["THE"] == compressed["the"]
     assert compressed["café"] == compressed[" CAFÉ"] == compressed["cafe"]
     assert compressed["ﬁ"] == compressed["fi"] and compressed["①"] == compressed["1"]

@@ -63,8 +63,11 @@ def micro_batch(seed: int) -> dict[str, torch.Tensor]:
     types[1, 3 : 3 + len(IMAGE_SPAN)] = torch.tensor(IMAGE_SPAN)
     ids = ids.masked_fill(types != -1, IMAGE_TOKEN_ID)
     return {
-        "input_ids": ids, "labels": ids.masked_fill(types != -1, -100), "attention_mask": torch.ones_like(ids),
-        "image_token_types": types, "pixel_values": torch.rand(36, 3, 14, 14, generator=g) * 2 - 1,
+        "input_ids": ids,
+        "labels": ids.masked_fill(types != -1, -100),
+        "attention_mask": torch.ones_like(ids),
+        "image_token_types": types,
+        "pixel_values": torch.rand(36, 3, 14, 14, generator=g) * 2 - 1,
         "image_grid_hw": torch.tensor([[6, 6]]),
     }
 
@@ -114,8 +117,14 @@ def assert_experts_step_without_communication(model) -> None:
         for param in group["params"]:
             param.grad = torch.ones_like(param)
     calls = []
-    collectives = ("all_to_all_single", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                   "broadcast")
+    collectives = (
+        "all_to_all_single",
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "broadcast",
+    )
     originals = {name: getattr(dist, name) for name in collectives}
     try:
         for name in collectives:
@@ -179,11 +188,14 @@ def one_process_reference(path: Path) -> None:
     single = tiny_model()
     single_optimizer = MixedOptimizer(build_param_groups(single, lr=LR))
     train_one_process(single, single_optimizer, RouterBiasBalancer(single, SPEED), step_batches())
-    torch.save({
-        "parameters": {name: p.detach() for name, p in single.named_parameters()},
-        "biases": {name: b for name, b in single.named_buffers() if ".gate.bias" in name},
-        "kinds": assign_kinds(single),
-    }, path)
+    torch.save(
+        {
+            "parameters": {name: p.detach() for name, p in single.named_parameters()},
+            "biases": {name: b for name, b in single.named_buffers() if ".gate.bias" in name},
+            "kinds": assign_kinds(single),
+        },
+        path,
+    )
 
 
 def test_2x2_mesh_three_steps_equal_one_process_bit_for_bit(uninterrupted):
@@ -217,7 +229,9 @@ class ImageRows(torch.utils.data.Dataset):
 def image_row(seed: int) -> dict[str, torch.Tensor]:
     batch = micro_batch(10_000 + seed)
     return {key: value[1] for key, value in batch.items() if key not in ("pixel_values", "image_grid_hw")} | {
-        "pixel_values": batch["pixel_values"], "image_grid_hw": batch["image_grid_hw"][0]}
+        "pixel_values": batch["pixel_values"],
+        "image_grid_hw": batch["image_grid_hw"][0],
+    }
 
 
 def collate_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -231,10 +245,18 @@ def launch_environment(rank: int, world: int) -> None:
     import os
 
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_STATE_DICT_TYPE="SHARDED_STATE_DICT",
-        FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP", FSDP_RESHARD_AFTER_FORWARD="true",
-        FSDP_OFFLOAD_PARAMS="false", FSDP_CPU_RAM_EFFICIENT_LOADING="false", ACCELERATE_MIXED_PRECISION="no",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        ACCELERATE_USE_FSDP="true",
+        FSDP_VERSION="2",
+        FSDP_STATE_DICT_TYPE="SHARDED_STATE_DICT",
+        FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+        FSDP_RESHARD_AFTER_FORWARD="true",
+        FSDP_OFFLOAD_PARAMS="false",
+        FSDP_CPU_RAM_EFFICIENT_LOADING="false",
+        ACCELERATE_MIXED_PRECISION="no",
     )
 
 
@@ -244,10 +266,21 @@ def trainer_run(rank: int, world: int, output: Path, resume: Path | bool | None 
     gradients are clipped (max_grad_norm 1; their norm is about 2). ``offload``: ``offload_activations``."""
     launch_environment(rank, world)
     args = DeepseekV41TrainingArguments(
-        output_dir=str(output), max_steps=TRAIN_STEPS, save_steps=SAVE_STEPS, per_device_train_batch_size=2,
-        gradient_accumulation_steps=WORLD // world, learning_rate=LR, expert_parallel_size=EP_SIZE,
-        activation_checkpointing=True, bias_update_speed=TRAINER_SPEED, logging_steps=1, report_to="none",
-        remove_unused_columns=False, dataloader_num_workers=0, seed=0, offload_activations=offload,
+        output_dir=str(output),
+        max_steps=TRAIN_STEPS,
+        save_steps=SAVE_STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=WORLD // world,
+        learning_rate=LR,
+        expert_parallel_size=EP_SIZE,
+        activation_checkpointing=True,
+        bias_update_speed=TRAINER_SPEED,
+        logging_steps=1,
+        report_to="none",
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        seed=0,
+        offload_activations=offload,
     )
     model = tiny_training_model(num_hidden_layers=2, seed=0)
     trainer = ReferenceStepTrainer(model=model, args=args, train_dataset=ImageRows(), data_collator=collate_rows)
@@ -458,7 +491,9 @@ def test_accelerate_merge_weights_turns_the_sharded_checkpoint_into_one_file_tha
     accelerate = Path(sys.executable).parent / "accelerate"
     result = subprocess.run(
         [str(accelerate), "merge-weights", str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [path.name for path in (tmp_path / "merged").iterdir()] == ["model.safetensors"]
@@ -522,17 +557,22 @@ def test_printed_multi_node_launches_parse(monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.syspath_prepend(str(REPO_ROOT / "examples"))  # as when the script runs: its folder first on the path
     from full_finetune import FullScriptArguments
+
     (accelerate,) = [argv for argv in full_finetune_commands("accelerate launch") if "--num_machines" in argv]
     (torchrun,) = full_finetune_commands("torchrun")
     launched = launch_command_parser().parse_args(accelerate[2:])
-    assert (launched.num_machines, launched.num_processes, launched.config_file) == (16, 128, "examples/accelerate/fsdp2_ep.yaml")
+    assert (launched.num_machines, launched.num_processes, launched.config_file) == (
+        16,
+        128,
+        "examples/accelerate/fsdp2_ep.yaml",
+    )
     script = accelerate[accelerate.index("examples/full_finetune.py") + 1 :]
     run = get_args_parser().parse_args(torchrun[1:])
     assert (run.nnodes, run.nproc_per_node) == ("16", "8")
     for flags in (script, torchrun[torchrun.index("examples/full_finetune.py") + 1 :]):
-        parsed, args = HfArgumentParser((FullScriptArguments, DeepseekV41TrainingArguments)).parse_args_into_dataclasses(
-            [*flags, "--report_to", "none"]
-        )
+        parsed, args = HfArgumentParser(
+            (FullScriptArguments, DeepseekV41TrainingArguments)
+        ).parse_args_into_dataclasses([*flags, "--report_to", "none"])
         assert parsed.model == "converted" and args.expert_parallel_size == 64 and args.activation_checkpointing
         assert 128 % args.expert_parallel_size == 0 and 384 % args.expert_parallel_size == 0
     assert args.fsdp_plugin_args["fsdp_version"] == 2 and "SHARDED" in str(args.fsdp_plugin_args["state_dict_type"])
@@ -548,8 +588,9 @@ def test_expert_parallel_arguments_refuse_what_does_not_combine():
         DeepseekV41TrainingArguments(output_dir="x", expert_parallel_size=2, train_dspark_head=True, report_to="none")
     no_sync = {"gradient_accumulation_kwargs": {"sync_each_batch": False}}
     with pytest.raises(ValueError, match="reduce-scatters the gradients after every micro-batch"):
-        DeepseekV41TrainingArguments(output_dir="x", expert_parallel_size=2, accelerator_config=no_sync,
-                                     report_to="none")
+        DeepseekV41TrainingArguments(
+            output_dir="x", expert_parallel_size=2, accelerator_config=no_sync, report_to="none"
+        )
     args = DeepseekV41TrainingArguments(output_dir="x", expert_parallel_size=2, report_to="none")
     assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
 
@@ -570,7 +611,9 @@ def test_expert_parallelism_refuses_routed_experts_it_cannot_split():
     assert [name for name, _ in expert_modules(model)] == ["model.layers.0.ffn.experts", "model.layers.1.ffn.experts"]
     with torch.device("meta"):
         model.model.layers[1].ffn.experts = Bnb4bitExperts(model.config.get_text_config())
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.ffn\.experts is Bnb4bitExperts: shard with expert_parallel_size=1"):
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.1\.ffn\.experts is Bnb4bitExperts: shard with expert_parallel_size=1"
+    ):
         list(expert_modules(model))
 
 
@@ -583,9 +626,13 @@ def _shard_model_refusals(rank: int, tmp: Path) -> None:
     with pytest.raises(ValueError, match=r"expert_parallel_size=3 must divide the world size 2: use one of \[1, 2\]"):
         shard_model(tiny_training_model(num_hidden_layers=2), expert_parallel_size=3)
     with pytest.raises(ValueError, match="give expert_parallel_size or mesh, not both"):
-        shard_model(tiny_training_model(num_hidden_layers=2), mesh=init_device_mesh("cpu", (2,)), expert_parallel_size=2)
+        shard_model(
+            tiny_training_model(num_hidden_layers=2), mesh=init_device_mesh("cpu", (2,)), expert_parallel_size=2
+        )
     adapted = get_peft_model(tiny_training_model(num_hidden_layers=2), LoraConfig(r=2, target_modules=["wq_a"]))
-    with pytest.raises(ValueError, match=r"LoRA adapters on the natively loaded release only.*shard_model\(model\) \(FSDP2 alone"):
+    with pytest.raises(
+        ValueError, match=r"LoRA adapters on the natively loaded release only.*shard_model\(model\) \(FSDP2 alone"
+    ):
         shard_model(adapted, expert_parallel_size=2)
     kernels = tiny_training_model(num_hidden_layers=2)
     kernels.set_experts_implementation("batched_mm")
@@ -594,7 +641,9 @@ def _shard_model_refusals(rank: int, tmp: Path) -> None:
     preset = DeepseekV41Config.from_preset("tiny")
     text = {**preset.text_config.to_dict(), "num_hidden_layers": 2, "n_routed_experts": 3}
     with pytest.raises(ValueError, match="needs whole experts per rank: 3 experts do not split 2 ways"):
-        shard_model(DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)), expert_parallel_size=2)
+        shard_model(
+            DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny", text_config=text)), expert_parallel_size=2
+        )
 
 
 def test_shard_model_refuses_what_expert_parallelism_cannot_shard(on_two):

@@ -41,7 +41,9 @@ def tiny():
     _, compressed = build_compressed_token_map(tokenizer)
     model = tiny_model(engram_map=None, engram_compressed_vocab_size=compressed)
     model.model.engram_hasher.load_tokenizer(tokenizer)
-    processor = DeepseekV41Processor(DeepseekV41ImageProcessor.from_vision_config(model.config.vision_config), tokenizer)
+    processor = DeepseekV41Processor(
+        DeepseekV41ImageProcessor.from_vision_config(model.config.vision_config), tokenizer
+    )
     return model, processor
 
 
@@ -91,8 +93,9 @@ def test_flatten_rewrites_project_imports_into_sibling_imports():
         """
     )
     flat, needed = flatten_module_source(source, "modeling_dsv41.modeling_dsv41")
-    assert flat == source.replace("from configuration.configuration_dsv41 import", "from .configuration_dsv41 import") \
-        .replace("from processing.image_processing_dsv41 import", "from .image_processing_dsv41 import")
+    assert flat == source.replace(
+        "from configuration.configuration_dsv41 import", "from .configuration_dsv41 import"
+    ).replace("from processing.image_processing_dsv41 import", "from .image_processing_dsv41 import")
     assert needed == {"configuration.configuration_dsv41", "modeling_dsv41.moe", "processing.image_processing_dsv41"}
 
 
@@ -143,8 +146,11 @@ def test_export_is_a_flat_self_contained_repo(exported):
             "pil": "image_processing_pil_dsv41.DeepseekV41ImageProcessorPil",
         }
     }
-    references = [*config["auto_map"].values(), *saved["auto_map"].values(),
-                  *saved["image_processor"]["auto_map"]["AutoImageProcessor"].values()]
+    references = [
+        *config["auto_map"].values(),
+        *saved["auto_map"].values(),
+        *saved["image_processor"]["auto_map"]["AutoImageProcessor"].values(),
+    ]
     assert all(defined(reference) for reference in references)
 
 
@@ -200,10 +206,15 @@ def test_export_refuses_a_folder_holding_other_files(tiny, tmp_path):
     """An old LoRA adapter left in the folder would be published with the model (and make it load as an adapter)."""
     model, processor = tiny
     folder = tmp_path / "repo"
-    get_peft_model(DeepseekV41ForCausalLM(model.config), LoraConfig(r=2, target_modules=["wq_a"])).save_pretrained(folder)
+    get_peft_model(DeepseekV41ForCausalLM(model.config), LoraConfig(r=2, target_modules=["wq_a"])).save_pretrained(
+        folder
+    )
     before = sorted(p.name for p in folder.iterdir())
-    with pytest.raises(ValueError, match=rf"{folder} is not empty and holds files no export wrote \(README.md, "
-                                         r"adapter_config.json, adapter_model.safetensors\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{folder} is not empty and holds files no export wrote \(README.md, "
+        r"adapter_config.json, adapter_model.safetensors\)",
+    ):
         export_for_hub(model, folder, processor)
     assert sorted(p.name for p in folder.iterdir()) == before  # nothing removed nor written
 
@@ -286,12 +297,21 @@ def test_remote_code_loads_with_transformers_alone(exported, tiny, tmp_path):
     # PYTHONPATH: only the environment's site-packages (transformers, torch, …)
     site_packages = Path(transformers.__file__).resolve().parents[1]
     env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(site_packages), "HOME": str(tmp_path),
-        "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(site_packages),
+        "HOME": str(tmp_path),
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
     }
     run = subprocess.run(
         [sys.executable, "-S", "check.py", str(exported)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     modules = json.loads(run.stdout.strip().splitlines()[-1])
@@ -326,10 +346,21 @@ def test_package_and_remote_code_coexist_in_one_process(exported, tmp_path, orde
     """Registration is process-wide: the two copies of the code must not refuse each other (transformers raises
     "already registered" for a second quantizer of one name); the package's classes hold the names."""
     (tmp_path / "coexist.py").write_text(COEXIST_SCRIPT)
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    run = subprocess.run([sys.executable, "coexist.py", order, str(exported)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    run = subprocess.run(
+        [sys.executable, "coexist.py", order, str(exported)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     remote, package = "transformers_modules.", "modeling_dsv41.modeling_dsv41"
@@ -373,8 +404,9 @@ class LocalHub:
         url = f"https://huggingface.co/{repo_id}/commit/{'0' * 40}"
         return CommitInfo(commit_url=url, commit_message=kwargs["commit_message"], commit_description="", oid="0" * 40)
 
-    def upload_folder(self, api, repo_id, folder_path, path_in_repo="", ignore_patterns=None, run_as_future=False,
-                      **kwargs):
+    def upload_folder(
+        self, api, repo_id, folder_path, path_in_repo="", ignore_patterns=None, run_as_future=False, **kwargs
+    ):
         """``HfApi.upload_folder`` (the Trainer's pushes): the folder's files, less ``ignore_patterns``, into the repo
         (done at once, also when asked to run as a future)."""
         from concurrent.futures import Future
@@ -398,7 +430,9 @@ class LocalHub:
 def test_push_to_hub_commits_the_export(tiny, exported, tmp_path, monkeypatch):
     hub = LocalHub(tmp_path / "hub")
     monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: hub.create_repo(api, repo_id, **kw))
-    monkeypatch.setattr(HfApi, "create_commit", lambda api, repo_id, ops, **kw: hub.create_commit(api, repo_id, ops, **kw))
+    monkeypatch.setattr(
+        HfApi, "create_commit", lambda api, repo_id, ops, **kw: hub.create_commit(api, repo_id, ops, **kw)
+    )
     model, processor = tiny
 
     info = push_to_hub("someone/dsv41-tiny", model, processor, results=RESULTS, private=True, commit_message="tiny")
@@ -406,7 +440,9 @@ def test_push_to_hub_commits_the_export(tiny, exported, tmp_path, monkeypatch):
     assert info.commit_message == "tiny"
     assert hub.repos == [("someone/dsv41-tiny", {"private": True, "token": None, "exist_ok": True})]
     pushed = tmp_path / "hub" / "someone" / "dsv41-tiny"
-    assert sorted(p.name for p in pushed.iterdir()) == sorted(p.name for p in exported.iterdir() if p.name != EXPORT_MANIFEST)
+    assert sorted(p.name for p in pushed.iterdir()) == sorted(
+        p.name for p in exported.iterdir() if p.name != EXPORT_MANIFEST
+    )
     assert 'repo_id = "someone/dsv41-tiny"' in (pushed / "README.md").read_text()
     reloaded = AutoModelForCausalLM.from_pretrained(pushed, trust_remote_code=True).eval()
     inputs = sample_inputs(AutoProcessor.from_pretrained(pushed, trust_remote_code=True))
@@ -418,7 +454,9 @@ def test_push_to_a_branch_creates_it_first(tiny, tmp_path, monkeypatch):
     hub, branches = LocalHub(tmp_path / "hub"), []
     monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: hub.create_repo(api, repo_id, **kw))
     monkeypatch.setattr(HfApi, "create_branch", lambda api, repo_id, **kw: branches.append((repo_id, kw)))
-    monkeypatch.setattr(HfApi, "create_commit", lambda api, repo_id, ops, **kw: hub.create_commit(api, repo_id, ops, **kw))
+    monkeypatch.setattr(
+        HfApi, "create_commit", lambda api, repo_id, ops, **kw: hub.create_commit(api, repo_id, ops, **kw)
+    )
 
     push_to_hub("someone/dsv41-tiny", tiny[0], revision="dev")
 
@@ -442,8 +480,10 @@ def test_the_exported_modules_import_one_way():
     assert {"modeling_dsv41.released.loading", "modeling_dsv41.placement"} <= graph.keys()
 
     def reaches(start: str, target: str, seen: set) -> bool:
-        return any(dep == target or (dep not in seen and not seen.add(dep) and reaches(dep, target, seen))
-                   for dep in graph[start])
+        return any(
+            dep == target or (dep not in seen and not seen.add(dep) and reaches(dep, target, seen))
+            for dep in graph[start]
+        )
 
     circles = sorted(module for module in graph if reaches(module, module, set()))
     assert not circles, f"modules on an import circle: {circles}"

@@ -30,15 +30,25 @@ def test_the_sharded_terms_are_the_parameters_over_the_world(release):
     tables in host memory; the mHC and sinks replicated."""
     kinds = assign_kinds(release)
     plan = plan_full_training(release, 16, 8, 80 * GIB, 64, "fp32 master")
-    trained = {n: p for n, p in release.named_parameters()
-               if kinds[n] != "frozen" and not n.startswith("mtp.") and not is_engram_table_tensor(n)}
-    replicated = {n for n, _ in release.named_parameters() if re.search(r"\.hc_(attn|ffn)_(fn|base|scale)$|\.attn_sink$", n)}
+    trained = {
+        n: p
+        for n, p in release.named_parameters()
+        if kinds[n] != "frozen" and not n.startswith("mtp.") and not is_engram_table_tensor(n)
+    }
+    replicated = {
+        n for n, _ in release.named_parameters() if re.search(r"\.hc_(attn|ffn)_(fn|base|scale)$|\.attn_sink$", n)
+    }
     sharded = {n: p for n, p in trained.items() if n not in replicated}
-    frozen = sum(p.numel() * p.element_size() for n, p in release.named_parameters()
-                 if n not in trained and n not in replicated and not is_engram_table_tensor(n))
+    frozen = sum(
+        p.numel() * p.element_size()
+        for n, p in release.named_parameters()
+        if n not in trained and n not in replicated and not is_engram_table_tensor(n)
+    )
     assert plan.trainable_parameters == sum(p.numel() for p in trained.values())
     assert 550e9 < plan.trainable_parameters < 555e9
-    assert plan.terms["weights (1/world)"] == pytest.approx((4 * sum(p.numel() for p in sharded.values()) + frozen) / 128)
+    assert plan.terms["weights (1/world)"] == pytest.approx(
+        (4 * sum(p.numel() for p in sharded.values()) + frozen) / 128
+    )
     assert plan.terms["gradients (1/world)"] == pytest.approx(4 * sum(p.numel() for p in sharded.values()) / 128)
     state = sum(4 * p.numel() * (2 if kinds[n] == "adamw" else 1) for n, p in sharded.items())
     assert plan.terms["optimizer state (1/world)"] == pytest.approx(state / 128)
@@ -58,8 +68,10 @@ def test_terms_scale_with_the_mesh(release):
     # one layer's local experts: 48 of 384, 3 matrices of 2304 × 4096, bf16, and the next layer's
     config = release.config.get_text_config()
     assert eight.terms[experts.format(48)] == 2 * 48 * 3 * config.moe_intermediate_size * config.hidden_size * 2
-    assert base.terms["weights (1/world)"] < plan_full_training(release, 16, 8, 80 * GIB, 64, "fp32 master").terms[
-        "weights (1/world)"]
+    assert (
+        base.terms["weights (1/world)"]
+        < plan_full_training(release, 16, 8, 80 * GIB, 64, "fp32 master").terms["weights (1/world)"]
+    )
     with pytest.raises(ValueError, match="must divide the 128 devices and the 384 experts"):
         plan_full_training(release, 16, 8, 80 * GIB, 5)
 
@@ -70,10 +82,15 @@ def test_the_smallest_node_count_is_the_smallest(release, capacity, precision):
     best = smallest_fit(release, 8, capacity * GIB, precision)
     assert best.fits and best.nodes > 1
     fewer = best.nodes - 1
-    assert not any(plan_full_training(release, fewer, 8, capacity * GIB, ep, precision).fits
-                   for ep in ep_sizes(release, fewer * 8))
-    assert not any(plan_full_training(release, best.nodes, 8, capacity * GIB, ep, precision).fits
-                   for ep in ep_sizes(release, best.nodes * 8) if ep < best.ep_size)
+    assert not any(
+        plan_full_training(release, fewer, 8, capacity * GIB, ep, precision).fits
+        for ep in ep_sizes(release, fewer * 8)
+    )
+    assert not any(
+        plan_full_training(release, best.nodes, 8, capacity * GIB, ep, precision).fits
+        for ep in ep_sizes(release, best.nodes * 8)
+        if ep < best.ep_size
+    )
 
 
 def test_the_command_prints_the_plan_and_refuses_uneven_devices(capsys):
@@ -93,8 +110,10 @@ def test_docs_figures_are_the_planners(release):
     text = (DOCS / "released-model.md").read_text()
     table = text[text.index("| 16 × 8 devices, EP 64") :].split("\n\n")[0]
     plans = [plan_full_training(release, 16, 8, 80 * GIB, 64, precision) for precision in PRECISIONS]
-    documented = {name.split(" (")[0]: (first.strip(), second.strip())
-                  for name, first, second in re.findall(r"^\| ([^|*]+?) \| ([^|]+) \| ([^|]+) \|$", table, re.M)}
+    documented = {
+        name.split(" (")[0]: (first.strip(), second.strip())
+        for name, first, second in re.findall(r"^\| ([^|*]+?) \| ([^|]+) \| ([^|]+) \|$", table, re.M)
+    }
     for term in plans[0].terms:
         key = term.split(" (")[0]
         expected = tuple(_bytes(p.terms[term]) if term in p.terms else "-" for p in plans)
@@ -102,12 +121,20 @@ def test_docs_figures_are_the_planners(release):
     totals = re.search(r"\*\*per device\*\* \| \*\*([\d.]+ GiB)\*\*[^|]*\| \*\*([\d.]+ GiB)\*\*", table).groups()
     assert totals == tuple(_bytes(p.per_device) for p in plans)
     readme = " ".join((REPO_ROOT / "README.md").read_text().split())
-    assert (f"128 H100 with EP 64, plans {_bytes(plans[1].per_device)} per GPU in bf16 and {_bytes(plans[0].per_device)} "
-            "with fp32 masters, where NeMo reports 58.4 GiB") in readme
-    one_node_ep = " / ".join(_bytes(plan_full_training(release, 16, 8, 80 * GIB, 8, precision).per_device)
-                             for precision in PRECISIONS)
-    assert f"With one node's EP (8: 48 experts per device, the all-to-all on NVLink) the same devices need {one_node_ep}" in " ".join(text.split())
+    assert (
+        f"128 H100 with EP 64, plans {_bytes(plans[1].per_device)} per GPU in bf16 and {_bytes(plans[0].per_device)} "
+        "with fp32 masters, where NeMo reports 58.4 GiB"
+    ) in readme
+    one_node_ep = " / ".join(
+        _bytes(plan_full_training(release, 16, 8, 80 * GIB, 8, precision).per_device) for precision in PRECISIONS
+    )
+    assert (
+        f"With one node's EP (8: 48 experts per device, the all-to-all on NVLink) the same devices need {one_node_ep}"
+        in " ".join(text.split())
+    )
     for capacity in (80, 141):
-        cells = [f"{b.nodes} nodes (EP {b.ep_size}, {_bytes(b.per_device)})"
-                 for b in (smallest_fit(release, 8, capacity * GIB, precision) for precision in PRECISIONS)]
+        cells = [
+            f"{b.nodes} nodes (EP {b.ep_size}, {_bytes(b.per_device)})"
+            for b in (smallest_fit(release, 8, capacity * GIB, precision) for precision in PRECISIONS)
+        ]
         assert f"| 8 × {capacity} GiB | {cells[0]} | {cells[1]} |" in text

@@ -51,7 +51,9 @@ def extend_types(inputs: dict, length: int) -> dict:
     out = dict(inputs)
     if "image_token_types" in inputs:
         types = inputs["image_token_types"]
-        out["image_token_types"] = torch.cat([types, types.new_full((types.shape[0], length - types.shape[1]), TEXT)], 1)
+        out["image_token_types"] = torch.cat(
+            [types, types.new_full((types.shape[0], length - types.shape[1]), TEXT)], 1
+        )
     return out
 
 
@@ -92,7 +94,11 @@ def generate_tie_free(model, make_inputs, seeds=range(6), **kwargs):
     for seed in seeds:
         inputs = make_inputs(seed)
         out = model.generate(
-            **inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
             **kwargs,
         )
         final = {**extend_types(inputs, out.sequences.shape[1]), "input_ids": out.sequences}
@@ -199,7 +205,7 @@ def test_left_padded_batch_matches_each_row_alone():
     assert batched.cache.lengths.tolist() == [37 + NEW_TOKENS - 1, 24 + NEW_TOKENS - 1, 11 + NEW_TOKENS - 1]
     for b, row in enumerate(rows):
         alone = model.generate(**row, **kwargs)
-        assert torch.equal(batched.sequences[b, width:], alone.sequences[0, row["input_ids"].shape[1]:]), b
+        assert torch.equal(batched.sequences[b, width:], alone.sequences[0, row["input_ids"].shape[1] :]), b
         worst = max((batched.logits[t][b] - alone.logits[t][0]).abs().max().item() for t in range(NEW_TOKENS))
         assert worst <= TOL, (b, worst)
 
@@ -221,7 +227,9 @@ def test_cache_memory_is_a_fixed_window_plus_compressed_rows():
             assert cache.get_seq_length() == n
             assert held["window_kv"] == window
             assert held["compressed_kv"] == sum(n // text.compress_ratios[i] for i in sources) * text.head_dim * fp32
-            assert held["index_keys"] == sum(n // text.compress_ratios[i] for i in sources) * text.index_head_dim * fp32
+            assert (
+                held["index_keys"] == sum(n // text.compress_ratios[i] for i in sources) * text.index_head_dim * fp32
+            )
             # the open ratio-2 group: r fp32 projections of wkv and wgate
             assert held["pending_kv"] == held["pending_score"] == 2 * text.head_dim * fp32
             assert held["engram_history"] == (text.engram_max_ngram_size - 1) * 8
@@ -280,4 +288,8 @@ def test_generation_config_defaults_come_from_the_text_config():
     config = DeepseekV41Config.from_preset("tiny")
     config.text_config.update({"bos_token_id": 5, "eos_token_id": 6, "pad_token_id": 7})
     generation_config = DeepseekV41ForCausalLM(config).generation_config
-    assert (generation_config.bos_token_id, generation_config.eos_token_id, generation_config.pad_token_id) == (5, 6, 7)
+    assert (generation_config.bos_token_id, generation_config.eos_token_id, generation_config.pad_token_id) == (
+        5,
+        6,
+        7,
+    )

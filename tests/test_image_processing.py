@@ -226,8 +226,9 @@ def test_exif_orientation_is_ignored_like_the_reference_unless_asked():
         assert stored["image_grid_hw"].tolist() == [list(processor.plan(20, 40).patch_grid)]
         rotated = processor(buffer.getvalue(), apply_exif_orientation=True)
         assert torch.equal(rotated["pixel_values"], processor(upright)["pixel_values"])
-        assert torch.equal(backend(**TINY, apply_exif_orientation=True)(buffer.getvalue())["pixel_values"],
-                           rotated["pixel_values"])
+        assert torch.equal(
+            backend(**TINY, apply_exif_orientation=True)(buffer.getvalue())["pixel_values"], rotated["pixel_values"]
+        )
 
 
 # --- inputs ------------------------------------------------------------------------------------------------------
@@ -367,7 +368,9 @@ def test_torch_letterbox_and_patches_match_cpu_path():
 def test_value_table_is_the_reference_arithmetic():
     levels = torch.arange(256, dtype=torch.float32)
     expected = ((levels / 255 - 0.5) / 0.5).to(torch.bfloat16)
-    table = pixel_value_table(do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=0.5, image_std=0.5)
+    table = pixel_value_table(
+        do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=0.5, image_std=0.5
+    )
     assert all(torch.equal(row.view(torch.int16), expected.view(torch.int16)) for row in table)
 
 

@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("configuration", "processing", "modeling_dsv41")
 MODEL = "modeling_dsv41.modeling_dsv41"
 USERS = (
-    "modeling_dsv41.training", "modeling_dsv41.optim", "modeling_dsv41.cli", "modeling_dsv41.hub.export",
+    "modeling_dsv41.training",
+    "modeling_dsv41.optim",
+    "modeling_dsv41.cli",
+    "modeling_dsv41.hub.export",
     "modeling_dsv41.serving",
 )
 
@@ -83,7 +86,7 @@ def test_there_is_no_import_circle(graph):
         state[module] = 1
         for target in sorted(graph.get(module, ())):
             if state.get(target) == 1:
-                circle = path[path.index(target):] + [target]
+                circle = path[path.index(target) :] + [target]
                 pytest.fail("import circle: " + " -> ".join(circle))
             if target not in state:
                 visit(target, [*path, target])

@@ -35,12 +35,33 @@ PSS_BUDGET = 1.3
 # 261.7 MiB stored ("several hundred MB", issue 38): 8 decoder layers of 128 FP4 experts (211.3 MiB with the rest)
 # and two FP8 Engram tables (50.4 MiB); a step routes to 2 experts per token, so the experts cost time only to read
 STAND_IN = dict(
-    vocab_size=512, hidden_size=256, moe_intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-    head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_lora_rank=32, o_groups=2, n_routed_experts=128,
-    num_experts_per_tok=2, sliding_window=16, compress_ratios=[0, 2] * 4, kv_source_layer_ids=[1],
-    index_source_layer_ids=[1], index_n_heads=4, index_head_dim=64, index_topk=8, candidate_source_layer_id=-1,
-    engram_layer_ids=[0, 4], engram_num_embeddings=[200000, 200000], engram_vocab_size=100, engram_n_heads=2,
-    engram_head_dim=128, engram_compressed_vocab_size=256, num_nextn_predict_layers=0,
+    vocab_size=512,
+    hidden_size=256,
+    moe_intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    head_dim=64,
+    qk_rope_head_dim=16,
+    q_lora_rank=64,
+    o_lora_rank=32,
+    o_groups=2,
+    n_routed_experts=128,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    compress_ratios=[0, 2] * 4,
+    kv_source_layer_ids=[1],
+    index_source_layer_ids=[1],
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=8,
+    candidate_source_layer_id=-1,
+    engram_layer_ids=[0, 4],
+    engram_num_embeddings=[200000, 200000],
+    engram_vocab_size=100,
+    engram_n_heads=2,
+    engram_head_dim=128,
+    engram_compressed_vocab_size=256,
+    num_nextn_predict_layers=0,
 )
 SEQ_LEN, STEPS, RANK = 16, 3, 2
 
@@ -113,9 +134,24 @@ def stored_bytes(folder: Path) -> tuple[int, int]:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
                 sliced = f.get_slice(key)
-                size = torch.Size(sliced.get_shape()).numel() * torch.empty((), dtype=getattr(torch, {
-                    "F8_E4M3": "float8_e4m3fn", "F8_E8M0": "float8_e8m0fnu", "I8": "int8", "U8": "uint8",
-                    "BF16": "bfloat16", "F32": "float32", "I64": "int64"}[sliced.get_dtype()])).element_size()
+                size = (
+                    torch.Size(sliced.get_shape()).numel()
+                    * torch.empty(
+                        (),
+                        dtype=getattr(
+                            torch,
+                            {
+                                "F8_E4M3": "float8_e4m3fn",
+                                "F8_E8M0": "float8_e8m0fnu",
+                                "I8": "int8",
+                                "U8": "uint8",
+                                "BF16": "bfloat16",
+                                "F32": "float32",
+                                "I64": "int64",
+                            }[sliced.get_dtype()],
+                        ),
+                    ).element_size()
+                )
                 if ".engram.embed." in key:
                     tables += size
                 else:
@@ -134,16 +170,28 @@ def runs(workspace, tmp_path_factory) -> dict[str, Path]:
     """The printed launch on 4 processes (each process's PSS recorded) and the script on one process."""
     out = tmp_path_factory.mktemp("lora_runs")
     argv = printed_launch()
-    sized = {"num_processes": PROCESSES, "seq_len": SEQ_LEN, "max_steps": STEPS, "save_steps": 2, "rank": RANK,
-             "output_dir": out / "sharded"}
+    sized = {
+        "num_processes": PROCESSES,
+        "seq_len": SEQ_LEN,
+        "max_steps": STEPS,
+        "save_steps": 2,
+        "rank": RANK,
+        "output_dir": out / "sharded",
+    }
     launch = with_flags(argv, **sized)
     (out / "pss").mkdir()
     run(launch, workspace, out / "pss")
     # one process, the script itself: the same rows as 4 micro-batches of one
-    script = with_flags(launch[launch.index("examples/lora_released.py"):], output_dir=out / "single")
+    script = with_flags(launch[launch.index("examples/lora_released.py") :], output_dir=out / "single")
     run([sys.executable, *script, "--gradient_accumulation_steps", str(PROCESSES)], workspace)
-    return {"sharded": out / "sharded", "single": out / "single", "pss": out / "pss", "launch": launch,
-            "model": workspace / argv[argv.index("--model") + 1], "workspace": workspace}
+    return {
+        "sharded": out / "sharded",
+        "single": out / "single",
+        "pss": out / "pss",
+        "launch": launch,
+        "model": workspace / argv[argv.index("--model") + 1],
+        "workspace": workspace,
+    }
 
 
 @pytest.mark.slow
@@ -204,8 +252,10 @@ def pss_reports(runs) -> tuple[float, list[dict]]:
 
 def rises(share: float, reports: list[dict], key: str) -> list[float]:
     found = sorted(r[key] - r["baseline"] for r in reports)
-    print(f"per process: shards + Engram share {share / 2**20:.1f} MiB; peak PSS rise ({key}) "
-          f"{[round(r / 2**20, 1) for r in found]} MiB = {[round(r / share, 2) for r in found]} x")
+    print(
+        f"per process: shards + Engram share {share / 2**20:.1f} MiB; peak PSS rise ({key}) "
+        f"{[round(r / 2**20, 1) for r in found]} MiB = {[round(r / share, 2) for r in found]} x"
+    )
     return found
 
 
@@ -220,16 +270,20 @@ def test_each_process_reads_only_its_shards_and_maps_its_share_of_the_engram_tab
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "not met on the CPU (measured on this stand-in, a 65.4 MiB share per process): over the first steps each "
-    "process's PSS rises about 10 x the share (625-680 MiB). Most of it, about 500 MiB, is glibc's heap keeping freed "
-    "memory resident (with MALLOC_MMAP_THRESHOLD_=131072 the rise is 204 MiB, 3.1 x); the rest is the step's working "
-    "set, host memory on CPU processes (FSDP2's all-gather of a decoder layer and of the next, 26 MiB stored each, in "
-    "three buffers; the activations), device memory on GPUs. With --expert_parallel_size 4 added the rise is 2.8-3.2 "
-    "x; counted after the second step, the shards and the adapters with their gradients and AdamW state are 1.06 x "
-    "the share and the allocations that are not tensors 23 MiB more, 1.4 x "
-    "before any working set or freed heap: a per-process cost the stand-in's share cannot absorb "
-    "(docs/released-model.md)"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "not met on the CPU (measured on this stand-in, a 65.4 MiB share per process): over the first steps each "
+        "process's PSS rises about 10 x the share (625-680 MiB). Most of it, about 500 MiB, is glibc's heap keeping freed "
+        "memory resident (with MALLOC_MMAP_THRESHOLD_=131072 the rise is 204 MiB, 3.1 x); the rest is the step's working "
+        "set, host memory on CPU processes (FSDP2's all-gather of a decoder layer and of the next, 26 MiB stored each, in "
+        "three buffers; the activations), device memory on GPUs. With --expert_parallel_size 4 added the rise is 2.8-3.2 "
+        "x; counted after the second step, the shards and the adapters with their gradients and AdamW state are 1.06 x "
+        "the share and the allocations that are not tensors 23 MiB more, 1.4 x "
+        "before any working set or freed heap: a per-process cost the stand-in's share cannot absorb "
+        "(docs/released-model.md)"
+    ),
+)
 def test_the_first_steps_stay_within_the_share(runs):
     share, reports = pss_reports(runs)
     run = rises(share, reports, "peak")

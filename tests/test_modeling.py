@@ -261,7 +261,9 @@ def test_bf16_load_keeps_fp32_params_and_round_trips(tmp_path, model):
     assert bf16.model.layers[1].ffn.gate.bias_vl.dtype == torch.float32
     # the ratio-2 compressor pools in fp32 (reference dtypes); the ratio-1 one is a plain projection
     assert bf16.model.layers[1].attn.compressor.wkv.weight.dtype == torch.float32
-    assert torch.equal(bf16.model.layers[1].attn.compressor.wgate.weight, model.model.layers[1].attn.compressor.wgate.weight)
+    assert torch.equal(
+        bf16.model.layers[1].attn.compressor.wgate.weight, model.model.layers[1].attn.compressor.wgate.weight
+    )
     assert bf16.model.layers[3].attn.compressor.wkv.weight.dtype == torch.bfloat16
     bf16.save_pretrained(tmp_path / "bf16")
     again = DeepseekV41ForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
@@ -292,8 +294,12 @@ def image_inputs(vit_grid=(9, 13), seq=SEQ):
     ids = torch.randint(3, 500, (1, seq))
     ids[types >= 0] = 510
     pixels = torch.randn(vit_grid[0] * vit_grid[1], 3, 14, 14)
-    return {"input_ids": ids, "pixel_values": pixels, "image_grid_hw": torch.tensor([vit_grid]),
-            "image_token_types": types}
+    return {
+        "input_ids": ids,
+        "pixel_values": pixels,
+        "image_grid_hw": torch.tensor([vit_grid]),
+        "image_token_types": types,
+    }
 
 
 def test_image_inputs_run(model):
@@ -500,7 +506,9 @@ def test_every_expert_tensor_gets_a_gradient_whatever_the_data(input_ids):
     unused = set(range(experts.num_experts)) - set(model.model.layers[0].ffn.last_expert_indices.flatten().tolist())
     assert unused  # the one-token batch really left experts out
     assert all(torch.equal(experts.down_proj.grad[e], torch.zeros_like(experts.down_proj.grad[e])) for e in unused)
-    assert {f"model.layers.{i}.ffn.experts.{t}" for i in range(6) for t in ("gate_up_proj", "down_proj")} <= grad_sets[1]
+    assert {f"model.layers.{i}.ffn.experts.{t}" for i in range(6) for t in ("gate_up_proj", "down_proj")} <= grad_sets[
+        1
+    ]
 
 
 def test_router_biases_are_saved_fp32_buffers(tmp_path, model):

@@ -16,7 +16,15 @@ from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
 # the Linears the release stores in FP8 (FP8Linear once loaded natively): attention and the shared expert
-FP8_TARGETS = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1", "shared_experts.w2", "shared_experts.w3"]
+FP8_TARGETS = [
+    "attn.wq_a",
+    "attn.wq_b",
+    "attn.wkv",
+    "attn.wo_b",
+    "shared_experts.w1",
+    "shared_experts.w2",
+    "shared_experts.w3",
+]
 # the routed experts' adapters (PEFT target_parameters: logical-shape factors on the native FP4 experts)
 EXPERT_TARGETS = ["experts.gate_up_proj", "experts.down_proj"]
 STEPS = 3
@@ -53,8 +61,9 @@ def lora_model(folder: Path, engram_table_dtype: str):
     base = DeepseekV41ForCausalLM.from_pretrained(folder, config=config)
     base.activation_checkpointing_enable()
     torch.manual_seed(1)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=FP8_TARGETS, target_parameters=EXPERT_TARGETS,
-                      init_lora_weights=False)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=FP8_TARGETS, target_parameters=EXPERT_TARGETS, init_lora_weights=False
+    )
     return get_peft_model(base, lora).train()
 
 
@@ -106,8 +115,12 @@ def _native_lora_sharded_matches_one_process(
         assert not isinstance(param, DTensor) and not param.requires_grad
     seen = {}  # the dtypes the forward computes with
     layer = model.base_model.model.model.layers[1]
-    hooks = {"wq_a": layer.attn.wq_a.base_layer, "lora_A": layer.attn.wq_a.lora_A["default"],
-             "experts": layer.ffn.experts.get_base_layer(), "lm_head": model.base_model.model.lm_head}
+    hooks = {
+        "wq_a": layer.attn.wq_a.base_layer,
+        "lora_A": layer.attn.wq_a.lora_A["default"],
+        "experts": layer.ffn.experts.get_base_layer(),
+        "lm_head": model.base_model.model.lm_head,
+    }
     for key, module in hooks.items():
         weight = "gate_up_proj" if key == "experts" else "weight"
         module.register_forward_pre_hook(lambda m, a, key=key, w=weight: seen.__setitem__(key, getattr(m, w).dtype))
@@ -117,7 +130,10 @@ def _native_lora_sharded_matches_one_process(
     _sgd_steps(model, [[halves[rank]]] * STEPS)
 
     assert seen == {
-        "wq_a": torch.float8_e4m3fn, "experts": torch.int8, "lm_head": torch.float32, "hc_attn_fn": torch.float32,
+        "wq_a": torch.float8_e4m3fn,
+        "experts": torch.int8,
+        "lm_head": torch.float32,
+        "hc_attn_fn": torch.float32,
         "lora_A": torch.bfloat16 if bf16_compute else torch.float32,
     }, seen
     assert [p.data_ptr() for p in table.parameters()] == table_storage
@@ -147,8 +163,14 @@ def test_lora_on_the_native_base_sharded_on_two_processes_trains_as_one_process(
     With a bf16 ``param_dtype`` the adapters compute in bf16 where one process computes them in fp32, so no
     single-process run is the reference there: that case checks what is sharded and cast (the FP8 / FP4 bases and
     the model's fp32 modules, frozen under LoRA, keep their dtypes) and that every factor trains."""
-    spawn(_native_lora_sharded_matches_one_process, tmp_path, str(released), engram_table_dtype, bf16_compute,
-          timeout_s=240)
+    spawn(
+        _native_lora_sharded_matches_one_process,
+        tmp_path,
+        str(released),
+        engram_table_dtype,
+        bf16_compute,
+        timeout_s=240,
+    )
     print("max |Δ adapter| / max |update|:", (tmp_path / "worst.txt").read_text())
 
 
@@ -226,8 +248,14 @@ def test_lora_on_the_native_base_with_expert_parallelism_trains_as_one_process(r
     on the ranks that hold their experts), give the adapters one process gets accumulating every part. (The trainer
     test below runs a 1-rank ep_shard.)"""
     world = 2 * EP_SIZE
-    spawn(_native_lora_expert_parallel_matches_one_process, tmp_path, str(released), world, world_size=world,
-          timeout_s=240)
+    spawn(
+        _native_lora_expert_parallel_matches_one_process,
+        tmp_path,
+        str(released),
+        world,
+        world_size=world,
+        timeout_s=240,
+    )
 
 
 def _trainer_adapters(rank: int, folder: Path, output: Path, expert_parallel_size: int) -> dict[str, torch.Tensor]:
@@ -239,17 +267,32 @@ def _trainer_adapters(rank: int, folder: Path, output: Path, expert_parallel_siz
     from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
 
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-        ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
-        FSDP_RESHARD_AFTER_FORWARD="true", FSDP_OFFLOAD_PARAMS="false", FSDP_CPU_RAM_EFFICIENT_LOADING="false",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        ACCELERATE_USE_FSDP="true",
+        FSDP_VERSION="2",
+        FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+        FSDP_RESHARD_AFTER_FORWARD="true",
+        FSDP_OFFLOAD_PARAMS="false",
+        FSDP_CPU_RAM_EFFICIENT_LOADING="false",
         ACCELERATE_MIXED_PRECISION="no",
     )
     ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (8, 16), generator=torch.Generator().manual_seed(5))
     rows = [{"input_ids": row, "labels": row} for row in ids]
     args = DeepseekV41TrainingArguments(
-        output_dir=str(output), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
-        expert_parallel_size=expert_parallel_size, bias_update_speed=0, report_to="none", logging_steps=1, seed=0,
-        save_steps=2, save_strategy="steps" if expert_parallel_size > 1 else "no",  # FSDP2 alone: tested elsewhere
+        output_dir=str(output),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        expert_parallel_size=expert_parallel_size,
+        bias_update_speed=0,
+        report_to="none",
+        logging_steps=1,
+        seed=0,
+        save_steps=2,
+        save_strategy="steps" if expert_parallel_size > 1 else "no",  # FSDP2 alone: tested elsewhere
     )
     trainer = DeepseekV41Trainer(model=lora_model(folder, "fp8"), args=args, train_dataset=rows)
     trainer.train()
@@ -329,7 +372,9 @@ def _each_rank_reads_its_shards_of_the_release(
     assert not tables if engram_table_dtype == "fp8" else tables  # FP8 tables are memory-mapped, not read
     if expert_parallel_size > 1:  # the experts split by expert on the EP mesh; one bf16 step runs on them
         with pytest.raises(ValueError, match=r"weights are frozen: expert_parallel_size trains LoRA adapters"):
-            shard_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), expert_parallel_size=EP_SIZE)
+            shard_model(
+                empty_native_model(DeepseekV41ForCausalLM, folder, config=config), expert_parallel_size=EP_SIZE
+            )
         experts = [p for n, p in ours.named_parameters() if ".experts." in n and "lora_" not in n]
         assert experts and all(p.device_mesh.mesh_dim_names == ("ep_shard", "ep") for p in experts)
         ids = torch.randint(3, QUANT_FORMAT_TEXT["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(rank))
@@ -352,8 +397,16 @@ def test_each_rank_reads_its_shards_of_the_release_equal_to_loading_whole_then_s
     With ``expert_parallel_size=2`` on 4 processes, the FP4 experts are split by expert over ``ep`` and by rows of
     those over ``ep_shard`` (each rank reads its part of its experts' bytes and scales only) and a bf16 training step
     runs on the model so read."""
-    spawn(_each_rank_reads_its_shards_of_the_release, tmp_path, str(released), engram_table_dtype,
-          expert_parallel_size, world, world_size=world, timeout_s=240)
+    spawn(
+        _each_rank_reads_its_shards_of_the_release,
+        tmp_path,
+        str(released),
+        engram_table_dtype,
+        expert_parallel_size,
+        world,
+        world_size=world,
+        timeout_s=240,
+    )
 
 
 def _reads_its_experts_under_expert_parallelism(rank: int, tmp: Path, folder: str) -> None:

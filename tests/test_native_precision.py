@@ -44,7 +44,9 @@ def native(released):
 
 @pytest.fixture(scope="module")
 def dequantized(released):
-    return DeepseekV41ForCausalLM.from_pretrained(released[0], quantization_config=FineGrainedFP8Config(dequantize=True))
+    return DeepseekV41ForCausalLM.from_pretrained(
+        released[0], quantization_config=FineGrainedFP8Config(dequantize=True)
+    )
 
 
 def test_a_released_folder_implies_fine_grained_fp8(native):
@@ -69,13 +71,17 @@ def test_quantized_tensors_are_kept_as_stored(native, released):
     assert layer.attn.wq_b.weight.dtype == torch.float8_e4m3fn
     assert layer.attn.wq_b.weight_scale_inv.dtype == torch.float8_e8m0fnu
     assert torch.equal(layer.attn.wq_b.weight.view(torch.uint8), stored["layers.1.attn.wq_b.weight"].view(torch.uint8))
-    assert torch.equal(layer.attn.wq_b.weight_scale_inv.view(torch.uint8), stored["layers.1.attn.wq_b.scale"].view(torch.uint8))
+    assert torch.equal(
+        layer.attn.wq_b.weight_scale_inv.view(torch.uint8), stored["layers.1.attn.wq_b.scale"].view(torch.uint8)
+    )
     experts, inter = layer.ffn.experts, TEXT["moe_intermediate_size"]
     for e in range(TEXT["n_routed_experts"]):
         for w, rows in (("w1", slice(None, inter)), ("w3", slice(inter, None))):
             assert torch.equal(experts.gate_up_proj[e, rows], stored[f"layers.1.ffn.experts.{e}.{w}.weight"])
-            assert torch.equal(experts.gate_up_proj_scale_inv[e, rows].view(torch.uint8),
-                               stored[f"layers.1.ffn.experts.{e}.{w}.scale"].view(torch.uint8))
+            assert torch.equal(
+                experts.gate_up_proj_scale_inv[e, rows].view(torch.uint8),
+                stored[f"layers.1.ffn.experts.{e}.{w}.scale"].view(torch.uint8),
+            )
         assert torch.equal(experts.down_proj[e], stored[f"layers.1.ffn.experts.{e}.w2.weight"])
 
 
@@ -88,9 +94,13 @@ def test_quantized_modules_hold_the_stored_bytes(native, dequantized, released):
     for name, module in native.named_modules():
         if isinstance(module, (FP8Linear, FP8Experts)):
             native_bytes += sum(p.numel() * p.element_size() for p in module.parameters())
-            dequantized_bytes += sum(p.numel() * p.element_size() for p in dequantized.get_submodule(name).parameters())
+            dequantized_bytes += sum(
+                p.numel() * p.element_size() for p in dequantized.get_submodule(name).parameters()
+            )
             prefix = name.removeprefix("model.")
-            stored_bytes += sum(t.numel() * t.element_size() for key, t in stored.items() if key.startswith(prefix + "."))
+            stored_bytes += sum(
+                t.numel() * t.element_size() for key, t in stored.items() if key.startswith(prefix + ".")
+            )
     assert native_bytes == stored_bytes
     assert native_bytes < 0.4 * dequantized_bytes, (native_bytes, dequantized_bytes)
 
@@ -225,7 +235,9 @@ def _trainer(kind: str, model, output_dir):
     from modeling_dsv41.training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments
 
     if kind == "dsv41":
-        return DeepseekV41Trainer(model=model, args=DeepseekV41TrainingArguments(output_dir=str(output_dir), report_to=[]))
+        return DeepseekV41Trainer(
+            model=model, args=DeepseekV41TrainingArguments(output_dir=str(output_dir), report_to=[])
+        )
     return Trainer(model=model, args=TrainingArguments(output_dir=str(output_dir), report_to=[]))
 
 
@@ -233,14 +245,26 @@ def _trainer(kind: str, model, output_dir):
 def test_full_fine_tuning_of_the_quantized_weights_is_refused_saying_what_to_do(native, dequantized, kind, tmp_path):
     """Our error (not transformers' "open an issue on GitHub"), from DeepseekV41Trainer and from transformers' own
     Trainer (through the quantizer's ``is_trainable``); the dequantized load of the same folder is taken."""
-    with pytest.raises(ValueError, match=r"full fine-tuning cannot train them.*FineGrainedFP8Config\(dequantize=True\)"):
+    with pytest.raises(
+        ValueError, match=r"full fine-tuning cannot train them.*FineGrainedFP8Config\(dequantize=True\)"
+    ):
         _trainer(kind, native, tmp_path)
-    assert all(not p.requires_grad for m in native.modules() if isinstance(m, (FP8Linear, FP8Experts)) for p in m.parameters())
+    assert all(
+        not p.requires_grad for m in native.modules() if isinstance(m, (FP8Linear, FP8Experts)) for p in m.parameters()
+    )
     _trainer(kind, dequantized, tmp_path)
 
 
 # the Linears the release stores in FP8 (FP8Linear once loaded natively): attention and the shared expert
-FP8_TARGETS = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1", "shared_experts.w2", "shared_experts.w3"]
+FP8_TARGETS = [
+    "attn.wq_a",
+    "attn.wq_b",
+    "attn.wkv",
+    "attn.wo_b",
+    "shared_experts.w1",
+    "shared_experts.w2",
+    "shared_experts.w3",
+]
 # the routed experts' fused parameters (packed FP4 once loaded natively), as targeted on the bf16 model
 EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 
@@ -303,16 +327,26 @@ def _lora_trained(base, kind: str, output_dir, start: dict[str, torch.Tensor] | 
 
     model = _adapted(base, start)
     initial = {n: p.detach().clone() for n, p in _lora_factors(model).items()}
-    knobs = dict(output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=2, learning_rate=5e-3,
-                 lr_scheduler_type="constant", report_to="none", save_strategy="no", logging_steps=1,
-                 remove_unused_columns=False, use_cpu=True)
+    knobs = dict(
+        output_dir=str(output_dir),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=5e-3,
+        lr_scheduler_type="constant",
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        remove_unused_columns=False,
+        use_cpu=True,
+    )
     if kind == "dsv41":
         args, trainer_cls = DeepseekV41TrainingArguments(bias_update_speed=0.0, **knobs), DeepseekV41Trainer
     else:
         args, trainer_cls = TrainingArguments(**knobs), Trainer
     losses = Losses()
-    trainer_cls(model=model, args=args, train_dataset=_SameBatch(), data_collator=_SameBatch.collate,
-                callbacks=[losses]).train()
+    trainer_cls(
+        model=model, args=args, train_dataset=_SameBatch(), data_collator=_SameBatch.collate, callbacks=[losses]
+    ).train()
     return model.eval(), initial, losses.seen
 
 
@@ -320,7 +354,8 @@ def _quantized_bytes(model) -> dict[str, torch.Tensor]:
     stored = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
     return {  # by the base model's names (PEFT nests the adapted modules' own under `base_layer`)
         n.replace("base_layer.", ""): p.detach().view(torch.uint8).clone()
-        for n, p in model.named_parameters() if p.dtype in stored
+        for n, p in model.named_parameters()
+        if p.dtype in stored
     }
 
 
@@ -346,7 +381,9 @@ def test_lora_on_attention_and_experts_trains_natively_as_on_the_dequantized_mod
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses
     ours, theirs = _lora_factors(native), _lora_factors(dequantized)
     assert ours.keys() == theirs.keys()
-    assert any("shared_experts.w2" in n for n in ours) and sum("ffn.experts" in n for n in ours) == 8  # 2 layers × 2 × A/B
+    assert (
+        any("shared_experts.w2" in n for n in ours) and sum("ffn.experts" in n for n in ours) == 8
+    )  # 2 layers × 2 × A/B
     assert not [n for n, p in ours.items() if torch.equal(p, initial[n])]  # every factor of every adapter moved
     for name, param in ours.items():
         # Adam's first updates are ≈ lr·sign(g): where a gradient is near zero, the last-bit differences of the
@@ -364,7 +401,9 @@ def test_lora_on_attention_and_experts_trains_natively_as_on_the_dequantized_mod
         assert _lora_factors(reloaded).keys() == ours.keys()
         with torch.no_grad():
             # the same factors on the same dequantized weights: only bf16 rounding of the summation order differs
-            torch.testing.assert_close(reloaded(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(
+                reloaded(input_ids=ids).logits, trained(input_ids=ids).logits, rtol=1e-3, atol=1e-3
+            )
 
 
 def test_expert_adapters_have_the_logical_shape_and_act(released):
@@ -407,7 +446,9 @@ def test_expert_adapters_act_where_the_fp4_kernels_would_run(released):
     for layer in kernel_path.model.layers:
         weight_only = layer.ffn.experts
         with torch.device("meta"):
-            experts = FP8Experts(weight_only.config, block_size=weight_only.block_size, scale_fmt="ue8m0", expert_dtype="fp4")
+            experts = FP8Experts(
+                weight_only.config, block_size=weight_only.block_size, scale_fmt="ue8m0", expert_dtype="fp4"
+            )
         experts.load_state_dict(weight_only.state_dict(), assign=True)
         layer.ffn.experts = experts.requires_grad_(False)
     torch.manual_seed(4)
@@ -472,7 +513,9 @@ def test_nothing_dequantized_waits_for_the_backward(released, monkeypatch):
 
     monkeypatch.setattr(native_precision, "dequantize_released_weight", recording)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().data_ptr()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.untyped_storage().data_ptr()) or t, lambda t: t
+    ):
         loss = model(input_ids=_SameBatch.ids, labels=_SameBatch.ids).loss
     forward_dequantized = len(dequantized)
     loss.backward()
@@ -497,7 +540,11 @@ def test_merging_into_a_native_base_merges_into_dequantized_copies(released):
     layer = merged.model.layers[1]
     assert type(layer.attn.wq_a) is nn.Linear and layer.attn.wq_a.weight.dtype == torch.bfloat16
     assert type(layer.ffn.experts) is DeepseekV41Experts and layer.ffn.experts.gate_up_proj.dtype == torch.bfloat16
-    assert layer.ffn.experts.gate_up_proj.shape == (TEXT["n_routed_experts"], 2 * TEXT["moe_intermediate_size"], TEXT["hidden_size"])
+    assert layer.ffn.experts.gate_up_proj.shape == (
+        TEXT["n_routed_experts"],
+        2 * TEXT["moe_intermediate_size"],
+        TEXT["hidden_size"],
+    )
     assert isinstance(layer.attn.indexer.wq_b, WeightOnlyFP8Linear)  # not adapted: still FP8
     # A merged Linear rounds base + delta to bf16 once, where the adapted one adds the fp32 LoRA path to the bf16
     # product; the sparse top-k choices (indexer, routing) turn some of those ulps into other choices. Measured 5%
@@ -511,8 +558,10 @@ def test_merging_into_a_native_base_merges_into_dequantized_copies(released):
     fp4 = wrapper.get_base_layer()
     lora_a, lora_b, scaling = wrapper._factors(["default"])(1)[0]
     columns = 2 * fp4.down_proj.shape[-1]
-    expected = codec.dequantize_released_weight(fp4.down_proj[1], fp4.down_proj_scale_inv[1], columns,
-                                                           torch.float32) + scaling * lora_b.float() @ lora_a.float()
+    expected = (
+        codec.dequantize_released_weight(fp4.down_proj[1], fp4.down_proj_scale_inv[1], columns, torch.float32)
+        + scaling * lora_b.float() @ lora_a.float()
+    )
     merged, error, _, _ = _merged_against_adapted(experts_only, ids)
     experts = merged.model.layers[0].ffn.experts
     assert type(experts) is DeepseekV41Experts
@@ -569,7 +618,9 @@ def test_a_native_model_saves_as_fine_grained_fp8_and_reloads_natively(native, t
     ours, theirs = native.state_dict(), again.state_dict()
     assert ours.keys() == theirs.keys()
     for name, tensor in ours.items():
-        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor.view(torch.uint8), theirs[name].view(torch.uint8)), name
+        assert tensor.dtype == theirs[name].dtype and torch.equal(
+            tensor.view(torch.uint8), theirs[name].view(torch.uint8)
+        ), name
     with pytest.raises(ValueError, match="saved after a native load"):
         DeepseekV41ForCausalLM.from_pretrained(tmp_path, quantization_config=FineGrainedFP8Config(dequantize=True))
 
@@ -614,8 +665,9 @@ def test_the_loading_benchmark_device_check_runs_the_weight_only_path_on_cpu(rel
     assert result["memory"] == {}  # allocation figures are CUDA's only
 
 
-def _forward_only_kernel(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None,
-                         allow_deepgemm=True):
+def _forward_only_kernel(
+    input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None, allow_deepgemm=True
+):
     """Stands in for transformers' FP8 / FP4 kernel (``finegrained_fp8.fp8_linear``) on the CPU: the same product,
     and, as the kernel, no backward."""
     columns = 2 * weight.shape[-1] if weight.dtype == torch.int8 else weight.shape[-1]

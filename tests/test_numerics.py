@@ -102,8 +102,10 @@ FUSED = {
     "addcdiv": (lambda x, y: x.addcdiv(x, y, value=-0.7), lambda x, y: x + -0.7 * (x / y)),
     "lerp": (lambda x, y: torch.lerp(x, y, 0.3), lambda x, y: x + 0.3 * (y - x)),
     "lerp-large": (lambda x, y: torch.lerp(x, y, 0.7), lambda x, y: y - (y - x) * (1 - 0.7)),
-    "lerp-tensor": (lambda x, y: torch.lerp(x, y, _weights(x)), lambda x, y: torch.where(
-        _weights(x) < 0.5, x + _weights(x) * (y - x), y - (y - x) * (1 - _weights(x)))),
+    "lerp-tensor": (
+        lambda x, y: torch.lerp(x, y, _weights(x)),
+        lambda x, y: torch.where(_weights(x) < 0.5, x + _weights(x) * (y - x), y - (y - x) * (1 - _weights(x))),
+    ),
     "lerp_": (lambda x, y: x.clone().lerp_(y, 0.3), lambda x, y: x + 0.3 * (y - x)),
 }
 
@@ -136,11 +138,16 @@ def test_distances_and_convolutions_are_accumulated_in_fp64_and_rounded_once(dty
 def test_complex_products_are_rounded_once_and_real_ones_left_alone():
     """RoPE rotates by a complex product, which ATen computes in vector code of its own per ISA."""
     gen = torch.Generator().manual_seed(2)
-    x, y = torch.randn(16, 33, dtype=torch.complex64, generator=gen), torch.randn(33, dtype=torch.complex64, generator=gen)
+    x, y = (
+        torch.randn(16, 33, dtype=torch.complex64, generator=gen),
+        torch.randn(33, dtype=torch.complex64, generator=gen),
+    )
     with reference_numerics():
         got = x * y
         real = x.real * y.real
-    assert got.dtype == torch.complex64 and torch.equal(got, (x.to(torch.complex128) * y.to(torch.complex128)).to(torch.complex64))
+    assert got.dtype == torch.complex64 and torch.equal(
+        got, (x.to(torch.complex128) * y.to(torch.complex128)).to(torch.complex64)
+    )
     assert real.dtype == torch.float32 and torch.equal(real, x.real * y.real)
 
 
@@ -230,8 +237,12 @@ def test_portable_attention_is_softmax_attention_within_bf16_rounding():
 # which ``MKL_CBWR`` overrides, and ATen's / oneDNN's kernels follow ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA``.
 # Outside the mode, MKL_CBWR=COMPATIBLE alone moves these logits by up to 0.44. In the mode every parity case gives
 # the same bits under all eight, equal to DeepSeek's reference run in the mode (tests/data).
-MKL_PATHS = {"unset": {}, "COMPATIBLE": {"MKL_CBWR": "COMPATIBLE"}, "AVX2": {"MKL_CBWR": "AVX2"},
-             "AVX512": {"MKL_CBWR": "AVX512"}}
+MKL_PATHS = {
+    "unset": {},
+    "COMPATIBLE": {"MKL_CBWR": "COMPATIBLE"},
+    "AVX2": {"MKL_CBWR": "AVX2"},
+    "AVX512": {"MKL_CBWR": "AVX512"},
+}
 ATEN_PATHS = {"unlimited": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 EMULATED_CPUS = {
     f"MKL_CBWR={mkl} ATen={aten}": {**MKL_PATHS[mkl], **ATEN_PATHS[aten]} for mkl in MKL_PATHS for aten in ATEN_PATHS

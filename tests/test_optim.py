@@ -83,7 +83,9 @@ def _standin_from_fixture(fixtures_dir) -> nn.Module:
             parent(name).register_parameter(name.rsplit(".", 1)[-1], nn.Parameter(0.1 * torch.randn(shape)))
     reference = json.loads((model_dir / "sparse" / "config.json").read_text())
     root.config = SimpleNamespace(
-        text_config=SimpleNamespace(num_attention_heads=reference["n_heads"], moe_intermediate_size=reference["moe_inter_dim"]),
+        text_config=SimpleNamespace(
+            num_attention_heads=reference["n_heads"], moe_intermediate_size=reference["moe_inter_dim"]
+        ),
         vision_config=SimpleNamespace(
             hidden_size=reference["vision_dim"], num_attention_heads=reference["vision_n_heads"]
         ),
@@ -105,18 +107,42 @@ def _spec_kind(name: str) -> str:
         return "sinkhorn"
     if name.endswith(("attn.wq_b.weight", "attn.wqkv.weight", "ffn.experts.gate_up_proj")):
         return "muon_headwise"
-    if last == "bias" or name.endswith(
-        (
-            "norm.weight", "norm1.weight", "norm2.weight", "attn_sink", "hc_attn_base", "hc_attn_scale",
-            "hc_ffn_base", "hc_ffn_scale", "engram.q_weight", "engram.k_weight",
+    if (
+        last == "bias"
+        or name.endswith(
+            (
+                "norm.weight",
+                "norm1.weight",
+                "norm2.weight",
+                "attn_sink",
+                "hc_attn_base",
+                "hc_attn_scale",
+                "hc_ffn_base",
+                "hc_ffn_scale",
+                "engram.q_weight",
+                "engram.k_weight",
+            )
         )
-    ) or name in ("model.image_start", "model.image_end", "model.image_newline"):
+        or name in ("model.image_start", "model.image_end", "model.image_newline")
+    ):
         return "adamw"
     if name.endswith(
         (
-            "attn.wq_a.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight",
-            "compressor.wkv.weight", "compressor.wgate.weight", "ffn.gate.weight", "w1.weight", "w2.weight",
-            "w3.weight", "ffn.experts.down_proj", "hc_attn_fn", "hc_ffn_fn", "engram.wkv.weight", "patch_embed.proj.weight",
+            "attn.wq_a.weight",
+            "attn.wkv.weight",
+            "attn.wo_a.weight",
+            "attn.wo_b.weight",
+            "compressor.wkv.weight",
+            "compressor.wgate.weight",
+            "ffn.gate.weight",
+            "w1.weight",
+            "w2.weight",
+            "w3.weight",
+            "ffn.experts.down_proj",
+            "hc_attn_fn",
+            "hc_ffn_fn",
+            "engram.wkv.weight",
+            "patch_embed.proj.weight",
             "attn.wo.weight",
         )
     ):
@@ -503,6 +529,7 @@ def test_policy_fused_experts_update_like_separate_expert_matrices(tiny_model):
 
 def test_policy_on_peft_model(tiny_model):
     import peft
+
     model = peft.get_peft_model(tiny_model, peft.LoraConfig(r=2, target_modules=["wq_a", "wo_b"]))
     groups = build_param_groups(model, lr=1e-3)
     names = [n for g in groups for n in g["param_names"]]
@@ -623,15 +650,18 @@ def test_mixed_optimizer_builds_the_policy_groups_from_the_model(tmp_path):
 
     torch.manual_seed(0)
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny"))
-    expected = [(g["kind"], g["param_names"], g.get("weight_decay", 0.0))
-                for g in build_param_groups(model, lr=2e-3, weight_decay=0.05)]
+    expected = [
+        (g["kind"], g["param_names"], g.get("weight_decay", 0.0))
+        for g in build_param_groups(model, lr=2e-3, weight_decay=0.05)
+    ]
     assert ("muon", 0.05) in {(kind, decay) for kind, _, decay in expected}
     direct = MixedOptimizer(model, lr=2e-3, weight_decay=0.05)
     assert [(g["kind"], g["param_names"], g["weight_decay"]) for g in direct.param_groups] == expected
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", learning_rate=2e-3)
     trainer = Trainer(
-        model=model, args=args,
+        model=model,
+        args=args,
         optimizer_cls_and_kwargs=(MixedOptimizer, {"model": model, "lr": 2e-3, "weight_decay": 0.05}),
     )
     built = trainer.create_optimizer()

@@ -42,15 +42,23 @@ ATOL = RTOL = 1e-3
 
 
 # a DSpark draft head of one block, its MoE with 2 experts of its own (1 per rank under EP)
-DSPARK = dict(num_nextn_predict_layers=1, dspark_block_size=3, dspark_target_layer_ids=[0, 1], dspark_markov_rank=16,
-              dspark_noise_token_id=7, dspark_n_routed_experts=2, dspark_n_activated_experts=1)
+DSPARK = dict(
+    num_nextn_predict_layers=1,
+    dspark_block_size=3,
+    dspark_target_layer_ids=[0, 1],
+    dspark_markov_rank=16,
+    dspark_noise_token_id=7,
+    dspark_n_routed_experts=2,
+    dspark_n_activated_experts=1,
+)
 
 
 def _config() -> DeepseekV41Config:
     """I = 128 (64 per rank: two 32-wide scale blocks), 4 experts (2 per rank), a tiny ViT, the DSpark head."""
     vocab = QUANT_FORMAT_TEXT["vocab_size"]
-    return DeepseekV41Config(text_config={**QUANT_FORMAT_TEXT, **DSPARK}, vision_config=TINY_VISION_CONFIG,
-                             image_token_id=vocab - 1)
+    return DeepseekV41Config(
+        text_config={**QUANT_FORMAT_TEXT, **DSPARK}, vision_config=TINY_VISION_CONFIG, image_token_id=vocab - 1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,27 +111,41 @@ def _load_and_compare(rank: int, tmp: Path, folder: str, kind: str) -> None:
     folder = Path(folder)
     if kind == "tp":
         # the tables memory-mapped from the checkpoint, as the released model's stay in host memory
-        model = DeepseekV41ForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32, engram_tables="mmap")
+        model = DeepseekV41ForCausalLM.from_pretrained(
+            folder, tp_plan="auto", dtype=torch.float32, engram_tables="mmap"
+        )
     else:
         model = DeepseekV41ForCausalLM.from_pretrained(
-            folder, distributed_config=DistributedConfig(tp_size=WORLD, ep_size=WORLD), dtype=torch.float32,
+            folder,
+            distributed_config=DistributedConfig(tp_size=WORLD, ep_size=WORLD),
+            dtype=torch.float32,
             engram_tables="cpu",
         )
     model.eval()
     text = model.config.text_config
     inter, hidden = text.moe_intermediate_size, text.hidden_size
     # the backbone's MoE and the DSpark draft block's (its own expert count), split by the same plans
-    for layer, experts in ((model.model.layers[1], text.n_routed_experts), (model.mtp[0], text.dspark_num_routed_experts)):
+    for layer, experts in (
+        (model.model.layers[1], text.n_routed_experts),
+        (model.mtp[0], text.dspark_num_routed_experts),
+    ):
         routed, shared = layer.ffn.experts, layer.ffn.shared_experts
         assert isinstance(routed, WeightOnlyFP4Experts) and isinstance(shared.w1, WeightOnlyFP8Linear)
         local = {name: tuple(p.to_local().shape) for name, p in routed.named_parameters()}
         if kind == "tp":  # every expert, this rank's I/2 of gate, of up and of down (FP4: two values a byte)
-            assert local == {"gate_up_proj": (experts, inter, hidden // 2), "gate_up_proj_scale_inv": (experts, inter, hidden // 32),
-                             "down_proj": (experts, hidden, inter // 4), "down_proj_scale_inv": (experts, hidden, inter // 64)}, local
+            assert local == {
+                "gate_up_proj": (experts, inter, hidden // 2),
+                "gate_up_proj_scale_inv": (experts, inter, hidden // 32),
+                "down_proj": (experts, hidden, inter // 4),
+                "down_proj_scale_inv": (experts, hidden, inter // 64),
+            }, local
         else:  # whole experts, half of them
-            assert local == {"gate_up_proj": (experts // 2, 2 * inter, hidden // 2),
-                             "gate_up_proj_scale_inv": (experts // 2, 2 * inter, hidden // 32),
-                             "down_proj": (experts // 2, hidden, inter // 2), "down_proj_scale_inv": (experts // 2, hidden, inter // 32)}, local
+            assert local == {
+                "gate_up_proj": (experts // 2, 2 * inter, hidden // 2),
+                "gate_up_proj_scale_inv": (experts // 2, 2 * inter, hidden // 32),
+                "down_proj": (experts // 2, hidden, inter // 2),
+                "down_proj_scale_inv": (experts // 2, hidden, inter // 32),
+            }, local
     shared = model.model.layers[1].ffn.shared_experts
     # the shared expert's FP8 Linears: I/2 rows (w1, w3) or columns (w2) with their 32x32 scale blocks (both plans
     # keep the TP plan for the dense part)

@@ -105,7 +105,10 @@ def _load_pipeline_stage(rank: int, folder: Path, kind: str) -> DeepseekV41ForCa
     # the text case also memory-maps the Engram tables (as the released model's stay in host memory): each stage maps
     # only its own layers' tables
     model, info = DeepseekV41ForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, distributed_config=DistributedConfig(pp_size=WORLD), output_loading_info=True,
+        folder,
+        dtype=torch.float32,
+        distributed_config=DistributedConfig(pp_size=WORLD),
+        output_loading_info=True,
         engram_tables="mmap" if kind == "pp" else "auto",
     )
     assert not info["unexpected_keys"] and not info["missing_keys"], info

@@ -131,7 +131,9 @@ def test_end_to_end_from_png_through_the_image_processor(fixtures_dir):
     assert torch.equal(types[start : start + len(span)], span)
     with torch.no_grad():
         logits = model(
-            input_ids=inputs["input_ids"], pixel_values=pixels["pixel_values"], image_grid_hw=pixels["image_grid_hw"],
+            input_ids=inputs["input_ids"],
+            pixel_values=pixels["pixel_values"],
+            image_grid_hw=pixels["image_grid_hw"],
             image_token_types=inputs["image_token_types"],
         ).logits[0]
     # the processor's pixels are the fixture's, so the logits are the reference's in the mode, bit for bit
@@ -155,8 +157,11 @@ def golden_prompt_inputs(fixtures_dir, golden, prompt):
         return fixture
     inputs = {"input_ids": golden[f"{prompt}_input_ids"]}
     if prompt == "image":
-        inputs.update(image_token_types=golden["image_token_types"], pixel_values=fixture["pixel_values"],
-                      image_grid_hw=fixture["image_grid_hw"])
+        inputs.update(
+            image_token_types=golden["image_token_types"],
+            pixel_values=fixture["pixel_values"],
+            image_grid_hw=fixture["image_grid_hw"],
+        )
     return inputs
 
 

@@ -72,7 +72,9 @@ def logits(model, batch) -> torch.Tensor:
 
 
 def adapted_modules(peft_model) -> dict[str, LoraLayer]:
-    return {name.removeprefix("base_model.model."): m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+    return {
+        name.removeprefix("base_model.model."): m for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)
+    }
 
 
 def test_lora_on_released_names_trains_saves_reloads_and_merges(tmp_path):
@@ -86,10 +88,22 @@ def test_lora_on_released_names_trains_saves_reloads_and_merges(tmp_path):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=RELEASED_TARGETS, target_parameters=EXPERT_PARAMETERS)
     model = get_peft_model(base, config)
     names = adapted_modules(model)
-    for expected in ("layers.0.attn.wq_a", "layers.0.attn.wq_b", "layers.0.attn.wkv", "layers.0.attn.wo_b",
-                     "layers.1.attn.compressor.wkv", "layers.0.engram.wkv", "layers.0.ffn.experts",
-                     "layers.5.ffn.shared_experts.w3", "vision.blocks.1.attn.wqkv", "vision.blocks.1.attn.wo",
-                     "vision.blocks.0.mlp.w1", "vision.patch_embed.proj", "aligner.w1", "aligner.w2"):
+    for expected in (
+        "layers.0.attn.wq_a",
+        "layers.0.attn.wq_b",
+        "layers.0.attn.wkv",
+        "layers.0.attn.wo_b",
+        "layers.1.attn.compressor.wkv",
+        "layers.0.engram.wkv",
+        "layers.0.ffn.experts",
+        "layers.5.ffn.shared_experts.w3",
+        "vision.blocks.1.attn.wqkv",
+        "vision.blocks.1.attn.wo",
+        "vision.blocks.0.mlp.w1",
+        "vision.patch_embed.proj",
+        "aligner.w1",
+        "aligner.w2",
+    ):
         assert f"model.{expected}" in names, expected
     # both fused expert tensors carry an adapter: one rank-r factor pair per expert
     expert_adapters = [m for n, m in model.named_modules() if isinstance(m, LoraLayer) and "layers.0.ffn.experts" in n]
@@ -102,9 +116,17 @@ def test_lora_on_released_names_trains_saves_reloads_and_merges(tmp_path):
     # DeepseekV41Trainer: its mixed optimizer puts the LoRA factors (the only trainable parameters) in AdamW
     assert all("lora_" in name for name, p in model.named_parameters() if p.requires_grad)
     args = DeepseekV41TrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=2, learning_rate=5e-3,
-        lr_scheduler_type="constant", bias_update_speed=0.0,  # adapters leave the routing biases as loaded
-        report_to="none", save_strategy="no", logging_strategy="no", remove_unused_columns=False, use_cpu=True,
+        output_dir=str(tmp_path / "run"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=5e-3,
+        lr_scheduler_type="constant",
+        bias_update_speed=0.0,  # adapters leave the routing biases as loaded
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        remove_unused_columns=False,
+        use_cpu=True,
     )
     trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=SameBatch(), data_collator=SameBatch.collate)
     loss_before = model(**batch).loss.item()
@@ -151,8 +173,20 @@ def test_every_adapter_is_applied_and_merges_to_the_same_function():
     adapted = logits(model, batch)
     for hook in hooks:
         hook.remove()
-    assert {name.rsplit(".", 1)[-1] for name in calls} >= {"wq_a", "wq_b", "wkv", "wo_b", "wgate", "w1", "w2", "w3",
-                                                         "wqkv", "wo", "proj", "experts"}
+    assert {name.rsplit(".", 1)[-1] for name in calls} >= {
+        "wq_a",
+        "wq_b",
+        "wkv",
+        "wo_b",
+        "wgate",
+        "w1",
+        "w2",
+        "w3",
+        "wqkv",
+        "wo",
+        "proj",
+        "experts",
+    }
     # every adapted module ran, the fused routed experts of every layer included
     assert [name for name, count in calls.items() if count == 0] == []
     assert (adapted - base_logits).abs().max() > 1e-3
@@ -285,12 +319,21 @@ def test_an_adapter_trained_with_the_defaults_reloads_exactly_in_a_fresh_process
     biases = {n: b.clone() for n, b in base.named_buffers() if ".gate.bias" in n}
     model = get_peft_model(base, readme_lora_config())
     args = DeepseekV41TrainingArguments(
-        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=2, learning_rate=5e-3,
-        report_to="none", save_strategy="no", logging_strategy="no", remove_unused_columns=False, use_cpu=True,
+        output_dir=str(tmp_path / "run"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=5e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        remove_unused_columns=False,
+        use_cpu=True,
     )
     assert args.bias_update_speed > 0
     with caplog.at_level(logging.WARNING, logger="modeling_dsv41.training.trainer"):
-        trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=SameBatch(), data_collator=SameBatch.collate)
+        trainer = DeepseekV41Trainer(
+            model=model, args=args, train_dataset=SameBatch(), data_collator=SameBatch.collate
+        )
     assert trainer.router_balancing is None and "stay as loaded" in caplog.text
     trainer.train()
     for name, bias in base.named_buffers():
@@ -306,7 +349,11 @@ def test_an_adapter_trained_with_the_defaults_reloads_exactly_in_a_fresh_process
     files = [str(tmp_path / "base"), str(tmp_path / "adapter"), "batch.pt", "out.pt", str(torch.get_num_threads())]
     run = subprocess.run(
         [sys.executable, "reload.py", *files],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     reloaded = torch.load(tmp_path / "out.pt")

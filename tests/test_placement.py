@@ -110,8 +110,13 @@ _RSS_PROBE = textwrap.dedent(
 
 
 def _probe(folder: Path, placement: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(folder), placement], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE, str(folder), placement],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -161,8 +166,10 @@ def test_memory_map_refuses_a_table_stored_otherwise(tiny_model, tmp_path):
     from modeling_dsv41.placement import memory_map_engram_tables
 
     engram = next(layer for layer in tiny_model.model.layers if layer.engram is not None)
-    save_file({f"model.layers.{engram.layer_id}.engram.embed.weight": engram.engram.embed.weight.detach().half()},
-              tmp_path / "model.safetensors")
+    save_file(
+        {f"model.layers.{engram.layer_id}.engram.embed.weight": engram.engram.embed.weight.detach().half()},
+        tmp_path / "model.safetensors",
+    )
     with pytest.raises(ValueError, match="stored as torch.float16"):
         memory_map_engram_tables(tiny_model, tmp_path)
 
@@ -187,14 +194,23 @@ def test_tables_come_off_a_device_map_and_everything_else_stays_covered(tiny_mod
     assert "model.layers.2" in device_map  # layers without a table stay whole
 
 
-@pytest.mark.parametrize("kwargs", [dict(device_map="auto"), dict(device_map="auto", engram_tables="cpu"),
-                                    dict(device_map={"": "cpu"}, engram_tables="cpu"), dict(engram_tables="mmap")],
-                         ids=["auto", "auto-host", "dict-host", "mmap"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(device_map="auto"),
+        dict(device_map="auto", engram_tables="cpu"),
+        dict(device_map={"": "cpu"}, engram_tables="cpu"),
+        dict(engram_tables="mmap"),
+    ],
+    ids=["auto", "auto-host", "dict-host", "mmap"],
+)
 def test_loading_with_a_table_placement_gives_the_same_logits(tiny_model, tmp_path, kwargs):
     tiny_model.save_pretrained(tmp_path)
     reloaded = DeepseekV41ForCausalLM.from_pretrained(tmp_path, **kwargs).eval()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(input_ids=_ids()).logits, tiny_model(input_ids=_ids()).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            reloaded(input_ids=_ids()).logits, tiny_model(input_ids=_ids()).logits, rtol=0, atol=0
+        )
 
 
 def test_engram_layers_split_off_a_multi_device_map_get_their_own_hook(tmp_path):
@@ -260,8 +276,10 @@ def test_on_8x80GiB_the_tables_go_to_host_memory_and_the_layers_stay_on_accelera
     expected = sum(rows * text.engram_head_dim * (1 + 1 / 32) for rows in text.engram_num_embeddings)
     assert plan.engram_host_bytes == pytest.approx(expected, rel=1e-6)
     assert not any(ENGRAM_TABLE.search(key) for key in plan.device_map)
-    assert all(f"model.layers.{i}" in plan.device_map or any(k.startswith(f"model.layers.{i}.") for k in plan.device_map)
-               for i in range(text.num_hidden_layers))
+    assert all(
+        f"model.layers.{i}" in plan.device_map or any(k.startswith(f"model.layers.{i}.") for k in plan.device_map)
+        for i in range(text.num_hidden_layers)
+    )
 
 
 def test_bf16_weights_do_not_fit_8x141GiB(released):
@@ -279,12 +297,16 @@ def test_cache_bytes_per_token_match_a_real_cache(tiny_model):
         cache = DeepseekV41Cache(config)
         with torch.no_grad():
             tiny_model(input_ids=_ids(batch=1, length=length), cache=cache, use_cache=True)
-        return sum(v for layer in cache.layers for k, v in layer.nbytes().items() if k in ("compressed_kv", "index_keys"))
+        return sum(
+            v for layer in cache.layers for k, v in layer.nbytes().items() if k in ("compressed_kv", "index_keys")
+        )
 
     assert (grown(48) - grown(16)) / 32 == cache_bytes_per_token(config, torch.float32)
     released = DeepseekV41Config.from_preset("deepseek-v4.1-flash")
     assert cache_bytes_per_token(released) == sum(
-        (512 + (128 if i in released.text_config.index_source_layer_ids else 0)) * 2 / released.text_config.compress_ratios[i]
+        (512 + (128 if i in released.text_config.index_source_layer_ids else 0))
+        * 2
+        / released.text_config.compress_ratios[i]
         for i in released.text_config.kv_source_layer_ids
     )
 
@@ -340,4 +362,3 @@ def test_bad_devices_are_one_line_usage_errors(spec, capsys):
     assert exit_info.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("dsv41 inspect: error: argument --devices")
-

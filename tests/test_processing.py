@@ -239,10 +239,13 @@ def test_tokenizer_pads_on_the_left_so_batched_generation_continues_every_row(to
     assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][0, -1] == 1
     settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
     with torch.no_grad():
-        together = model.generate(**batch, **settings)[:, batch["input_ids"].shape[1]:]
+        together = model.generate(**batch, **settings)[:, batch["input_ids"].shape[1] :]
         for row, prompt in enumerate(prompts):
             alone = tokenizer(prompt, return_tensors="pt")
-            assert together[row].tolist() == model.generate(**alone, **settings)[0, alone["input_ids"].shape[1]:].tolist()
+            assert (
+                together[row].tolist()
+                == model.generate(**alone, **settings)[0, alone["input_ids"].shape[1] :].tolist()
+            )
 
 
 def test_chat_template_marks_the_assistant_tokens(processor):
@@ -264,8 +267,10 @@ def test_chat_template_marks_the_assistant_tokens(processor):
         ids, mask = (ids[0], mask[0]) if isinstance(ids[0], list) else (ids, mask)
         assert len(mask) == len(ids)
         marked = [token for token, keep in zip(ids, mask) if keep]
-        replies = [tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-                   for text in ("A red circle.", "Blue.")]
+        replies = [
+            tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+            for text in ("A red circle.", "Blue.")
+        ]
         assert marked == replies[0] + replies[1]
         # the generation prompt before each reply is not the model's to write
         assistant = tokenizer.convert_tokens_to_ids("<｜Assistant｜>")

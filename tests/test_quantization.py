@@ -92,8 +92,10 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     int_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
     diff = actual.view(int_dtype) != expected.view(int_dtype)
-    assert not diff.any(), f"{int(diff.sum())} elements differ, first at {diff.nonzero()[0].tolist()}: " \
-                           f"{actual[diff][:4].tolist()} vs {expected[diff][:4].tolist()}"
+    assert not diff.any(), (
+        f"{int(diff.sum())} elements differ, first at {diff.nonzero()[0].tolist()}: "
+        f"{actual[diff][:4].tolist()} vs {expected[diff][:4].tolist()}"
+    )
 
 
 def one_block(values: list[float], block_size: int, dtype=torch.float32) -> torch.Tensor:
@@ -146,18 +148,22 @@ def test_fp4_qdq_e4m3_scale_hand_computed(dtype):
     assert_bits_equal(fp4_qdq_e4m3_scale(x), expected)
 
     # amax 9 -> scale 1.5 (not a power of two): 4.5 -> 3 -> 4.5; 3.75 -> 2.5 -> 2 (tie) -> 3; 1.125 -> 0.75 -> 1 -> 1.5
-    assert_bits_equal(fp4_qdq_e4m3_scale(one_block([9, 4.5, 3.75, 1.125], 16, dtype)),
-                      one_block([9, 4.5, 3.0, 1.5], 16, dtype))
+    assert_bits_equal(
+        fp4_qdq_e4m3_scale(one_block([9, 4.5, 3.75, 1.125], 16, dtype)), one_block([9, 4.5, 3.0, 1.5], 16, dtype)
+    )
     # amax 6.375: 6.375/6 = 1.0625 is an e4m3 tie -> scale 1.0, so 6.375 is clamped to 6
     assert_bits_equal(fp4_qdq_e4m3_scale(one_block([6.375, 2.5], 16, dtype)), one_block([6.0, 2.0], 16, dtype))
     # amax 7.125: 1.1875 -> scale 1.25 (tie, even); 7.125 / 1.25 = 5.7 -> 6 -> 7.5
     assert_bits_equal(fp4_qdq_e4m3_scale(one_block([7.125], 16, dtype)), one_block([7.5], 16, dtype))
     # huge amax saturates the scale at 448, so values are clamped to 6 * 448 = 2688
-    assert_bits_equal(fp4_qdq_e4m3_scale(one_block([8192, -8192, 448], 16, dtype)),
-                      one_block([2688, -2688, 448], 16, dtype))
+    assert_bits_equal(
+        fp4_qdq_e4m3_scale(one_block([8192, -8192, 448], 16, dtype)), one_block([2688, -2688, 448], 16, dtype)
+    )
     # tiny amax is floored at 6 * 2^-9 -> scale 2^-9: 2^-10 is 0.5 on the grid; 2^-12 -> 0.125 -> 0; 3 * 2^-12 -> 0.5
-    assert_bits_equal(fp4_qdq_e4m3_scale(one_block([2**-10, 2**-12, -3 * 2**-12], 16, dtype)),
-                      one_block([2**-10, 0.0, -(2**-10)], 16, dtype))
+    assert_bits_equal(
+        fp4_qdq_e4m3_scale(one_block([2**-10, 2**-12, -3 * 2**-12], 16, dtype)),
+        one_block([2**-10, 0.0, -(2**-10)], 16, dtype),
+    )
     assert_bits_equal(fp4_qdq_e4m3_scale(torch.zeros(2, 16, dtype=dtype)), torch.zeros(2, 16, dtype=dtype))
 
 
@@ -171,8 +177,9 @@ def test_fp4_qdq_e8m0_scale_hand_computed(dtype):
     # amax exactly 6 * 2^k keeps 2^k: 12 -> scale 2, 2.5/2 = 1.25 -> 1 (tie) -> 2
     assert_bits_equal(fp4_qdq_e8m0_scale(one_block([12, 2.5], 32, dtype)), one_block([12, 2], 32, dtype))
     # the amax floor 6 * 2^-126 gives scale 2^-126, so 2^-127 (subnormal) is 0.5 on the grid and survives
-    assert_bits_equal(fp4_qdq_e8m0_scale(one_block([2**-127, -(2**-129)], 32, dtype)),
-                      one_block([2**-127, -0.0], 32, dtype))
+    assert_bits_equal(
+        fp4_qdq_e8m0_scale(one_block([2**-127, -(2**-129)], 32, dtype)), one_block([2**-127, -0.0], 32, dtype)
+    )
 
 
 def test_fp4_qdq_e8m0_scale_fp32_just_above_a_power():

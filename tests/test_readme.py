@@ -25,9 +25,9 @@ from modeling_dsv41.cli.demo import build_demo_model, build_demo_processor, demo
 from modeling_dsv41.cli.demo_data import ShapesDataset, build_demo_tokenizer
 
 SETUP_COMMANDS = [
-    'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e . && .venv/bin/dsv41 demo',
+    "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e . && .venv/bin/dsv41 demo",
     'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test]" && .venv/bin/python -m pytest -q -n 2 '
-    '--dist loadfile',
+    "--dist loadfile",
 ]
 RELEASED_REPO = "deepseek-ai/DeepSeek-V4.1-Flash"
 
@@ -164,7 +164,9 @@ def run_until_parsed(monkeypatch, script: str, args: list[str]) -> None:
 
     with monkeypatch.context() as patch:
         patch.setattr(argparse.ArgumentParser, "parse_args", then_stop(argparse.ArgumentParser.parse_args))
-        patch.setattr(HfArgumentParser, "parse_args_into_dataclasses", then_stop(HfArgumentParser.parse_args_into_dataclasses))
+        patch.setattr(
+            HfArgumentParser, "parse_args_into_dataclasses", then_stop(HfArgumentParser.parse_args_into_dataclasses)
+        )
         patch.chdir(REPO_ROOT)
         patch.syspath_prepend(str(REPO_ROOT))
         patch.syspath_prepend(str((REPO_ROOT / script).parent))  # as `python script` puts its folder first
@@ -204,4 +206,3 @@ def test_every_documented_command_is_run_by_a_test():
     lines = [line.strip() for page in pages() for block in code_blocks(page, "bash") for line in block.splitlines()]
     unrun = [line for line in lines if line and not line.startswith("#") and not line.startswith(tuple(COMMAND_TESTS))]
     assert not unrun, f"commands no test runs: {unrun}"
-

@@ -67,8 +67,11 @@ class TokenRows(Dataset):
 def hub(tmp_path, monkeypatch) -> LocalHub:
     local = LocalHub(tmp_path / "hub")
     monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: local.create_repo(api, repo_id, **kw))
-    monkeypatch.setattr(HfApi, "create_commit",
-                        lambda api, repo_id, operations, **kw: local.create_commit(api, repo_id, operations, **kw))
+    monkeypatch.setattr(
+        HfApi,
+        "create_commit",
+        lambda api, repo_id, operations, **kw: local.create_commit(api, repo_id, operations, **kw),
+    )
     monkeypatch.setattr(HfApi, "upload_folder", lambda api, **kw: local.upload_folder(api, **kw))
     return local
 
@@ -91,12 +94,17 @@ def load_without_the_package(cases: dict[Path, dict], tmp_path: Path) -> dict[st
     # -S: no site hooks, so neither the editable install's path finder nor any .pth puts the project on sys.path;
     # PYTHONPATH: only the environment's site-packages (transformers, torch, ...)
     env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"),
-        "PYTHONPATH": str(Path(transformers.__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "HF_HOME": str(tmp_path / "hf"),
+        "PYTHONPATH": str(Path(transformers.__file__).resolve().parents[1]),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
     }
-    run = subprocess.run([sys.executable, "-S", "load.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-S", "load.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -125,8 +133,15 @@ def test_trainer_checkpoints_and_pushes_load_with_transformers_alone(tiny, hub, 
     model = type(model)(model.config)  # a copy to train: the fixture's weights stay for the other tests
     model.load_state_dict(tiny[0].state_dict())
     arguments = dict(
-        output_dir=str(tmp_path / "out"), max_steps=1, save_steps=1, per_device_train_batch_size=2, use_cpu=True,
-        report_to="none", disable_tqdm=True, push_to_hub=True, hub_model_id="someone/trained",
+        output_dir=str(tmp_path / "out"),
+        max_steps=1,
+        save_steps=1,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        push_to_hub=True,
+        hub_model_id="someone/trained",
     )
     if trainer_class is DeepseekV41Trainer:
         args = DeepseekV41TrainingArguments(**arguments, learning_rate=1e-3, bias_update_speed=0.0)

@@ -77,9 +77,7 @@ class Rows(Dataset):
 
     def __init__(self, n: int, seed: int = 1):
         ids = torch.randint(3, 500, (n, SEQ), generator=torch.Generator().manual_seed(seed))
-        self.rows = [
-            example(ids[i], image=(3, 9) if i % 2 else None, pad=4 if i % 3 == 2 else 0) for i in range(n)
-        ]
+        self.rows = [example(ids[i], image=(3, 9) if i % 2 else None, pad=4 if i % 3 == 2 else 0) for i in range(n)]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -90,8 +88,16 @@ class Rows(Dataset):
 
 def training_args(output_dir: Path, **overrides) -> DeepseekV41TrainingArguments:
     values = dict(
-        output_dir=str(output_dir), use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, seed=0, per_device_train_batch_size=2, learning_rate=3e-3, bias_update_speed=SPEED,
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        per_device_train_batch_size=2,
+        learning_rate=3e-3,
+        bias_update_speed=SPEED,
         dataloader_num_workers=0,
     )
     return DeepseekV41TrainingArguments(**{**values, **overrides})
@@ -144,7 +150,9 @@ def test_create_optimizer_builds_the_mixed_optimizer_and_logs_the_table_once(tmp
 
     assert isinstance(optimizer, MixedOptimizer)
     expected = build_param_groups(
-        model, lr=args.learning_rate, weight_decay=0.05,
+        model,
+        lr=args.learning_rate,
+        weight_decay=0.05,
         adamw={"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
     )
     assert [(g["kind"], g["param_names"]) for g in optimizer.param_groups] == [
@@ -195,7 +203,10 @@ def test_kind_kwargs_overrides_and_lora_factors(tmp_path):
         training_args(tmp_path, optim="adafactor")
     with pytest.raises(ValueError, match="bias_update_speed"):
         training_args(tmp_path, bias_update_speed=-1.0)
-    assert DeepseekV41Trainer(model=tiny_model(), args=training_args(tmp_path, bias_update_speed=0)).router_balancing is None
+    assert (
+        DeepseekV41Trainer(model=tiny_model(), args=training_args(tmp_path, bias_update_speed=0)).router_balancing
+        is None
+    )
 
 
 # ----------------------------------------------------------------------------- the balancing rule
@@ -269,9 +280,18 @@ def test_the_callback_alone_balances_under_a_plain_trainer(tmp_path):
     runs = []
     for plain in (True, False):
         model = tiny_model()
-        values = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
-                      logging_strategy="no", disable_tqdm=True, per_device_train_batch_size=2, max_steps=2,
-                      learning_rate=0.0, train_sampling_strategy="sequential")
+        values = dict(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            per_device_train_batch_size=2,
+            max_steps=2,
+            learning_rate=0.0,
+            train_sampling_strategy="sequential",
+        )
         if plain:
             callback = RouterBiasBalancingCallback(SPEED)
             trainer = Trainer(model=model, args=TrainingArguments(**values), train_dataset=data, callbacks=[callback])
@@ -312,8 +332,12 @@ def test_gradient_accumulation_counts_the_whole_step(tmp_path):
     for batch_size, accumulation in ((2, 1), (1, 2)):
         model = tiny_model()
         args = training_args(
-            tmp_path, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation, max_steps=2,
-            train_sampling_strategy="sequential", optimizer_overrides=ADAMW_ONLY,
+            tmp_path,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            max_steps=2,
+            train_sampling_strategy="sequential",
+            optimizer_overrides=ADAMW_ONLY,
         )
         trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=data)
         counts = CountsPerStep(trainer)
@@ -361,8 +385,13 @@ def test_gradient_checkpointing_and_bf16_autocast(tmp_path):
     model = tiny_model()
     before = snapshot(model)
     args = training_args(
-        tmp_path, max_steps=2, bf16=True, activation_checkpointing=True, train_sampling_strategy="sequential",
-        logging_strategy="steps", logging_steps=1,
+        tmp_path,
+        max_steps=2,
+        bf16=True,
+        activation_checkpointing=True,
+        train_sampling_strategy="sequential",
+        logging_strategy="steps",
+        logging_steps=1,
     )
     trainer = DeepseekV41Trainer(model=model, args=args, train_dataset=data)
     counts = CountsPerStep(trainer)
@@ -434,8 +463,17 @@ def test_best_model_checkpoint_names_the_final_folder(tmp_path):
     """Trainer records the best checkpoint while the save runs in the staging folder: the state points to the
     renamed one."""
     run = tmp_path / "run"
-    args = training_args(run, max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
-                         load_best_model_at_end=True, metric_for_best_model="loss", save_total_limit=1)
+    args = training_args(
+        run,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        save_total_limit=1,
+    )
     trainer = DeepseekV41Trainer(model=tiny_model(), args=args, train_dataset=Rows(4), eval_dataset=Rows(2))
     trainer.train()
     best = Path(trainer.state.best_model_checkpoint)
@@ -478,8 +516,14 @@ def fault_injection_child(output: Path, kill_after_calls: int) -> None:
 
     DeepseekV41Trainer._save_checkpoint = save_checkpoint
     resume = last_complete_checkpoint(output)
-    args = training_args(output, max_steps=FAULT_STEPS, save_strategy="steps", save_steps=1, save_total_limit=1,
-                         per_device_train_batch_size=1)
+    args = training_args(
+        output,
+        max_steps=FAULT_STEPS,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=1,
+        per_device_train_batch_size=1,
+    )
     trainer = DeepseekV41Trainer(model=tiny_model(), args=args, train_dataset=Rows(FAULT_STEPS))
     trainer.train(resume_from_checkpoint=resume)
     (output / "resumed_from.json").write_text(json.dumps(resume and Path(resume).name))
@@ -547,11 +591,17 @@ class Progressions(Dataset):
 def lm_eval_loss(output_dir: Path, learning_rate: float, overrides: dict | None) -> float:
     """Held-out loss of the tiny model after LM_STEPS steps of batch 8 (linear decay, no warmup)."""
     args = training_args(
-        output_dir, learning_rate=learning_rate, max_steps=LM_STEPS, per_device_train_batch_size=8,
-        per_device_eval_batch_size=32, optimizer_overrides=overrides,
+        output_dir,
+        learning_rate=learning_rate,
+        max_steps=LM_STEPS,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=32,
+        optimizer_overrides=overrides,
     )
     trainer = DeepseekV41Trainer(
-        model=tiny_model(), args=args, train_dataset=Progressions(8 * LM_STEPS, seed=3),
+        model=tiny_model(),
+        args=args,
+        train_dataset=Progressions(8 * LM_STEPS, seed=3),
         eval_dataset=Progressions(32, seed=4),
     )
     trainer.train()
@@ -584,8 +634,13 @@ def ddp_training(output_dir: Path, per_device_batch: int, **overrides) -> Deepse
     weight of the two runs agrees within 1e-6 under the unlimited, avx2 and default ISAs."""
     model = tiny_model()
     args = training_args(
-        output_dir, per_device_train_batch_size=per_device_batch, max_steps=3, train_sampling_strategy="sequential",
-        optimizer_overrides=ADAMW_ONLY, optimizer_kind_kwargs={"adamw": {"eps": 1e-5}}, **overrides,
+        output_dir,
+        per_device_train_batch_size=per_device_batch,
+        max_steps=3,
+        train_sampling_strategy="sequential",
+        optimizer_overrides=ADAMW_ONLY,
+        optimizer_kind_kwargs={"adamw": {"eps": 1e-5}},
+        **overrides,
     )
     DeepseekV41Trainer(model=model, args=args, train_dataset=ddp_rows()).train()
     return model
@@ -597,7 +652,12 @@ def test_ddp_two_processes_match_one(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", __file__,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={port}",
+        __file__,
         str(tmp_path),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -58,8 +58,12 @@ def rows(n: int = 4, seed: int = 1) -> list[dict]:
             input_ids[3:9] = 510  # image_token_id
         labels = input_ids.masked_fill(types >= 0, -100)
         out.append(
-            {"input_ids": input_ids, "labels": labels, "attention_mask": torch.ones(SEQ, dtype=torch.long),
-             "image_token_types": types}
+            {
+                "input_ids": input_ids,
+                "labels": labels,
+                "attention_mask": torch.ones(SEQ, dtype=torch.long),
+                "image_token_types": types,
+            }
         )
     return out
 
@@ -168,9 +172,12 @@ def _fsdp2_matches_one_process_and_resumes(rank: int, tmp: Path) -> None:
             last.update(local_state(model))
 
     errors = lockstep(
-        single, lambda step: train(single, single_optimizer, single_balancer, [halves]),
-        model, lambda step: train(model, optimizer, balancer, [[halves[rank]]]),
-        STEPS, after_step=save_or_snapshot,
+        single,
+        lambda step: train(single, single_optimizer, single_balancer, [halves]),
+        model,
+        lambda step: train(model, optimizer, balancer, [[halves[rank]]]),
+        STEPS,
+        after_step=save_or_snapshot,
     )
     assert set(errors) == {"muon", "muon_headwise", "sinkhorn", "adamw"}, errors
     assert all(error <= MAX_RELATIVE_ERROR for error in errors.values()), errors
@@ -219,8 +226,11 @@ def _bf16_policy_keeps_fp32_modules_fp32(rank: int, tmp: Path) -> None:
     optimizer = MixedOptimizer(build_param_groups(model, lr=LR))
     train(model, optimizer, RouterBiasBalancer(model, SPEED), [[collate(data[2 * rank : 2 * rank + 2])]] * 2)
     assert seen == {
-        "lm_head": torch.float32, "wkv": torch.float32, "wq_a": torch.bfloat16,
-        "hc_attn_fn": torch.float32, "attn_sink": torch.float32,
+        "lm_head": torch.float32,
+        "wkv": torch.float32,
+        "wq_a": torch.bfloat16,
+        "hc_attn_fn": torch.float32,
+        "attn_sink": torch.float32,
     }, seen
     for name, param in model.named_parameters():  # stored fp32; replicated ones stayed equal on both ranks
         assert param.dtype == torch.float32, name
@@ -234,8 +244,14 @@ def _fsdp_on_cpu_processes_runs_version_2_and_refuses_version_1(rank: int, tmp: 
     """What ``accelerate launch`` hands every process of an FSDP config, here on CPU processes (gloo)."""
     from modeling_dsv41 import DeepseekV41Trainer, DeepseekV41TrainingArguments
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                      ACCELERATE_USE_FSDP="true", ACCELERATE_MIXED_PRECISION="bf16")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        ACCELERATE_USE_FSDP="true",
+        ACCELERATE_MIXED_PRECISION="bf16",
+    )
 
     def trainer(version: int) -> DeepseekV41Trainer:
         os.environ["FSDP_VERSION"] = str(version)
@@ -369,7 +385,11 @@ def run_printed_command_then_resume(config: str, tmp: Path, demo: Path) -> tuple
     assert flag(argv, "--activation_checkpointing") == "true"  # the printed run checkpoints activations
     cwd = workspace(tmp, demo)
     launch(argv, cwd)
-    output, save_steps, max_steps = cwd / flag(argv, "--output_dir"), int(flag(argv, "--save_steps")), int(flag(argv, "--max_steps"))
+    output, save_steps, max_steps = (
+        cwd / flag(argv, "--output_dir"),
+        int(flag(argv, "--save_steps")),
+        int(flag(argv, "--max_steps")),
+    )
     assert max_steps == 2 * save_steps, argv  # one checkpoint to resume from, one to compare with
     first, last = output / f"checkpoint-{save_steps}", output / f"checkpoint-{max_steps}"
     assert sorted(path.name for path in output.iterdir()) == sorted([first.name, last.name])  # nothing half-written
@@ -381,8 +401,14 @@ def run_printed_command_then_resume(config: str, tmp: Path, demo: Path) -> tuple
     flags[flags.index("--activation_checkpointing") + 1] = "false"
     report = cwd / "report"
     report.mkdir()
-    resume = [*argv[:4], str(REPO_ROOT / "tests" / "accelerate_cpu.py"), str(report), *flags,
-              "--resume_from_checkpoint", str(first)]
+    resume = [
+        *argv[:4],
+        str(REPO_ROOT / "tests" / "accelerate_cpu.py"),
+        str(report),
+        *flags,
+        "--resume_from_checkpoint",
+        str(first),
+    ]
     launch(resume, cwd)
     reports = [torch.load(report / f"rank{rank}.pt") for rank in range(WORLD)]
     return reports, first, last, cwd / "resumed" / last.name
@@ -401,7 +427,9 @@ def assert_biases_moved_and_agree(reports: list[dict]) -> None:
         assert torch.equal(bias, reports[1]["biases"][name]), name
 
 
-def test_printed_fsdp2_launch_trains_on_two_processes_saves_sharded_checkpoints_and_resumes_exactly(tmp_path, demo_model):
+def test_printed_fsdp2_launch_trains_on_two_processes_saves_sharded_checkpoints_and_resumes_exactly(
+    tmp_path, demo_model
+):
     """docs/training.md's FSDP2 command as printed, on CPU processes (gloo): accelerate's FSDP2 plugin with bf16 mixed
     precision, the Trainer's sharding keeping the fp32 modules fp32; checkpoints are sharded, and a run resumed from
     the first one (without gradient checkpointing) ends bit-identical to the run that went on (with it): both
@@ -418,7 +446,10 @@ def test_printed_fsdp2_launch_trains_on_two_processes_saves_sharded_checkpoints_
     for report in reports:
         assert report["strategy"] == "FSDP"
         assert report["dtypes"] == {
-            "lm_head": torch.float32, "hc_attn_fn": torch.float32, "attn_sink": torch.float32, "wq_a": torch.bfloat16,
+            "lm_head": torch.float32,
+            "hc_attn_fn": torch.float32,
+            "attn_sink": torch.float32,
+            "wq_a": torch.bfloat16,
         }, report["dtypes"]
         assert math.isfinite(report["train_loss"])
     assert_biases_moved_and_agree(reports)
@@ -427,7 +458,9 @@ def test_printed_fsdp2_launch_trains_on_two_processes_saves_sharded_checkpoints_
 @pytest.mark.slow
 def test_printed_ddp_launch_trains_on_two_processes_and_resumes_exactly(tmp_path, demo_model):
     """docs/training.md's DDP command as printed (bf16 autocast keeps every weight fp32), on CPU processes."""
-    reports, first, last, resumed = run_printed_command_then_resume("examples/accelerate/ddp.yaml", tmp_path, demo_model)
+    reports, first, last, resumed = run_printed_command_then_resume(
+        "examples/accelerate/ddp.yaml", tmp_path, demo_model
+    )
     for checkpoint in (first, last):
         assert (checkpoint / "model.safetensors").is_file()
     assert_same_checkpoint(resumed, last)

@@ -16,7 +16,11 @@ from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41.cli import main
 from modeling_dsv41.cli.inspection import build_meta_model
-from modeling_dsv41.training.activation_memory import activation_peak, layer_constant_bytes, layer_saved_bytes_per_token
+from modeling_dsv41.training.activation_memory import (
+    activation_peak,
+    layer_constant_bytes,
+    layer_saved_bytes_per_token,
+)
 from modeling_dsv41.training.planning import (
     LORA_EXPERTS,
     LORA_LINEARS,
@@ -33,18 +37,55 @@ RANK = 4
 # layer's forward (mHC's expand), B is A at other widths; C (many heads, a wide window, one query chunk) peaks in the
 # sparse attention's backward, I (many index heads) in the indexer, V (a large vocabulary) at the loss.
 STAND_INS = {
-    "A": dict(QUANT_FORMAT_TEXT, num_hidden_layers=4, compress_ratios=[0, 2, 1, 0], kv_source_layer_ids=[1, 2],
-              index_source_layer_ids=[1, 2], engram_layer_ids=[1], engram_num_embeddings=[660], query_chunk_size=64),
+    "A": dict(
+        QUANT_FORMAT_TEXT,
+        num_hidden_layers=4,
+        compress_ratios=[0, 2, 1, 0],
+        kv_source_layer_ids=[1, 2],
+        index_source_layer_ids=[1, 2],
+        engram_layer_ids=[1],
+        engram_num_embeddings=[660],
+        query_chunk_size=64,
+    ),
 }
-STAND_INS["B"] = dict(STAND_INS["A"], hidden_size=384, moe_intermediate_size=256, num_attention_heads=6, head_dim=128,
-                      qk_rope_head_dim=32, q_lora_rank=128, o_lora_rank=64, o_groups=3, n_routed_experts=6,
-                      num_experts_per_tok=3, sliding_window=24, index_topk=12, index_n_heads=2, index_head_dim=128)
-STAND_INS["C"] = dict(STAND_INS["A"], num_attention_heads=16, head_dim=128, qk_rope_head_dim=32, sliding_window=96,
-                      index_topk=32, o_groups=4, query_chunk_size=4096)
+STAND_INS["B"] = dict(
+    STAND_INS["A"],
+    hidden_size=384,
+    moe_intermediate_size=256,
+    num_attention_heads=6,
+    head_dim=128,
+    qk_rope_head_dim=32,
+    q_lora_rank=128,
+    o_lora_rank=64,
+    o_groups=3,
+    n_routed_experts=6,
+    num_experts_per_tok=3,
+    sliding_window=24,
+    index_topk=12,
+    index_n_heads=2,
+    index_head_dim=128,
+)
+STAND_INS["C"] = dict(
+    STAND_INS["A"],
+    num_attention_heads=16,
+    head_dim=128,
+    qk_rope_head_dim=32,
+    sliding_window=96,
+    index_topk=32,
+    o_groups=4,
+    query_chunk_size=4096,
+)
 STAND_INS["I"] = dict(STAND_INS["A"], index_n_heads=32, query_chunk_size=4096)
 STAND_INS["V"] = dict(STAND_INS["A"], vocab_size=16000)
-LINEAR_TARGETS = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "shared_experts.w1", "shared_experts.w2",
-                  "shared_experts.w3"]
+LINEAR_TARGETS = [
+    "attn.wq_a",
+    "attn.wq_b",
+    "attn.wkv",
+    "attn.wo_b",
+    "shared_experts.w1",
+    "shared_experts.w2",
+    "shared_experts.w3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +105,13 @@ def stand_in(tmp_path_factory):
             stub_tokenizer().save(str(folder / "tokenizer.json"))
             base = DeepseekV41ForCausalLM.from_pretrained(folder)
             base.activation_checkpointing_enable()
-            lora = LoraConfig(r=RANK, lora_alpha=8, target_modules=LINEAR_TARGETS, init_lora_weights=False,
-                              target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+            lora = LoraConfig(
+                r=RANK,
+                lora_alpha=8,
+                target_modules=LINEAR_TARGETS,
+                init_lora_weights=False,
+                target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+            )
             built[name] = base, get_peft_model(base, lora).train()
         return built[name]
 
@@ -80,8 +126,10 @@ def saved_bytes_per_layer(base, model, seq_len: int) -> list[int]:
     """What each decoder layer's forward saves for its backward, measured: every tensor autograd packs, counted once
     by storage, the parameters and the layer's own inputs left out."""
     captured = {}
-    hooks = [layer.register_forward_pre_hook(lambda m, a, k, i=i: captured.update({i: (a, k)}), with_kwargs=True)
-             for i, layer in enumerate(base.model.layers)]
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a, k, i=i: captured.update({i: (a, k)}), with_kwargs=True)
+        for i, layer in enumerate(base.model.layers)
+    ]
     with torch.no_grad():
         model(input_ids=token_ids(seq_len))
     for hook in hooks:
@@ -132,10 +180,17 @@ def test_the_saved_tensors_per_layer_match_a_measured_forward(stand_in, name):
             assert planned == pytest.approx(measured, rel=0.10), (name, seq_len, layer_id)
 
 
-@pytest.mark.parametrize("name, seq_len, moment", [
-    ("A", 128, "the end of its forward"), ("A", 256, "the end of its forward"), ("B", 256, "the end of its forward"),
-    ("C", 256, "sparse attention's backward"), ("I", 256, "its indexer"), ("V", 128, "the loss"),
-])
+@pytest.mark.parametrize(
+    "name, seq_len, moment",
+    [
+        ("A", 128, "the end of its forward"),
+        ("A", 256, "the end of its forward"),
+        ("B", 256, "the end of its forward"),
+        ("C", 256, "sparse attention's backward"),
+        ("I", 256, "its indexer"),
+        ("V", 128, "the loss"),
+    ],
+)
 def test_the_activation_peak_of_a_step_matches_a_measured_step(stand_in, name, seq_len, moment):
     """The activations at the step's peak (checkpointed inputs and the larger of the loss and the worst layer's
     backward) within 10% of a measured step, each moment where it is the peak. Measured within 1.5%."""
@@ -148,8 +203,11 @@ def test_the_activation_peak_of_a_step_matches_a_measured_step(stand_in, name, s
 def test_the_adapter_count_is_what_peft_builds():
     model = DeepseekV41ForCausalLM(DeepseekV41Config.from_preset("tiny"))
     planned = lora_parameters(model, rank=4)
-    config = LoraConfig(r=4, target_modules=LORA_LINEARS.pattern.replace("(^|\\.)", r"model\."),
-                        target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    config = LoraConfig(
+        r=4,
+        target_modules=LORA_LINEARS.pattern.replace("(^|\\.)", r"model\."),
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
     peft_model = get_peft_model(model, config)
     built = sum(p.numel() for name, p in peft_model.named_parameters() if "lora_" in name)
     assert planned == built > 0
@@ -157,8 +215,13 @@ def test_the_adapter_count_is_what_peft_builds():
 
 
 def test_the_plan_shards_the_frozen_weights_and_gathers_only_running_units():
-    text = {**DeepseekV41Config.from_preset("tiny").text_config.to_dict(), "dspark_block_size": 3,
-            "num_nextn_predict_layers": 2, "dspark_target_layer_ids": [4, 5], "dspark_noise_token_id": 7}
+    text = {
+        **DeepseekV41Config.from_preset("tiny").text_config.to_dict(),
+        "dspark_block_size": 3,
+        "num_nextn_predict_layers": 2,
+        "dspark_target_layer_ids": [4, 5],
+        "dspark_noise_token_id": 7,
+    }
     config = DeepseekV41Config.from_preset("tiny", text_config=text)
     model = build_meta_model(config)
     two = plan_lora_training(model, {0: DEVICE, 1: DEVICE}, seq_len=64, rank=4)
@@ -193,8 +256,11 @@ def test_under_expert_parallelism_a_unit_gathers_only_the_rank_s_experts():
     devices = {i: DEVICE for i in range(4)}
     plans = {ep: plan_lora_training(model, devices, seq_len=64, rank=4, ep_size=ep) for ep in (1, 2, 4)}
     unit = dict(model.named_modules())[plans[1].largest_unit]
-    experts = sum(native_held_bytes(f"{plans[1].largest_unit}.{name}", p) for name, p in unit.named_parameters()
-                  if ".ffn.experts." in f".{name}")
+    experts = sum(
+        native_held_bytes(f"{plans[1].largest_unit}.{name}", p)
+        for name, p in unit.named_parameters()
+        if ".ffn.experts." in f".{name}"
+    )
     assert experts > 0
     text = model.config.text_config
     for ep, plan in plans.items():
@@ -221,13 +287,19 @@ def test_the_longest_sequence_is_the_last_that_fits():
 
 
 def totals(out: str) -> list[float]:
-    return [float(value) for value in re.search(r"^total((?:\s+[\d.]+ GiB){3})$", out, re.MULTILINE)
-            .group(1).replace("GiB", "").split()]
+    return [
+        float(value)
+        for value in re.search(r"^total((?:\s+[\d.]+ GiB){3})$", out, re.MULTILINE).group(1).replace("GiB", "").split()
+    ]
 
 
 def longest(out: str) -> list[int]:
-    return [int(value) for value in re.findall(r"(\d+) tokens", re.search(
-        r"^longest sequence per device that fits.*$", out, re.MULTILINE).group(0))]
+    return [
+        int(value)
+        for value in re.findall(
+            r"(\d+) tokens", re.search(r"^longest sequence per device that fits.*$", out, re.MULTILINE).group(0)
+        )
+    ]
 
 
 def test_inspect_plans_lora_on_the_released_model(capsys):

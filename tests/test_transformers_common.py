@@ -70,8 +70,11 @@ NO_VISION_CONFIG = "a text-only config has no vision part: no images to encode (
 TEXT_ONLY_MODEL_SKIPS = MODEL_SKIPS | {
     name: NO_VISION_CONFIG
     for name in (
-        "test_get_image_features_attentions", "test_get_image_features_hidden_states",
-        "test_get_image_features_output_0", "test_get_image_features_output_1", "test_get_image_features_output_2",
+        "test_get_image_features_attentions",
+        "test_get_image_features_hidden_states",
+        "test_get_image_features_output_0",
+        "test_get_image_features_output_1",
+        "test_get_image_features_output_2",
         "test_get_image_features_pooler_output",
     )
 }
@@ -168,8 +171,14 @@ class DeepseekV41ImageProcessingTester(ImageProcessingTester):
 
     def __init__(self, parent):
         super().__init__(
-            parent, batch_size=3, min_resolution=20, max_resolution=80, patch_size=14, downsample_ratio=3,
-            max_image_tokens=64, min_pixels=2000,
+            parent,
+            batch_size=3,
+            min_resolution=20,
+            max_resolution=80,
+            patch_size=14,
+            downsample_ratio=3,
+            max_image_tokens=64,
+            min_pixels=2000,
         )
 
     def _get_image_processing_classes(self) -> dict:

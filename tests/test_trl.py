@@ -67,8 +67,13 @@ def captioner(tmp_path_factory) -> Path:
     config = demo_config(tokenizer)
     model = build_demo_model(config, tokenizer, seed=0)
     processor = build_demo_processor(config, tokenizer)
-    settings = DemoSettings(output=root / "training", steps=CAPTIONER_STEPS, batch_size=CAPTIONER_BATCH,
-                            num_train=CAPTIONER_STEPS * CAPTIONER_BATCH, num_eval=8)
+    settings = DemoSettings(
+        output=root / "training",
+        steps=CAPTIONER_STEPS,
+        batch_size=CAPTIONER_BATCH,
+        num_train=CAPTIONER_STEPS * CAPTIONER_BATCH,
+        num_eval=8,
+    )
     fine_tune(model, processor, settings, stage="full", style="short", steps=settings.steps, print_fn=lambda *a: None)
     export_for_hub(model, root / "dsv41-demo" / "model", processor)
     return root / "dsv41-demo"
@@ -164,12 +169,24 @@ def test_dpo_trainer_starts_from_a_save_pretrained_path(folders, tmp_path):
     from trl import DPOConfig, DPOTrainer
 
     pairs = Dataset.from_list([{"prompt": "red circle", "chosen": " top left", "rejected": " bottom right"}] * 2)
-    args = DPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, use_cpu=True,
-                     report_to="none", save_strategy="no", disable_tqdm=True, activation_checkpointing=True)
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        activation_checkpointing=True,
+    )
     from transformers import AutoTokenizer
 
-    trainer = DPOTrainer(model=str(folders["saved"]), args=args, train_dataset=pairs,
-                         processing_class=AutoTokenizer.from_pretrained(folders["saved"]))
+    trainer = DPOTrainer(
+        model=str(folders["saved"]),
+        args=args,
+        train_dataset=pairs,
+        processing_class=AutoTokenizer.from_pretrained(folders["saved"]),
+    )
     trainer.train()
     assert trainer.state.global_step == 1
 
@@ -196,12 +213,26 @@ def test_grpo_rollouts_with_dspark_are_the_plain_ones(folders, tmp_path, monkeyp
             return [0.0] * len(completions)
 
         args = GRPOConfig(
-            output_dir=str(tmp_path / str(use_mtp)), max_steps=1, per_device_train_batch_size=4, num_generations=2,
-            max_completion_length=12, generation_kwargs={"do_sample": False, "use_mtp": use_mtp}, use_cpu=True,
-            report_to="none", save_strategy="no", disable_tqdm=True, seed=0, activation_checkpointing=True,
+            output_dir=str(tmp_path / str(use_mtp)),
+            max_steps=1,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=12,
+            generation_kwargs={"do_sample": False, "use_mtp": use_mtp},
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            activation_checkpointing=True,
         )
-        trainer = GRPOTrainer(model=str(folders["saved"]), reward_funcs=record, args=args, train_dataset=prompts,
-                              processing_class=AutoTokenizer.from_pretrained(folders["saved"]))
+        trainer = GRPOTrainer(
+            model=str(folders["saved"]),
+            reward_funcs=record,
+            args=args,
+            train_dataset=prompts,
+            processing_class=AutoTokenizer.from_pretrained(folders["saved"]),
+        )
         trainer.train()
         completions[use_mtp] = seen
     assert speculative  # the use_mtp run decoded speculatively

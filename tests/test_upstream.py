@@ -111,8 +111,11 @@ def _parameters(function) -> tuple[set[str], set[str], bool]:
     if params and params[0].name in ("self", "cls"):
         params = params[1:]
     named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    return ({p.name for p in named}, {p.name for p in named if p.default is p.empty},
-            any(p.kind is p.VAR_KEYWORD for p in params))
+    return (
+        {p.name for p in named},
+        {p.name for p in named if p.default is p.empty},
+        any(p.kind is p.VAR_KEYWORD for p in params),
+    )
 
 
 def test_our_overrides_take_what_upstream_passes():
@@ -128,8 +131,10 @@ def test_our_overrides_take_what_upstream_passes():
         unaccepted = sorted(theirs - ours) if not our_kwargs else []
         unknown = sorted(our_required - theirs) if not their_kwargs else []
         if unaccepted or unknown:
-            mismatched.append(f"{path}: {where(library)} passes {unaccepted or 'nothing new'}, "
-                              f"our {cls.__qualname__}.{name} requires {unknown or 'nothing else'}")
+            mismatched.append(
+                f"{path}: {where(library)} passes {unaccepted or 'nothing new'}, "
+                f"our {cls.__qualname__}.{name} requires {unknown or 'nothing else'}"
+            )
     assert not mismatched, "\n".join(mismatched)
 
 
@@ -142,8 +147,11 @@ def test_private_names_are_imported_only_through_upstream():
                     for alias in node.names:
                         if alias.name.startswith("_"):
                             imported.setdefault(f"{node.module}.{alias.name}", []).append(path.relative_to(ROOT))
-    wrong = {name: paths for name, paths in imported.items()
-             if paths != [Path("modeling_dsv41/upstream.py")] or name not in BY_NAME[name.split(".")[0]].imported}
+    wrong = {
+        name: paths
+        for name, paths in imported.items()
+        if paths != [Path("modeling_dsv41/upstream.py")] or name not in BY_NAME[name.split(".")[0]].imported
+    }
     assert not wrong, f"private names imported elsewhere than (or unlisted in) modeling_dsv41/upstream.py: {wrong}"
 
 
@@ -160,8 +168,11 @@ def test_the_declared_range_is_the_tested_one():
     setup.read(ROOT / "setup.cfg")
     lines = setup["options"]["install_requires"].split("\n") + setup["options.extras_require"]["test"].split("\n")
     requirements = {r.name: r for r in map(Requirement, filter(None, lines)) if r.name in BY_NAME}
-    oldest = dict(line.split("==") for line in (ROOT / ".ci/oldest-versions.txt").read_text().split("\n")
-                  if line and not line.startswith("#"))
+    oldest = dict(
+        line.split("==")
+        for line in (ROOT / ".ci/oldest-versions.txt").read_text().split("\n")
+        if line and not line.startswith("#")
+    )
     readme = (ROOT / "README.md").read_text()
     for name, library in BY_NAME.items():
         spec = requirements[name].specifier
@@ -184,11 +195,22 @@ def test_no_deprecated_name_in_our_code_docs_or_commands():
     the test run, setup.cfg; the methods are also called by PEFT, so they are checked here by name)."""
     import re
 
-    deprecated = re.compile(r"gradient_checkpointing_enable\(|is_gradient_checkpointing\b|--gradient_checkpointing\b|"
-                            r"\bgradient_checkpointing(_kwargs)?=")
+    deprecated = re.compile(
+        r"gradient_checkpointing_enable\(|is_gradient_checkpointing\b|--gradient_checkpointing\b|"
+        r"\bgradient_checkpointing(_kwargs)?="
+    )
     found = []
-    for pattern in ("configuration/**/*.py", "processing/**/*.py", "modeling_dsv41/**/*.py", "examples/**/*.py",
-                    "benchmarks/*", "docs/*.md", "README.md", "model_card.md", "tests/*.py"):
+    for pattern in (
+        "configuration/**/*.py",
+        "processing/**/*.py",
+        "modeling_dsv41/**/*.py",
+        "examples/**/*.py",
+        "benchmarks/*",
+        "docs/*.md",
+        "README.md",
+        "model_card.md",
+        "tests/*.py",
+    ):
         for path in sorted(ROOT.glob(pattern)):
             if path.is_file() and path.name != "test_upstream.py":
                 text = path.read_text(encoding="utf-8")

@@ -29,8 +29,12 @@ def image_inputs() -> dict[str, torch.Tensor]:
     input_ids = ids(1)
     input_ids[types >= 0] = 510  # the tiny preset's image_token_id
     pixels = torch.randn(VIT_GRID[0] * VIT_GRID[1], 3, 14, 14, generator=torch.Generator().manual_seed(1))
-    return {"input_ids": input_ids, "pixel_values": pixels, "image_grid_hw": torch.tensor([VIT_GRID]),
-            "image_token_types": types}
+    return {
+        "input_ids": input_ids,
+        "pixel_values": pixels,
+        "image_grid_hw": torch.tensor([VIT_GRID]),
+        "image_token_types": types,
+    }
 
 
 @pytest.mark.parametrize(
@@ -82,8 +86,10 @@ def test_attention_mask_after_the_prefill_covers_cached_and_new_positions(model)
 @pytest.mark.parametrize(
     "drop, message",
     [
-        (("pixel_values", "image_grid_hw", "image_token_types"),
-         r"input_ids hold 8 image positions \(image_token_id 510\) but no pixel_values were given"),
+        (
+            ("pixel_values", "image_grid_hw", "image_token_types"),
+            r"input_ids hold 8 image positions \(image_token_id 510\) but no pixel_values were given",
+        ),
         (("pixel_values", "image_grid_hw"), r"image_token_types marks 1 image span but no pixel_values were given"),
     ],
 )
@@ -150,14 +156,18 @@ def test_inputs_past_max_position_embeddings_are_an_error_in_forward_and_generat
     monkeypatch.setattr(model.config.text_config, "max_position_embeddings", SEQ + 2)
     with torch.no_grad():
         model(ids(seq=SEQ + 2))  # exactly at the limit runs
-        with pytest.raises(ValueError, match=r"reach position 27 \(0 cached and 27 new\), past max_position_embeddings \(26\)"):
+        with pytest.raises(
+            ValueError, match=r"reach position 27 \(0 cached and 27 new\), past max_position_embeddings \(26\)"
+        ):
             model(ids(seq=SEQ + 3))
         cache = DeepseekV41Cache(model.config)
         model(ids(seq=SEQ), cache=cache)
         model(ids(seq=2), cache=cache)
         with pytest.raises(ValueError, match=r"reach position 27 \(26 cached and 1 new\)"):
             model(ids(seq=1), cache=cache)
-    with pytest.raises(ValueError, match=r"max_length=27 tokens \(an input of 24\) passes max_position_embeddings \(26\)"):
+    with pytest.raises(
+        ValueError, match=r"max_length=27 tokens \(an input of 24\) passes max_position_embeddings \(26\)"
+    ):
         model.generate(ids(), max_new_tokens=3, do_sample=False)
     assert model.generate(ids(), max_new_tokens=2, do_sample=False).shape[1] == SEQ + 2
 

@@ -104,7 +104,12 @@ def test_merge_matches_reference_inputs_embeds(tiny, aligner):
     with torch.no_grad():
         tokens = aligner([tiny["captures"]["vision.out"]], torch.tensor([[9, 13]]))
     merged = merge_image_embeddings(
-        embeds, inputs["token_types"], tokens, weights["image_start"], weights["image_newline"], weights["image_end"],
+        embeds,
+        inputs["token_types"],
+        tokens,
+        weights["image_start"],
+        weights["image_newline"],
+        weights["image_end"],
         token_grids=[token_grid((9, 13), 3)],
     )
     assert torch.equal(merged[0], expected["inputs_embeds"])

@@ -50,8 +50,17 @@ def _int_at_least(minimum: int):
     return parse
 
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 class Devices(dict):
@@ -87,81 +96,153 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     demo = commands.add_parser(
-        "demo", help="fine-tune, publish and reload a tiny DeepSeek-V4.1 on generated captions (CPU, minutes)",
+        "demo",
+        help="fine-tune, publish and reload a tiny DeepSeek-V4.1 on generated captions (CPU, minutes)",
         description="Build a tiny DeepSeek-V4.1 with vision and Engram, measure caption exact match, fine-tune it "
         "with DeepseekV41Trainer, measure again, export a Hub-ready folder, reload it in a fresh process and caption "
         "images. Ctrl-C saves a checkpoint; rerun with the same --output to resume.",
     )
-    demo.add_argument("--output", type=Path, default=Path("dsv41-demo"), metavar="DIR", help="output folder (default: %(default)s)")
-    demo.add_argument("--steps", type=_int_at_least(1), default=None, metavar="N",
-                      help="training steps, for each stage with --lora (default: 120)")
-    demo.add_argument("--lora", action="store_true",
-                      help="then teach the fine-tuned model a new caption wording through a LoRA adapter (PEFT)")
-    demo.add_argument("--seed", type=_int_at_least(0), default=0, metavar="S", help="seed for data, model and training")
+    demo.add_argument(
+        "--output", type=Path, default=Path("dsv41-demo"), metavar="DIR", help="output folder (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--steps",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="training steps, for each stage with --lora (default: 120)",
+    )
+    demo.add_argument(
+        "--lora",
+        action="store_true",
+        help="then teach the fine-tuned model a new caption wording through a LoRA adapter (PEFT)",
+    )
+    demo.add_argument(
+        "--seed", type=_int_at_least(0), default=0, metavar="S", help="seed for data, model and training"
+    )
     demo.set_defaults(handler=_run_demo)
 
     inspect = commands.add_parser(
-        "inspect", help="parameter counts, optimizer state and image token budgets (meta device, any size)",
+        "inspect",
+        help="parameter counts, optimizer state and image token budgets (meta device, any size)",
         description="Count parameters per component and per optimizer kind, optimizer-state bytes (ours vs AdamW) "
         "and image token budgets, without allocating the weights.",
     )
-    inspect.add_argument("target", nargs="?", default="deepseek-v4.1-flash", metavar="PRESET|PATH",
-                         help=f"a preset ({', '.join(PRESETS)}) or a folder / config.json (default: %(default)s)")
-    inspect.add_argument("--devices", type=parse_devices, default=None, metavar="NxSIZE",
-                         help="also plan device_map=\"auto\" on these accelerators (e.g. 8x141GiB): weights per "
-                         "device, host memory for the Engram tables, decode cache bytes per token")
-    inspect.add_argument("--storage", choices=("released", "loaded", "nf4", "int8"), default="released",
-                         help="weight sizes for --devices: the released storage (FP8 Linears, FP4 experts, FP8 Engram "
-                         "tables, as native loading keeps them) or the dtypes of a model loaded in bfloat16 "
-                         "(default: %(default)s); nf4 / int8: the weights and bytes per parameter of the model "
-                         "loaded with bitsandbytes (NF4 with and without double quantization, int8), next to bf16 "
-                         "and the native FP8 / FP4 load")
-    inspect.add_argument("--tp", type=_int_at_least(2), default=None, metavar="N",
-                         help='per-rank weights under tensor parallelism on N ranks (tp_plan="auto"; with --devices, '
-                         "N of them)")
-    inspect.add_argument("--ep", type=_int_at_least(2), default=None, metavar="N",
-                         help="per-rank weights under expert parallelism on N ranks: DistributedConfig(tp_size=N, "
-                         "ep_size=N), the experts split by the EP plan and the rest by the TP plan; with --train: "
-                         "the routed experts split over N devices (training.fsdp.shard_model's expert_parallel_size)")
-    inspect.add_argument("--train", choices=("lora", "full"), default=None,
-                         help="with --devices: plan LoRA fine-tuning of the natively loaded weights, sharded with "
-                         "FSDP2 over the devices (frozen shards, gathered units, adapters and AdamW, activations "
-                         "with gradient checkpointing, logits), resident and offloaded to host memory, and the "
-                         "longest sequence per device that fits (--ep N: the launch's --expert_parallel_size N); or full "
-                         "fine-tuning with the mixed optimizer on the expert-parallel mesh (--devices "
-                         "NODESxGPUSxSIZE, --ep N: experts split over N devices, default one node's)")
-    inspect.add_argument("--seq", type=_int_at_least(1), default=4096, metavar="S",
-                         help="with --train: tokens per sequence (default: %(default)s)")
-    inspect.add_argument("--batch", type=_int_at_least(1), default=1, metavar="B",
-                         help="with --train: sequences per device and step (default: %(default)s)")
-    inspect.add_argument("--rank", type=_int_at_least(1), default=16, metavar="R",
-                         help="with --train: LoRA rank (default: %(default)s)")
+    inspect.add_argument(
+        "target",
+        nargs="?",
+        default="deepseek-v4.1-flash",
+        metavar="PRESET|PATH",
+        help=f"a preset ({', '.join(PRESETS)}) or a folder / config.json (default: %(default)s)",
+    )
+    inspect.add_argument(
+        "--devices",
+        type=parse_devices,
+        default=None,
+        metavar="NxSIZE",
+        help='also plan device_map="auto" on these accelerators (e.g. 8x141GiB): weights per '
+        "device, host memory for the Engram tables, decode cache bytes per token",
+    )
+    inspect.add_argument(
+        "--storage",
+        choices=("released", "loaded", "nf4", "int8"),
+        default="released",
+        help="weight sizes for --devices: the released storage (FP8 Linears, FP4 experts, FP8 Engram "
+        "tables, as native loading keeps them) or the dtypes of a model loaded in bfloat16 "
+        "(default: %(default)s); nf4 / int8: the weights and bytes per parameter of the model "
+        "loaded with bitsandbytes (NF4 with and without double quantization, int8), next to bf16 "
+        "and the native FP8 / FP4 load",
+    )
+    inspect.add_argument(
+        "--tp",
+        type=_int_at_least(2),
+        default=None,
+        metavar="N",
+        help='per-rank weights under tensor parallelism on N ranks (tp_plan="auto"; with --devices, N of them)',
+    )
+    inspect.add_argument(
+        "--ep",
+        type=_int_at_least(2),
+        default=None,
+        metavar="N",
+        help="per-rank weights under expert parallelism on N ranks: DistributedConfig(tp_size=N, "
+        "ep_size=N), the experts split by the EP plan and the rest by the TP plan; with --train: "
+        "the routed experts split over N devices (training.fsdp.shard_model's expert_parallel_size)",
+    )
+    inspect.add_argument(
+        "--train",
+        choices=("lora", "full"),
+        default=None,
+        help="with --devices: plan LoRA fine-tuning of the natively loaded weights, sharded with "
+        "FSDP2 over the devices (frozen shards, gathered units, adapters and AdamW, activations "
+        "with gradient checkpointing, logits), resident and offloaded to host memory, and the "
+        "longest sequence per device that fits (--ep N: the launch's --expert_parallel_size N); or full "
+        "fine-tuning with the mixed optimizer on the expert-parallel mesh (--devices "
+        "NODESxGPUSxSIZE, --ep N: experts split over N devices, default one node's)",
+    )
+    inspect.add_argument(
+        "--seq",
+        type=_int_at_least(1),
+        default=4096,
+        metavar="S",
+        help="with --train: tokens per sequence (default: %(default)s)",
+    )
+    inspect.add_argument(
+        "--batch",
+        type=_int_at_least(1),
+        default=1,
+        metavar="B",
+        help="with --train: sequences per device and step (default: %(default)s)",
+    )
+    inspect.add_argument(
+        "--rank", type=_int_at_least(1), default=16, metavar="R", help="with --train: LoRA rank (default: %(default)s)"
+    )
     inspect.set_defaults(handler=_run_inspect)
 
     convert = commands.add_parser(
-        "convert", help="convert a released-format checkpoint (FP8/FP4) into our format (dequantized)",
+        "convert",
+        help="convert a released-format checkpoint (FP8/FP4) into our format (dequantized)",
         description="Read a checkpoint in DeepSeek's released storage (FP8 / packed FP4 weights with E8M0 scales) "
         "and write plain safetensors that DeepseekV41ForCausalLM.from_pretrained loads, one tensor at a time.",
     )
-    convert.add_argument("source", type=Path, metavar="SRC", help="folder with config.json and *.safetensors in the released format")
+    convert.add_argument(
+        "source", type=Path, metavar="SRC", help="folder with config.json and *.safetensors in the released format"
+    )
     convert.add_argument("destination", type=Path, metavar="DST", help="new (or empty) folder to write")
-    convert.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                         help="dtype of the dequantized weights (default: %(default)s)")
+    convert.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="dtype of the dequantized weights (default: %(default)s)",
+    )
     convert.set_defaults(handler=_run_convert)
 
     export = commands.add_parser(
-        "export", help="write a fine-tune for serving: a LoRA adapter in the layout vLLM's DeepSeek-V4 LoRA reads",
+        "export",
+        help="write a fine-tune for serving: a LoRA adapter in the layout vLLM's DeepSeek-V4 LoRA reads",
         description="Write a PEFT LoRA adapter of DeepSeek-V4.1 (the folder save_pretrained wrote) as an adapter "
         "vLLM's DeepSeek-V4 LoRA serves: the release's module names, each routed expert's own w1/w2/w3 factors, one "
         "scale (format vllm-deepseek-v4-lora, version 1). The DSpark draft head (mtp.*) is left out, as vLLM skips it.",
     )
-    export.add_argument("source", type=Path, metavar="ADAPTER", help="the adapter folder (adapter_config.json, "
-                        "adapter_model.safetensors)")
+    export.add_argument(
+        "source",
+        type=Path,
+        metavar="ADAPTER",
+        help="the adapter folder (adapter_config.json, adapter_model.safetensors)",
+    )
     export.add_argument("destination", type=Path, metavar="DST", help="new (or empty) folder to write")
-    export.add_argument("--format", required=True, choices=("vllm-lora",), help="what to write: vllm-lora, the "
-                        "adapter layout of vLLM's DeepSeek-V4 LoRA")
-    export.add_argument("--base", metavar="PRESET|PATH", help="the config the adapter was trained on: a preset, a "
-                        "folder with config.json or a config.json (default: the adapter's base_model_name_or_path)")
+    export.add_argument(
+        "--format",
+        required=True,
+        choices=("vllm-lora",),
+        help="what to write: vllm-lora, the adapter layout of vLLM's DeepSeek-V4 LoRA",
+    )
+    export.add_argument(
+        "--base",
+        metavar="PRESET|PATH",
+        help="the config the adapter was trained on: a preset, a "
+        "folder with config.json or a config.json (default: the adapter's base_model_name_or_path)",
+    )
     export.set_defaults(handler=_run_export)
     return parser
 
@@ -188,10 +269,14 @@ def _run_demo(args: argparse.Namespace) -> int:
     try:
         report = run_demo(settings)
     except DemoInterrupted as interrupted:
-        print(f"\nInterrupted. Checkpoint: {interrupted.checkpoint}\n"
-              f"Resume with: dsv41 demo --output {args.output}" + (" --lora" if args.lora else "")
-              + (f" --steps {args.steps}" if args.steps else "") + (f" --seed {args.seed}" if args.seed else ""),
-              file=sys.stderr)
+        print(
+            f"\nInterrupted. Checkpoint: {interrupted.checkpoint}\n"
+            f"Resume with: dsv41 demo --output {args.output}"
+            + (" --lora" if args.lora else "")
+            + (f" --steps {args.steps}" if args.steps else "")
+            + (f" --seed {args.seed}" if args.seed else ""),
+            file=sys.stderr,
+        )
         return 130
     finally:
         torch.set_num_threads(threads)  # as it was for the caller (the tests run the command in-process)
@@ -200,8 +285,14 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 # `report["timings_s"]` keys → the stage names the summary prints
-STAGE_NAMES = {"build_and_baseline_s": "build + baseline", "train_s": "fine-tuning", "lora_s": "LoRA",
-               "dspark_s": "DSpark head", "export_s": "export", "reload_s": "reload check"}
+STAGE_NAMES = {
+    "build_and_baseline_s": "build + baseline",
+    "train_s": "fine-tuning",
+    "lora_s": "LoRA",
+    "dspark_s": "DSpark head",
+    "export_s": "export",
+    "reload_s": "reload check",
+}
 
 
 def _cell(value: float | None) -> str:
@@ -244,8 +335,10 @@ def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
     ]
     lines += ["", f"{'image':<16}{'truth':<34}{'generated':<34}reloaded"]
     for sample in report["samples"]:
-        lines.append(f"{Path(sample['image']).name:<16}{sample['truth']:<34}{sample['in_process']:<34}"
-                     f"{'same' if sample['reloaded'] == sample['in_process'] else sample['reloaded']}")
+        lines.append(
+            f"{Path(sample['image']).name:<16}{sample['truth']:<34}{sample['in_process']:<34}"
+            f"{'same' if sample['reloaded'] == sample['in_process'] else sample['reloaded']}"
+        )
     same = report["reloaded_generations_equal"]
     lines += [
         "",
@@ -256,9 +349,8 @@ def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
         f"Time {seconds / 60:.1f} min (CPU time {report['cpu_time_s'] / 60:.1f} min), peak memory "
         f"{report['peak_memory_bytes'] / 2**20:.0f} MiB, {report['threads']} thread{'s' * (report['threads'] != 1)} "
         f"on {report['cpu']}",
-        "Wall time per stage: " + ", ".join(
-            f"{STAGE_NAMES.get(key, key)} {value:.1f} s" for key, value in report["timings_s"].items()
-        ),
+        "Wall time per stage: "
+        + ", ".join(f"{STAGE_NAMES.get(key, key)} {value:.1f} s" for key, value in report["timings_s"].items()),
     ]
     return "\n".join(lines)
 
@@ -317,13 +409,16 @@ def _print_storage_costs(config, args: argparse.Namespace) -> int:
     from .inspection import format_storage_costs, storage_costs
 
     if args.devices or args.tp or args.ep or args.train:
-        raise ValueError(f"--storage {args.storage} prints the weights of each load path: drop --devices, --tp, --ep "
-                         "and --train (they plan the released or bf16 weights)")
+        raise ValueError(
+            f"--storage {args.storage} prints the weights of each load path: drop --devices, --tp, --ep "
+            "and --train (they plan the released or bf16 weights)"
+        )
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError(f"--storage {args.storage} builds the modules bitsandbytes loads: install it "
-                         "(pip install -e \".[quant]\")")
+        raise ValueError(
+            f'--storage {args.storage} builds the modules bitsandbytes loads: install it (pip install -e ".[quant]")'
+        )
     print()
     print(format_storage_costs(config, storage_costs(config)))
     return 0
@@ -338,16 +433,26 @@ def _print_training_plan(config, args: argparse.Namespace) -> int:
     if not args.devices:
         raise ValueError("--train lora plans a run on devices: give them with --devices (e.g. --devices 8x80GiB)")
     if args.tp or args.storage != "released":
-        raise ValueError("--train lora plans FSDP2 over the natively loaded (released) weights: drop --tp and "
-                         "--storage (--ep N splits the routed experts over N devices)")
+        raise ValueError(
+            "--train lora plans FSDP2 over the natively loaded (released) weights: drop --tp and "
+            "--storage (--ep N splits the routed experts over N devices)"
+        )
     model = build_meta_model(config)
-    cases = {name: dict(offload=weights, offload_activations=activations) for name, (weights, activations) in
-             TRAINING_CASES.items()}
+    cases = {
+        name: dict(offload=weights, offload_activations=activations)
+        for name, (weights, activations) in TRAINING_CASES.items()
+    }
     ep = args.ep or 1
-    plans = {name: plan_lora_training(model, args.devices, seq_len=args.seq, batch_size=args.batch, rank=args.rank,
-                                      ep_size=ep, **case) for name, case in cases.items()}
-    longest = {name: longest_sequence(model, args.devices, batch_size=args.batch, rank=args.rank, ep_size=ep, **case)
-               for name, case in cases.items()}
+    plans = {
+        name: plan_lora_training(
+            model, args.devices, seq_len=args.seq, batch_size=args.batch, rank=args.rank, ep_size=ep, **case
+        )
+        for name, case in cases.items()
+    }
+    longest = {
+        name: longest_sequence(model, args.devices, batch_size=args.batch, rank=args.rank, ep_size=ep, **case)
+        for name, case in cases.items()
+    }
     print()
     print(format_training_plan(plans, longest))
     return 0
@@ -358,11 +463,15 @@ def _print_full_training_plan(config, args: argparse.Namespace) -> int:
     from .inspection import build_meta_model, format_full_training_plan
 
     if not args.devices or len(set(args.devices.values())) != 1:
-        raise ValueError("--train full plans a run on nodes of equal devices: give them with --devices "
-                         "NODESxGPUSxSIZE (e.g. --devices 16x8x80GiB)")
+        raise ValueError(
+            "--train full plans a run on nodes of equal devices: give them with --devices "
+            "NODESxGPUSxSIZE (e.g. --devices 16x8x80GiB)"
+        )
     if args.tp or args.storage != "released":
-        raise ValueError("--train full plans the expert-parallel mesh of training.fsdp.shard_model: drop --tp and "
-                         "--storage (--ep N sets the expert-parallel size)")
+        raise ValueError(
+            "--train full plans the expert-parallel mesh of training.fsdp.shard_model: drop --tp and "
+            "--storage (--ep N sets the expert-parallel size)"
+        )
     per_node = getattr(args.devices, "per_node", None) or len(args.devices)
     nodes, capacity = len(args.devices) // per_node, args.devices[0]
     model = build_meta_model(config)
@@ -377,8 +486,10 @@ def _print_parallel_plan(config, args: argparse.Namespace, native: bool) -> int:
     from .inspection import build_meta_model, format_parallel_plan
 
     if args.tp and args.ep and args.tp != args.ep:
-        raise ValueError(f"--tp {args.tp} --ep {args.ep}: expert parallelism runs on the tensor-parallel ranks, "
-                         f"use --ep {args.ep} alone (DistributedConfig(tp_size={args.ep}, ep_size={args.ep}))")
+        raise ValueError(
+            f"--tp {args.tp} --ep {args.ep}: expert parallelism runs on the tensor-parallel ranks, "
+            f"use --ep {args.ep} alone (DistributedConfig(tp_size={args.ep}, ep_size={args.ep}))"
+        )
     ranks = args.ep or args.tp
     if args.devices and len(args.devices) != ranks:
         raise ValueError(f"--devices lists {len(args.devices)} devices for {ranks} ranks: give one per rank")
@@ -416,8 +527,10 @@ def _run_convert(args: argparse.Namespace) -> int:
         if not destination.exists() or (destination.is_dir() and not any(destination.iterdir())):
             _check_writable(destination)
     written = convert_released_checkpoint(args.source, args.destination, dtype=getattr(torch, args.dtype))
-    print(f"Wrote {written['tensors']:,} tensors ({written['bytes'] / 2**30:.2f} GiB) to {args.destination}; "
-          f"load with DeepseekV41ForCausalLM.from_pretrained({str(args.destination)!r})")
+    print(
+        f"Wrote {written['tensors']:,} tensors ({written['bytes'] / 2**30:.2f} GiB) to {args.destination}; "
+        f"load with DeepseekV41ForCausalLM.from_pretrained({str(args.destination)!r})"
+    )
     return 0
 
 
@@ -431,9 +544,11 @@ def _run_export(args: argparse.Namespace) -> int:
 
     written = export_serving_adapter(args.source, args.destination, base=load_config(args.base) if args.base else None)
     left_out = f", left out {len(written['skipped'])} modules of the draft head" if written["skipped"] else ""
-    print(f"Wrote {written['tensors']:,} tensors of {written['modules']:,} adapted modules ({FORMAT} version "
-          f"{FORMAT_VERSION}{left_out}) to {args.destination}; serve with vLLM's --enable-lora --lora-modules "
-          f"NAME={args.destination}")
+    print(
+        f"Wrote {written['tensors']:,} tensors of {written['modules']:,} adapted modules ({FORMAT} version "
+        f"{FORMAT_VERSION}{left_out}) to {args.destination}; serve with vLLM's --enable-lora --lora-modules "
+        f"NAME={args.destination}"
+    )
     return 0
 
 
@@ -453,4 +568,3 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"{prefix}: error: {message}", file=sys.stderr)
         return 2
-

@@ -45,6 +45,7 @@ from processing import IMAGE_TOKEN, DeepseekV41ImageProcessor, DeepseekV41Proces
 
 from . import demo_reload
 from .demo_data import CAPTIONS, IMAGE_SIZE, PROMPT, ShapesDataset, build_demo_tokenizer
+
 # choose_threads is not used here: the `dsv41 demo` command imports it from this module with the rest of the demo
 from .demo_report import choose_threads, cpu_name, cpu_seconds, loss_curves, peak_memory_bytes, plot_losses
 from ..engram import build_compressed_token_map
@@ -62,8 +63,12 @@ LORA_FULLY_TRAINED = ["lm_head"]
 NUM_SAMPLE_IMAGES = 8
 # the demo model's draft head: one DSpark block reading the last three backbone layers, drafting 4 tokens (a short
 # caption and its EOS) per verification; the pad token fills the block after its first token (it never occurs in text)
-DEMO_DSPARK = {"num_nextn_predict_layers": 1, "dspark_block_size": 4, "dspark_target_layer_ids": [3, 4, 5],
-               "dspark_markov_rank": 32}
+DEMO_DSPARK = {
+    "num_nextn_predict_layers": 1,
+    "dspark_block_size": 4,
+    "dspark_target_layer_ids": [3, 4, 5],
+    "dspark_markov_rank": 32,
+}
 DSPARK_TIMING_REPS = 2  # each decoding timed this many times, alternating; the fastest counts (least disturbed)
 MIN_FREE_BYTES = 200 * 2**20  # checkpoints, the export and the samples take ≈ 30 MB; keep a margin
 
@@ -114,8 +119,12 @@ def demo_config(tokenizer: Any) -> DeepseekV41Config:
     _, compressed_vocab_size = build_compressed_token_map(tokenizer)
     config = DeepseekV41Config.from_preset(
         "tiny",
-        text_config={**base.text_config.to_dict(), "engram_compressed_vocab_size": compressed_vocab_size,
-                     **DEMO_DSPARK, "dspark_noise_token_id": tokenizer.pad_token_id},
+        text_config={
+            **base.text_config.to_dict(),
+            "engram_compressed_vocab_size": compressed_vocab_size,
+            **DEMO_DSPARK,
+            "dspark_noise_token_id": tokenizer.pad_token_id,
+        },
         vision_config={**base.vision_config.to_dict(), "min_pixels": IMAGE_SIZE * IMAGE_SIZE},
     )
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
@@ -130,8 +139,10 @@ def build_demo_model(config: DeepseekV41Config, tokenizer: Any, seed: int) -> De
     model = DeepseekV41ForCausalLM(config)
     model.model.engram_hasher.load_tokenizer(tokenizer)
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, do_sample=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
     )
     return model
 
@@ -153,8 +164,11 @@ class CaptionCollator:
     def __call__(self, samples: list) -> dict[str, torch.Tensor]:
         eos = self.processor.tokenizer.eos_token
         batch = self.processor(
-            images=[s.image for s in samples], text=[self.prompt + s.caption + eos for s in samples],
-            padding=True, add_special_tokens=False, return_tensors="pt",
+            images=[s.image for s in samples],
+            text=[self.prompt + s.caption + eos for s in samples],
+            padding=True,
+            add_special_tokens=False,
+            return_tensors="pt",
         )
         ids = batch["input_ids"]
         # the answer starts after the last `</think>` of each row
@@ -237,7 +251,10 @@ def attach_lora(model: DeepseekV41ForCausalLM) -> Any:
     return get_peft_model(
         model,
         LoraConfig(
-            r=8, lora_alpha=16, target_modules=LORA_TARGET_MODULES, target_parameters=lora_target_parameters(model),
+            r=8,
+            lora_alpha=16,
+            target_modules=LORA_TARGET_MODULES,
+            target_parameters=lora_target_parameters(model),
             modules_to_save=LORA_FULLY_TRAINED,
         ),
     )
@@ -276,8 +293,15 @@ def training_arguments(
 
 
 def fine_tune(
-    model: Any, processor: DeepseekV41Processor, settings: DemoSettings, *, stage: str, style: str, steps: int,
-    print_fn=print, train_dspark_head: bool = False,
+    model: Any,
+    processor: DeepseekV41Processor,
+    settings: DemoSettings,
+    *,
+    stage: str,
+    style: str,
+    steps: int,
+    print_fn=print,
+    train_dspark_head: bool = False,
 ) -> DeepseekV41Trainer:
     """Train on ``style`` captions with DeepseekV41Trainer, in ``<output>/checkpoints/<stage>`` (resuming from the
     latest complete checkpoint there, if any: a run killed while saving resumes from the one before). With
@@ -334,8 +358,11 @@ def dspark_speed(model: DeepseekV41ForCausalLM, processor: DeepseekV41Processor,
     tokens = _decoded_tokens(outputs[False][:, prompt_len:], model.generation_config.eos_token_id)
     plain_rate, spec_rate = tokens / min(seconds[False]), tokens / min(seconds[True])
     return {
-        "images": len(images), "tokens": tokens,
-        "plain_tokens_per_s": plain_rate, "dspark_tokens_per_s": spec_rate, "speedup": spec_rate / plain_rate,
+        "images": len(images),
+        "tokens": tokens,
+        "plain_tokens_per_s": plain_rate,
+        "dspark_tokens_per_s": spec_rate,
+        "speedup": spec_rate / plain_rate,
         "mean_accepted_length": (tokens - len(images)) / max(_row_verifications(model, inputs, greedy), 1),
         "captions_identical": bool(torch.equal(outputs[True], outputs[False])),
     }
@@ -370,14 +397,17 @@ def train_draft_head(
     backbone's own predictions on the training captions, backbone frozen; then :func:`dspark_speed` on held-out
     images."""
     steps = settings.steps  # fewer leave the head too weak to help (30 steps: 1.0 token per verification)
-    trainer = fine_tune(model, processor, settings, stage="dspark", style=style, steps=steps, print_fn=print_fn,
-                        train_dspark_head=True)
+    trainer = fine_tune(
+        model, processor, settings, stage="dspark", style=style, steps=steps, print_fn=print_fn, train_dspark_head=True
+    )
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     images = [s.image for s in ShapesDataset("eval", settings.num_eval, settings.seed, style)]
     measured = dspark_speed(model, processor, images)
-    print_fn(f"DSpark: {measured['dspark_tokens_per_s']:.0f} tokens/s vs {measured['plain_tokens_per_s']:.0f} plain "
-             f"({measured['speedup']:.2f}x), {measured['mean_accepted_length']:.2f} tokens per verification, "
-             f"captions {'identical' if measured['captions_identical'] else 'DIFFER'}")
+    print_fn(
+        f"DSpark: {measured['dspark_tokens_per_s']:.0f} tokens/s vs {measured['plain_tokens_per_s']:.0f} plain "
+        f"({measured['speedup']:.2f}x), {measured['mean_accepted_length']:.2f} tokens per verification, "
+        f"captions {'identical' if measured['captions_identical'] else 'DIFFER'}"
+    )
     return {"train_steps": steps, "final_train_loss": losses[-1] if losses else None, **measured}
 
 
@@ -389,8 +419,13 @@ def train_draft_head(
 def reload_and_caption(folder: Path, image_paths: list[Path]) -> dict[str, Any]:
     """Run :mod:`.demo_reload` in a fresh, isolated interpreter (no project code importable but what the folder
     ships); returns its JSON output."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }
     paths = [str(Path(p).resolve()) for p in (folder, *image_paths)]  # it runs in a temporary directory
     command = [sys.executable, "-I", demo_reload.__file__, paths[0], PROMPT, *paths[1:]]
     with tempfile.TemporaryDirectory() as cwd:
@@ -442,17 +477,21 @@ def _results_for_card(report: dict[str, Any], num_eval: int) -> dict[str, dict[s
     def score(entry: dict[str, Any]) -> str:
         return f"{entry['exact_match']:.3f} ({round(entry['exact_match'] * num_eval)}/{num_eval})"
 
-    results = {f"shape captions ({num_eval} held-out images)": {
-        "caption exact match, untrained": score(report["before"]),
-        "caption exact match, fine-tuned": score(report["after"]),
-    }}
+    results = {
+        f"shape captions ({num_eval} held-out images)": {
+            "caption exact match, untrained": score(report["before"]),
+            "caption exact match, fine-tuned": score(report["after"]),
+        }
+    }
     if report["lora"]:
         results[f"sentence captions ({num_eval} held-out images)"] = {
             "caption exact match, fine-tuned": score(report["lora"]["before"]),
             "caption exact match, + LoRA": score(report["lora"]["after"]),
         }
     dspark = report["dspark"]
-    results[f"DSpark speculative decoding (greedy captions of {dspark['images']} held-out images in one batch, CPU)"] = {
+    results[
+        f"DSpark speculative decoding (greedy captions of {dspark['images']} held-out images in one batch, CPU)"
+    ] = {
         "tokens/s, plain decoding": f"{dspark['plain_tokens_per_s']:.1f}",
         "tokens/s, DSpark (use_mtp=True)": f"{dspark['dspark_tokens_per_s']:.1f}",
         "speedup": f"{dspark['speedup']:.2f}x",
@@ -476,17 +515,22 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
     model = build_demo_model(config, tokenizer, settings.seed)
     processor = build_demo_processor(config, tokenizer)
     eval_short = ShapesDataset("eval", settings.num_eval, settings.seed)
-    print_fn(f"Built DeepSeek-V4.1 (tiny, vision + Engram + DSpark head): {model.num_parameters():,} parameters, "
-             f"{config.text_config.num_hidden_layers} layers, {config.text_config.n_routed_experts} experts")
+    print_fn(
+        f"Built DeepSeek-V4.1 (tiny, vision + Engram + DSpark head): {model.num_parameters():,} parameters, "
+        f"{config.text_config.num_hidden_layers} layers, {config.text_config.n_routed_experts} experts"
+    )
     model.mtp.requires_grad_(False)  # the caption loss never reaches the draft head: it trains in its own stage
     before = _measure_once(run, "before", lambda: caption_exact_match(model, processor, eval_short), output)
-    print_fn(f"Untrained caption exact match: {before['exact_match']:.3f} "
-             f"(a caption guesser scores {1 / len(CAPTIONS):.3f})")
+    print_fn(
+        f"Untrained caption exact match: {before['exact_match']:.3f} "
+        f"(a caption guesser scores {1 / len(CAPTIONS):.3f})"
+    )
     timings["build_and_baseline_s"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    trainer = fine_tune(model, processor, settings, stage="full", style="short", steps=settings.steps,
-                        print_fn=print_fn)
+    trainer = fine_tune(
+        model, processor, settings, stage="full", style="short", steps=settings.steps, print_fn=print_fn
+    )
     curves = loss_curves(trainer.state.log_history)
     accuracy, predictions = caption_exact_match(model, processor, eval_short)
     after = {"exact_match": accuracy, "examples": predictions[:4]}
@@ -503,14 +547,19 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
         adapted = attach_lora(model)
         trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
         print_fn(f"LoRA: {trainable:,} trainable parameters teach the wording {eval_sentence[0].caption!r}")
-        lora_trainer = fine_tune(adapted, processor, settings, stage="lora", style="sentence",
-                                 steps=settings.steps, print_fn=print_fn)
+        lora_trainer = fine_tune(
+            adapted, processor, settings, stage="lora", style="sentence", steps=settings.steps, print_fn=print_fn
+        )
         curves.update(loss_curves(lora_trainer.state.log_history, prefix="LoRA ", offset=settings.steps))
         adapted.save_pretrained(output / "lora-adapter")
         model = adapted.merge_and_unload()
         accuracy, predictions = caption_exact_match(model, processor, eval_sentence)
-        lora = {"before": lora_before, "after": {"exact_match": accuracy, "examples": predictions[:4]},
-                "trainable_parameters": trainable, "adapter_dir": str(output / "lora-adapter")}
+        lora = {
+            "before": lora_before,
+            "after": {"exact_match": accuracy, "examples": predictions[:4]},
+            "trainable_parameters": trainable,
+            "adapter_dir": str(output / "lora-adapter"),
+        }
         print_fn(f"After LoRA, sentence caption exact match: {accuracy:.3f}")
         timings["lora_s"] = time.perf_counter() - clock
 
@@ -521,8 +570,12 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
     clock = time.perf_counter()
     report = {"before": before, "after": after, "lora": lora, "dspark": dspark}
     export_dir = export_for_hub(
-        model, output / "model", processor, repo_id="dsv41-demo",
-        card_data={"model_name": "dsv41-demo", "tags": ["demo"]}, results=_results_for_card(report, settings.num_eval),
+        model,
+        output / "model",
+        processor,
+        repo_id="dsv41-demo",
+        card_data={"model_name": "dsv41-demo", "tags": ["demo"]},
+        results=_results_for_card(report, settings.num_eval),
     )
     timings["export_s"] = time.perf_counter() - clock
 
@@ -540,28 +593,33 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
     timings["reload_s"] = time.perf_counter() - clock
 
     plot_losses(curves, output / "loss.png")
-    report.update({
-        "settings": {**settings.run_key(), "output": str(output)},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
-        "threads": torch.get_num_threads(),
-        "cpu": cpu_name(),
-        "num_parameters": model.num_parameters(),
-        "chance_exact_match": 1 / len(CAPTIONS),
-        "final_train_loss": curves["train"][-1][1] if curves["train"] else None,
-        "final_eval_loss": curves["eval"][-1][1] if curves["eval"] else None,
-        "loss_curves": curves,
-        "samples": [
-            {"image": str(p), "truth": final_eval[i].caption, "in_process": a, "reloaded": b}
-            for i, (p, a, b) in enumerate(zip(sample_paths, in_process, reloaded["captions"]))
-        ],
-        "reloaded_model_class": reloaded["model_class"],
-        "reloaded_generations_equal": in_process == reloaded["captions"],
-        "export_dir": str(export_dir),
-        "timings_s": timings,
-        "cpu_time_s": cpu_seconds(),
-        "peak_memory_bytes": peak_memory_bytes(),
-    })
+    report.update(
+        {
+            "settings": {**settings.run_key(), "output": str(output)},
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            "threads": torch.get_num_threads(),
+            "cpu": cpu_name(),
+            "num_parameters": model.num_parameters(),
+            "chance_exact_match": 1 / len(CAPTIONS),
+            "final_train_loss": curves["train"][-1][1] if curves["train"] else None,
+            "final_eval_loss": curves["eval"][-1][1] if curves["eval"] else None,
+            "loss_curves": curves,
+            "samples": [
+                {"image": str(p), "truth": final_eval[i].caption, "in_process": a, "reloaded": b}
+                for i, (p, a, b) in enumerate(zip(sample_paths, in_process, reloaded["captions"]))
+            ],
+            "reloaded_model_class": reloaded["model_class"],
+            "reloaded_generations_equal": in_process == reloaded["captions"],
+            "export_dir": str(export_dir),
+            "timings_s": timings,
+            "cpu_time_s": cpu_seconds(),
+            "peak_memory_bytes": peak_memory_bytes(),
+        }
+    )
     (output / "report.json").write_text(json.dumps(report, indent=2))
     return report
 

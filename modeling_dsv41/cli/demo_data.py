@@ -106,7 +106,10 @@ def build_demo_tokenizer() -> PreTrainedTokenizerFast:
     """A 512-id byte-level BPE tokenizer trained here on the captions (both styles), the prompt and general text."""
     captions = [
         template.format(color=color, shape=shape, position=position)
-        for template in CAPTION_STYLES.values() for color in COLORS for shape in SHAPES for position in POSITIONS
+        for template in CAPTION_STYLES.values()
+        for color in COLORS
+        for shape in SHAPES
+        for position in POSITIONS
     ]
     return build_tiny_tokenizer([*captions, PROMPT, *DEFAULT_CORPUS], vocab_size=TOKENIZER_VOCAB_SIZE)
 

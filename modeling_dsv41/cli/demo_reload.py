@@ -26,7 +26,10 @@ def caption_inputs(processor: Any, images: Sequence[Image.Image], prompt: str) -
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     return processor(
-        images=list(images), text=[text] * len(images), padding=True, padding_side="left",
+        images=list(images),
+        text=[text] * len(images),
+        padding=True,
+        padding_side="left",
         add_special_tokens=False,  # the chat template already starts with BOS
         return_tensors="pt",
     )
@@ -48,8 +51,14 @@ def main(argv: Sequence[str]) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
     images = [Image.open(path) for path in paths]
-    print(json.dumps({"model_class": type(model).__module__ + "." + type(model).__name__,
-                      "captions": caption_images(model, processor, images, prompt)}))
+    print(
+        json.dumps(
+            {
+                "model_class": type(model).__module__ + "." + type(model).__name__,
+                "captions": caption_images(model, processor, images, prompt),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

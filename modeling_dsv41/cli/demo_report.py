@@ -156,8 +156,10 @@ def choose_threads(print_fn: Callable[[str], Any] = print) -> int:
     if free < threads:
         threads = free
         torch.set_num_threads(threads)
-        print_fn(f"The CPU is busy (other jobs keep {busy:.1f} of its {len(cores)} cores busy): the demo computes "
-                 f"with {threads} thread{'s' * (threads != 1)} (set OMP_NUM_THREADS to choose)")
+        print_fn(
+            f"The CPU is busy (other jobs keep {busy:.1f} of its {len(cores)} cores busy): the demo computes "
+            f"with {threads} thread{'s' * (threads != 1)} (set OMP_NUM_THREADS to choose)"
+        )
     return threads
 
 

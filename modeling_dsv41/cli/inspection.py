@@ -39,7 +39,12 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
 )
 # (height, width) of the images whose token budgets `inspect` lists
 IMAGE_SIZES: tuple[tuple[int, int], ...] = (
-    (224, 224), (544, 544), (1024, 768), (1080, 1920), (1302, 1302), (3024, 4032),
+    (224, 224),
+    (544, 544),
+    (1024, 768),
+    (1080, 1920),
+    (1302, 1302),
+    (3024, 4032),
 )
 
 
@@ -95,8 +100,10 @@ def inspect_config(config: DeepseekV41Config, dtype: torch.dtype = torch.bfloat1
     result.components = {k: v for k, v in result.components.items() if v}
     if config.vision_config is not None:
         vision = config.vision_config
-        settings = {k: getattr(vision, k) for k in ("patch_size", "downsample_ratio", "max_image_tokens",
-                                                    "min_pixels", "max_wh_ratio")}
+        settings = {
+            k: getattr(vision, k)
+            for k in ("patch_size", "downsample_ratio", "max_image_tokens", "min_pixels", "max_wh_ratio")
+        }
         result.image_plans = {size: plan_image_grid(*size, **settings) for size in IMAGE_SIZES}
     return result
 
@@ -127,11 +134,18 @@ def format_inspection(result: ModelInspection) -> str:
         lines.append(f"{component:<34}{count:>20,}{count / total:>9.1%}")
     lines += ["", "Optimizer assignment and optimizer state:", str(result.assignment), ""]
     mixed, adamw = result.mixed_state_bytes, result.adamw_state_bytes
-    lines.append(f"optimizer state: MixedOptimizer {_bytes(mixed)} vs AdamW on the same parameters {_bytes(adamw)} "
-                 f"({mixed / adamw:.0%} of AdamW)" if adamw else "optimizer state: nothing to train")
+    lines.append(
+        f"optimizer state: MixedOptimizer {_bytes(mixed)} vs AdamW on the same parameters {_bytes(adamw)} "
+        f"({mixed / adamw:.0%} of AdamW)"
+        if adamw
+        else "optimizer state: nothing to train"
+    )
     if result.image_plans:
-        lines += ["", "Image token budget (positions in the LM sequence = start + rows × (tokens + newline) + end):",
-                  f"{'image (h×w)':<14}{'ViT canvas':>12}{'patches':>10}{'token grid':>12}{'positions':>11}"]
+        lines += [
+            "",
+            "Image token budget (positions in the LM sequence = start + rows × (tokens + newline) + end):",
+            f"{'image (h×w)':<14}{'ViT canvas':>12}{'patches':>10}{'token grid':>12}{'positions':>11}",
+        ]
         for (height, width), plan in result.image_plans.items():
             canvas = f"{plan.canvas_size[0]}×{plan.canvas_size[1]}"
             grid = f"{plan.token_grid[0]}×{plan.token_grid[1]}"
@@ -147,8 +161,9 @@ def format_inspection(result: ModelInspection) -> str:
 BITSANDBYTES_PATHS: dict[str, dict] = {
     "bitsandbytes int8": dict(load_in_8bit=True),
     "bitsandbytes NF4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
-    "bitsandbytes NF4, double quantization": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                  bnb_4bit_use_double_quant=True),
+    "bitsandbytes NF4, double quantization": dict(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True
+    ),
 }
 
 
@@ -163,12 +178,16 @@ def storage_costs(config: DeepseekV41Config) -> dict[str, dict[str, float]]:
     model = build_meta_model(config)
     costs = {
         "bf16 (fp32 where kept)": {name: p.numel() * p.element_size() for name, p in model.named_parameters()},
-        "native FP8 / FP4 (released storage)": {name: native_held_bytes(name, p) for name, p in model.named_parameters()},
+        "native FP8 / FP4 (released storage)": {
+            name: native_held_bytes(name, p) for name, p in model.named_parameters()
+        },
     }
     for label, options in BITSANDBYTES_PATHS.items():
         model = build_meta_model(config)
         skipped = high_precision_modules(model, options.get("load_in_4bit", False))
-        costs[label] = quantized_storage_bytes(model, DeepseekV41BitsAndBytesConfig(**options, llm_int8_skip_modules=skipped))
+        costs[label] = quantized_storage_bytes(
+            model, DeepseekV41BitsAndBytesConfig(**options, llm_int8_skip_modules=skipped)
+        )
     return costs
 
 
@@ -187,9 +206,13 @@ def format_storage_costs(config: DeepseekV41Config, costs: dict[str, dict[str, f
     for label, sizes in costs.items():
         nbytes = sum(sizes.values())
         without = sum(b for name, b in sizes.items() if not is_engram_table_tensor(name))
-        lines.append(f"{label:<40}{_bytes(nbytes):>14}{nbytes / total:>9.3f}{_bytes(without):>24}{without / rest:>9.3f}")
-    lines.append("bitsandbytes: every Linear and routed expert it can quantize, with their block scales; the fp32 head, "
-                 "compressor and Engram projections, norms, routers, mHC and wo_a as in bf16")
+        lines.append(
+            f"{label:<40}{_bytes(nbytes):>14}{nbytes / total:>9.3f}{_bytes(without):>24}{without / rest:>9.3f}"
+        )
+    lines.append(
+        "bitsandbytes: every Linear and routed expert it can quantize, with their block scales; the fp32 head, "
+        "compressor and Engram projections, norms, routers, mHC and wo_a as in bf16"
+    )
     return "\n".join(lines)
 
 
@@ -212,8 +235,10 @@ def format_parallel_plan(plan: ParallelPlan, max_memory: dict[int | str, int] | 
     capacity = min(max_memory.values()) if max_memory else None
     fill = f" of {_bytes(capacity)} ({total / capacity:.0%})" if capacity else ""
     lines.append(f"{'weights per rank':<34}{_bytes(total):>14}{fill}")
-    lines.append(f"Engram tables: {_bytes(plan.engram_table_bytes)}, whole on every rank, in host memory "
-                 '(engram_tables="mmap": the ranks share one page cache of the checkpoint)')
+    lines.append(
+        f"Engram tables: {_bytes(plan.engram_table_bytes)}, whole on every rank, in host memory "
+        '(engram_tables="mmap": the ranks share one page cache of the checkpoint)'
+    )
     return "\n".join(lines)
 
 
@@ -243,14 +268,20 @@ def format_training_plan(plans: dict[str, LoraTrainingPlan], longest: dict[str, 
             f"LoRA fine-tuning (rank {first.rank}, attention + shared and routed experts: "
             f"{_human(first.adapter_parameters)} adapter parameters) on the natively loaded weights, FSDP2 over "
             f"{first.num_devices} devices (training.fsdp.shard_model"
-            + (f", the routed experts split over {first.ep_size} of them: --expert_parallel_size {first.ep_size}"
-               if first.ep_size > 1 else "")
+            + (
+                f", the routed experts split over {first.ep_size} of them: --expert_parallel_size {first.ep_size}"
+                if first.ep_size > 1
+                else ""
+            )
             + f"), gradient checkpointing, micro-batch {first.batch_size} × {first.seq_len} tokens per device:"
         ),
         f"{'per device':<38}" + "".join(f"{name:>24}" for name in plans),
     ]
-    offloaded = {"frozen shards": "offload", "adapters + grads + AdamW": "offload",
-                 "checkpointed layer inputs": "offload_activations"}
+    offloaded = {
+        "frozen shards": "offload",
+        "adapters + grads + AdamW": "offload",
+        "checkpointed layer inputs": "offload_activations",
+    }
     for term in first.terms:
         cells = []
         for plan in plans.values():
@@ -271,7 +302,8 @@ def format_training_plan(plans: dict[str, LoraTrainingPlan], longest: dict[str, 
     activations = ("checkpointed layer inputs", "recomputed layer", "logits + loss")
     moments = {
         name: f"{plan.peak_moment}: {_bytes(sum(plan.terms[term] for term in activations))}; at "
-        f"{plan.other_moment[0]}: {_bytes(plan.other_moment[1])}" for name, plan in plans.items()
+        f"{plan.other_moment[0]}: {_bytes(plan.other_moment[1])}"
+        for name, plan in plans.items()
     }
     for moment, names in _grouped(moments).items():
         lines.append(f"activations ({names}) peak at {moment}")
@@ -291,9 +323,11 @@ def format_training_plan(plans: dict[str, LoraTrainingPlan], longest: dict[str, 
         f"host memory; disk: the released checkpoint {_bytes(first.checkpoint_bytes)}, each training checkpoint "
         f"{_bytes(first.save_bytes)} (the adapter and its AdamW moments)"
     )
-    lines.append("activations offloaded = shard_model(..., offload_activations=True) or the Trainer's "
-                 "offload_activations=True; all offloaded = also offload_policy=CPUOffloadPolicy(): frozen shards, "
-                 "adapters and their optimizer step in host memory")
+    lines.append(
+        "activations offloaded = shard_model(..., offload_activations=True) or the Trainer's "
+        "offload_activations=True; all offloaded = also offload_policy=CPUOffloadPolicy(): frozen shards, "
+        "adapters and their optimizer step in host memory"
+    )
     return "\n".join(lines)
 
 
@@ -308,7 +342,9 @@ def format_full_training_plan(
     totals = {precision: _totals(model, precision) for precision in PRECISIONS}
 
     def plan(precision: str, ep: int, nodes: int = nodes, per_node: int = per_node, capacity: int = capacity):
-        return plan_full_training(model, nodes, per_node, capacity, ep, precision, seq_len, batch_size, totals[precision])
+        return plan_full_training(
+            model, nodes, per_node, capacity, ep, precision, seq_len, batch_size, totals[precision]
+        )
 
     plans = [plan(precision, ep_size) for precision in PRECISIONS]
     first = plans[0]
@@ -334,22 +370,43 @@ def format_full_training_plan(
     lines.append(f"largest layer gathered: {first.largest_layer} (and the next one, prefetched)")
     for name, nbytes in first.host_bytes.items():
         lines.append(f"host memory, {name}: {_bytes(nbytes)}")
-    by_ep = [f"EP {ep}: {_bytes(plan(PRECISIONS[0], ep).per_device)} / {_bytes(plan(PRECISIONS[1], ep).per_device)}"
-             for ep in ep_sizes(model, first.world) if ep > 1]
+    by_ep = [
+        f"EP {ep}: {_bytes(plan(PRECISIONS[0], ep).per_device)} / {_bytes(plan(PRECISIONS[1], ep).per_device)}"
+        for ep in ep_sizes(model, first.world)
+        if ep > 1
+    ]
     lines.append(f"per device by EP size ({' / '.join(PRECISIONS)}): " + ", ".join(by_ep))
     lines.append("smallest node count that fits (the smallest EP size that fits on it):")
     for node_capacity in (80 * 2**30, 141 * 2**30):
         cells = []
         for precision in PRECISIONS:
             best = smallest_fit(model, 8, node_capacity, precision, seq_len, batch_size)
-            cells.append(f"{precision} {best.nodes} nodes (EP {best.ep_size}, {_bytes(best.per_device)})" if best
-                         else f"{precision}: more than 256 nodes")
+            cells.append(
+                f"{precision} {best.nodes} nodes (EP {best.ep_size}, {_bytes(best.per_device)})"
+                if best
+                else f"{precision}: more than 256 nodes"
+            )
         lines.append(f"  8 × {_bytes(node_capacity)} nodes: " + "; ".join(cells))
-    lines.append("fp32 master = DeepseekV41Trainer under accelerate's mixed_precision: bf16 (fp32 weights, gradients and "
-                 "state; bf16 compute and reduction); bf16 = the model loaded in bf16, mixed_precision: no")
+    lines.append(
+        "fp32 master = DeepseekV41Trainer under accelerate's mixed_precision: bf16 (fp32 weights, gradients and "
+        "state; bf16 compute and reduction); bf16 = the model loaded in bf16, mixed_precision: no"
+    )
     return "\n".join(lines)
 
 
-__all__ = ["BITSANDBYTES_PATHS", "COMPONENTS", "IMAGE_SIZES", "ModelInspection", "build_meta_model", "component_of",
-           "format_inspection", "format_full_training_plan", "format_parallel_plan", "format_storage_costs",
-           "format_training_plan", "inspect_config", "storage_costs", "TRAINING_CASES"]
+__all__ = [
+    "BITSANDBYTES_PATHS",
+    "COMPONENTS",
+    "IMAGE_SIZES",
+    "ModelInspection",
+    "build_meta_model",
+    "component_of",
+    "format_inspection",
+    "format_full_training_plan",
+    "format_parallel_plan",
+    "format_storage_costs",
+    "format_training_plan",
+    "inspect_config",
+    "storage_costs",
+    "TRAINING_CASES",
+]

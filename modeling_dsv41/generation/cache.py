@@ -97,7 +97,9 @@ def _count(tokens: torch.Tensor) -> int | list[int]:
     return counts[0] if len(set(counts)) == 1 else counts
 
 
-def write_rows(buffer: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor, spare: int) -> None:
+def write_rows(
+    buffer: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, new_counts: torch.Tensor, spare: int
+) -> None:
     """In place: ``new[b, :new_counts[b]]`` into ``buffer[b, counts[b]:]`` [B, T, ...], and the rows of ``new`` a row
     does not keep into column ``spare`` (a fixed-shape write, with no count read back)."""
     column = torch.arange(new.shape[1], device=new.device)
@@ -139,7 +141,13 @@ class DeepseekV41LayerCache:
     is_sliding = True
     supports_early_init = False
     _STATE = (
-        "window_kv", "compressed_kv", "index_keys", "pending_kv", "pending_score", "projections_kv", "projections_score"
+        "window_kv",
+        "compressed_kv",
+        "index_keys",
+        "pending_kv",
+        "pending_score",
+        "projections_kv",
+        "projections_score",
     )
 
     def __init__(self, window: int, ratio: int):
@@ -210,7 +218,9 @@ class DeepseekV41LayerCache:
         # i < held, and new token i - held after it
         offsets = torch.arange((n_groups + 1) * r, device=kv.device)
         source = torch.where(offsets < held, offsets, r + offsets - held).clamp_max(r + seq_len - 1)
-        aligned_kv = torch.cat([self.pending_kv, kv], dim=1).gather(1, source.unsqueeze(-1).expand(-1, -1, kv.shape[-1]))
+        aligned_kv = torch.cat([self.pending_kv, kv], dim=1).gather(
+            1, source.unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+        )
         aligned_score = torch.cat([self.pending_score, score], dim=1).gather(
             1, source.unsqueeze(-1).expand(-1, -1, score.shape[-1])
         )
@@ -381,7 +391,9 @@ class DeepseekV41Cache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
-    def activate_past_recording(self, max_rewind: int | None = None, recurrent_states_to_keep: int | None = None) -> None:
+    def activate_past_recording(
+        self, max_rewind: int | None = None, recurrent_states_to_keep: int | None = None
+    ) -> None:
         """Make :meth:`crop` possible from now on: of any number of tokens (the cache then keeps every token's
         state since), or with ``max_rewind`` of at most that many at a time (DSpark: a draft block and its first
         token), keeping a fixed amount (the window's and open groups' last ``max_rewind`` tokens more).
@@ -418,7 +430,9 @@ class DeepseekV41Cache(Cache):
         tokens = tokens.to(self.lengths.device)
         lengths = self.lengths - tokens
         if bool(((tokens < 0) | (lengths < 0)).any()):
-            raise ValueError(f"cannot remove {_count(tokens)} tokens from rows holding {self.lengths.tolist()} real tokens")
+            raise ValueError(
+                f"cannot remove {_count(tokens)} tokens from rows holding {self.lengths.tolist()} real tokens"
+            )
         most, rewindable = int(tokens.max()), self.rewindable
         if most > rewindable:  # (without a max_rewind, each layer says what it did not record)
             raise ValueError(
@@ -516,7 +530,10 @@ class DeepseekV41Cache(Cache):
         keep = self._engram_width(size, sequence.shape[1])
         # row b's newest id sits at past width + new_tokens[b] - 1 (compressed is left-aligned): keep the last `keep`
         start = new_tokens + past.shape[1] - keep
-        self._store("engram_history", gather_rows(sequence, start.unsqueeze(1) + torch.arange(keep, device=compressed.device), DEAD))
+        self._store(
+            "engram_history",
+            gather_rows(sequence, start.unsqueeze(1) + torch.arange(keep, device=compressed.device), DEAD),
+        )
 
     def _engram_width(self, size: int, available: int) -> int:
         """Compressed ids kept of ``available``: the ``size`` the next call reads; while recording, every one or at
@@ -669,7 +686,9 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
         self.engram_history: torch.Tensor | None = None
         self._empty = True
 
-    def activate_past_recording(self, max_rewind: int | None = None, recurrent_states_to_keep: int | None = None) -> None:
+    def activate_past_recording(
+        self, max_rewind: int | None = None, recurrent_states_to_keep: int | None = None
+    ) -> None:
         """Make :meth:`crop` able to remove up to ``max_rewind`` of the newest tokens (DSpark: the draft block size)
         at any point: the buffers then keep ``max_rewind`` more window columns, open-group projections and Engram
         ids. Without ``max_rewind`` (transformers' assisted generation, which passes ``recurrent_states_to_keep``: a
@@ -731,7 +750,10 @@ class DeepseekV41StaticCache(DeepseekV41Cache):
             self.seen = _static_buffer(torch.tensor(seq_len, device=step.lengths.device))
             self._seen_on_host = 0
             self._count_on_host(seq_len)
-            self._undoable = (self.max_rewind, seq_len)  # the prefill keeps each row's last tokens (zeros before its first)
+            self._undoable = (
+                self.max_rewind,
+                seq_len,
+            )  # the prefill keeps each row's last tokens (zeros before its first)
         else:
             self._count_columns(seq_len)
         self._empty = False
@@ -795,6 +817,10 @@ class DeepseekV41DSparkCache:
 
 
 __all__ = [
-    "CacheStep", "DeepseekV41Cache", "DeepseekV41DSparkCache", "DeepseekV41LayerCache", "DeepseekV41StaticCache",
+    "CacheStep",
+    "DeepseekV41Cache",
+    "DeepseekV41DSparkCache",
+    "DeepseekV41LayerCache",
+    "DeepseekV41StaticCache",
     "DeepseekV41StaticLayerCache",
 ]

@@ -24,7 +24,10 @@ class DeepseekV41GenerationMixin(GenerationMixin):
     transformers' core ones are rejected."""
 
     _supported_generation_modes = (
-        GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE,
+        GenerationMode.GREEDY_SEARCH,
+        GenerationMode.SAMPLE,
+        GenerationMode.BEAM_SEARCH,
+        GenerationMode.BEAM_SAMPLE,
         GenerationMode.ASSISTED_GENERATION,
     )
 
@@ -52,16 +55,42 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             generation_config.dspark_confidence_threshold = threshold
         return generation_config, model_kwargs
 
-    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                           streamer=None, **model_kwargs):
+    def _assisted_decoding(
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus=False,
+        streamer=None,
+        **model_kwargs,
+    ):
         """``use_mtp=True``: DSpark speculative decoding, any batch size (:func:`.generation.speculative.dspark_decoding`)."""
         if generation_config.use_mtp:
-            model_kwargs = {k: v for k, v in model_kwargs.items() if k not in ("inputs_tensor", "assistant_model",
-                                                                              "assistant_tokenizer", "tokenizer")}
-            return dspark_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                   synced_gpus, streamer, **model_kwargs)
-        return super()._assisted_decoding(input_ids, logits_processor, stopping_criteria, generation_config,
-                                          synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+            model_kwargs = {
+                k: v
+                for k, v in model_kwargs.items()
+                if k not in ("inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer")
+            }
+            return dspark_decoding(
+                self,
+                input_ids,
+                logits_processor,
+                stopping_criteria,
+                generation_config,
+                synced_gpus,
+                streamer,
+                **model_kwargs,
+            )
+        return super()._assisted_decoding(
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            synced_gpus=synced_gpus,
+            streamer=streamer,
+            **model_kwargs,
+        )
 
     def _validate_generated_length(self, generation_config, input_ids_length, has_default_max_length) -> None:
         super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
@@ -104,8 +133,9 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             if generation_config.is_assistant:  # a draft model's cache is cropped to the accepted tokens
                 model_kwargs["cache"].activate_past_recording()
 
-    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, is_first_iteration: bool = False,
-                                  **kwargs) -> torch.Tensor | None:
+    def create_masks_for_generate(
+        self, attention_mask: torch.Tensor | None = None, is_first_iteration: bool = False, **kwargs
+    ) -> torch.Tensor | None:
         """What ``generate`` passes as the mask with a compileable (static) cache: the 2-D mask of the prefill, and
         nothing on decode steps, whose tokens are all real (a mask growing by a column a step would be a new shape
         to compile each time)."""
@@ -133,14 +163,19 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         return model_inputs
 
     def _expand_inputs_for_generation(
-        self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids: torch.LongTensor | None = None,
+        self,
+        expand_size: int = 1,
+        is_encoder_decoder: bool = False,
+        input_ids: torch.LongTensor | None = None,
         **model_kwargs,
     ) -> tuple[torch.LongTensor, dict]:
         """Beams and extra return sequences repeat each batch row; images are listed per image, not per row, so
         each is repeated along with the row that shows it."""
         images = {key: model_kwargs.pop(key, None) for key in ("pixel_values", "image_grid_hw")}
         if expand_size > 1 and images["pixel_values"] is not None:
-            images = _repeat_images(**images, image_token_types=model_kwargs.get("image_token_types"), repeats=expand_size)
+            images = _repeat_images(
+                **images, image_token_types=model_kwargs.get("image_token_types"), repeats=expand_size
+            )
         input_ids, model_kwargs = super()._expand_inputs_for_generation(
             expand_size, is_encoder_decoder, input_ids, **model_kwargs
         )
@@ -149,7 +184,10 @@ class DeepseekV41GenerationMixin(GenerationMixin):
 
 
 def _repeat_images(
-    pixel_values: torch.Tensor, image_grid_hw: torch.Tensor | None, image_token_types: torch.Tensor | None, repeats: int
+    pixel_values: torch.Tensor,
+    image_grid_hw: torch.Tensor | None,
+    image_token_types: torch.Tensor | None,
+    repeats: int,
 ) -> dict[str, torch.Tensor]:
     """pixel_values / image_grid_hw with every row's images repeated ``repeats`` times, rows kept in order."""
     if image_grid_hw is None or image_token_types is None:
@@ -160,7 +198,6 @@ def _repeat_images(
         order += list(range(first, first + count)) * repeats
         first += count
     return {"pixel_values": torch.cat([patches[i] for i in order]), "image_grid_hw": image_grid_hw[order]}
-
 
 
 __all__ = ["DeepseekV41GenerationMixin"]

@@ -56,8 +56,13 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
 
     @torch.no_grad()
     def get_candidates(
-        self, input_ids: torch.LongTensor, model_kwargs: dict[str, Any], model_outputs, n_last_matches: torch.Tensor,
-        lengths: torch.Tensor, rows: torch.Tensor,
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any],
+        model_outputs,
+        n_last_matches: torch.Tensor,
+        lengths: torch.Tensor,
+        rows: torch.Tensor,
     ) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor]:
         """One draft block for each of the batch's ``rows`` [R] (those the last forward and the rings hold).
 
@@ -69,13 +74,19 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         without a threshold). The main model's prefill comes first: the draft needs its taps."""
         taps = model_outputs.dspark_hidden_states
         if taps is None:
-            raise ValueError("the main model's outputs carry no dspark_hidden_states: was it called with the overrides?")
+            raise ValueError(
+                "the main model's outputs carry no dspark_hidden_states: was it called with the overrides?"
+            )
         self._write_accepted(taps, model_kwargs.get("attention_mask"), n_last_matches)
         sequence = _with_columns(input_ids, lengths, input_ids.new_zeros(input_ids.shape[0], self.head.block_size))
         first = sequence[rows].gather(1, (lengths[rows] - 1).unsqueeze(1)).squeeze(1)
         processed: list[torch.Tensor] = []
         ids, _, confidence = self.head.draft(
-            self.rings, first, self.rings.lengths - 1, self.model.model.embed, self.model.lm_head,
+            self.rings,
+            first,
+            self.rings.lengths - 1,
+            self.model.model.embed,
+            self.model.lm_head,
             choose=self._chooser(sequence, lengths, rows, processed),
         )
         confident = torch.full_like(first, self.head.block_size)
@@ -296,15 +307,24 @@ class _Rows:
 
 
 def dspark_decoding(
-    model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-    streamer=None, **model_kwargs,
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    streamer=None,
+    **model_kwargs,
 ):
     """``generate``'s decoding loop for ``use_mtp=True`` (see the module docstring); returns the sequences [B, S]
     (in a ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate``)."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    unsupported = [name for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-                   if getattr(generation_config, name, False)]
+    unsupported = [
+        name
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+        if getattr(generation_config, name, False)
+    ]
     if unsupported or synced_gpus:
         raise ValueError(f"DSpark speculative decoding (use_mtp=True) does not support {unsupported or 'synced_gpus'}")
     cache = model_kwargs.get("cache")
@@ -319,7 +339,8 @@ def dspark_decoding(
     fixed_shape = cache.is_compileable
     model_forward = (
         model.get_compiled_call(generation_config.compile_config)
-        if model._valid_auto_compile_criteria(model_kwargs, generation_config) else model.__call__
+        if model._valid_auto_compile_criteria(model_kwargs, generation_config)
+        else model.__call__
     )
     rows = _Rows(input_ids, stopping_criteria, generation_config, streamer, extra=block + 1)
     # the batch's rows that the cache, the draft head's rings and the forwards hold: a row that is done leaves them
@@ -334,7 +355,11 @@ def dspark_decoding(
     done = rows.done()
     while not bool(done.all()):
         draft, draft_logits, confident = generator.get_candidates(
-            rows.sequences, model_kwargs=model_kwargs, model_outputs=outputs, n_last_matches=kept, lengths=rows.lengths,
+            rows.sequences,
+            model_kwargs=model_kwargs,
+            model_outputs=outputs,
+            n_last_matches=kept,
+            lengths=rows.lengths,
             rows=live,
         )
         if not fixed_shape and bool(done[live].any()):  # (after the rings took the last forward's accepted taps)
@@ -347,14 +372,20 @@ def dspark_decoding(
         limit = torch.minimum(confident, rows.max_length - lengths - 1).clamp_min(0).masked_fill(live_done, 0)
         length = block if fixed_shape else int(limit.max())
         draft, draft_logits = draft[:, :length], draft_logits[:, :length]
-        outputs = model_forward(input_ids=torch.cat([rows.last_tokens()[live].unsqueeze(1), draft], dim=1),
-                                cache=cache, output_dspark_hidden_states=True, return_dict=True)
+        outputs = model_forward(
+            input_ids=torch.cat([rows.last_tokens()[live].unsqueeze(1), draft], dim=1),
+            cache=cache,
+            output_dspark_hidden_states=True,
+            return_dict=True,
+        )
         candidates = _with_columns(rows.sequences, rows.lengths, _scatter_rows(draft, live, rows.lengths.shape[0]))
         target = process_rows(logits_processor, candidates, rows.lengths, outputs.logits, live)
         if length == 0:
             tokens, accepted = _choose(target[:, 0], do_sample).unsqueeze(1), torch.zeros_like(limit)
         else:
-            tokens, accepted = accept(draft, draft_logits, target, limit) if do_sample else accept(draft, target, limit)
+            tokens, accepted = (
+                accept(draft, draft_logits, target, limit) if do_sample else accept(draft, target, limit)
+            )
         kept = (accepted + 1).masked_fill(live_done, 0)
         cache.crop_rows(length + 1 - kept)
         rows.append(_scatter_rows(tokens, live, len(done)), _scatter_rows(kept, live, len(done)))

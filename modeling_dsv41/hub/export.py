@@ -36,8 +36,12 @@ def build_card_data(card_data: ModelCardData | Mapping[str, Any] | None = None) 
     tags are merged."""
     given = card_data.to_dict() if isinstance(card_data, ModelCardData) else dict(card_data or {})
     tags = list(DEFAULT_TAGS) + [t for t in given.pop("tags", None) or [] if t not in DEFAULT_TAGS]
-    defaults = {"library_name": "transformers", "pipeline_tag": "image-text-to-text", "license": "mit",
-                "base_model": BASE_MODEL}
+    defaults = {
+        "library_name": "transformers",
+        "pipeline_tag": "image-text-to-text",
+        "license": "mit",
+        "base_model": BASE_MODEL,
+    }
     return ModelCardData(**{**defaults, **given, "tags": tags})
 
 
@@ -99,7 +103,8 @@ def render_model_card(
 # ----------------------------------------------------------------------------------------------------------------
 def _files_in(directory: Path) -> set[str]:
     return {
-        path.relative_to(directory).as_posix() for path in directory.rglob("*")
+        path.relative_to(directory).as_posix()
+        for path in directory.rglob("*")
         if not path.is_dir() and path.relative_to(directory).parts[0] not in _NOT_EXPORTED
     }
 
@@ -167,8 +172,13 @@ def export_for_hub(
     elif tokenizer is not None:
         tokenizer.save_pretrained(directory)
     card = render_model_card(
-        model, repo_id or str(directory), card_data, results, card_template,
-        has_tokenizer=processor is not None or tokenizer is not None, has_processor=processor is not None,
+        model,
+        repo_id or str(directory),
+        card_data,
+        results,
+        card_template,
+        has_tokenizer=processor is not None or tokenizer is not None,
+        has_processor=processor is not None,
     )
     card.save(directory / "README.md")
     (directory / EXPORT_MANIFEST).write_text(json.dumps(sorted(_files_in(directory)), indent=1))
@@ -198,7 +208,13 @@ def push_to_hub(
         api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         export_for_hub(
-            model, tmp, processor, tokenizer, repo_id=repo_id, card_data=card_data, results=results,
+            model,
+            tmp,
+            processor,
+            tokenizer,
+            repo_id=repo_id,
+            card_data=card_data,
+            results=results,
             max_shard_size=max_shard_size,
         )
         operations = [

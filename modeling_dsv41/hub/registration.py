@@ -27,7 +27,9 @@ def _register_in(mapping: dict[str, type], kind: str, name: str) -> Callable[[ty
     def register(cls: type) -> type:
         registered = mapping.get(name)
         if registered is not None and not _is_copy_of(registered, cls):
-            raise ValueError(f"{kind} {name!r} is already registered as {registered.__module__}.{registered.__qualname__}")
+            raise ValueError(
+                f"{kind} {name!r} is already registered as {registered.__module__}.{registered.__qualname__}"
+            )
         if registered is None or cls.__module__.startswith(_PACKAGE):
             mapping[name] = cls
         return cls

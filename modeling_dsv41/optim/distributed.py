@@ -185,9 +185,7 @@ def _exchange(
     for i, (update, layout) in enumerate(zip(updates, layouts)):
         if layout.is_source(mine):
             send[i % world].append(update.reshape(-1))
-    recv_sizes = [
-        sum(_numel(layouts[i].region(c)) for i in owned if layouts[i].is_source(c)) for c in coordinates
-    ]
+    recv_sizes = [sum(_numel(layouts[i].region(c)) for i in owned if layouts[i].is_source(c)) for c in coordinates]
     received = _all_to_all(send, recv_sizes, dtype, device, group)
     wholes = {i: torch.empty(layouts[i].shape, dtype=dtype, device=device) for i in owned}
     for source, flat in enumerate(received):

@@ -196,9 +196,7 @@ def _assign(model: nn.Module, overrides: Mapping[str, Override] | None) -> dict[
             continue
         assigned[name] = match
     if unknown:
-        raise ValueError(
-            "no optimizer rule for these parameters (add an `overrides` pattern): " + ", ".join(unknown)
-        )
+        raise ValueError("no optimizer rule for these parameters (add an `overrides` pattern): " + ", ".join(unknown))
     return assigned
 
 

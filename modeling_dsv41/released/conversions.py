@@ -175,7 +175,11 @@ class MergeReleasedExperts(ConversionOps):
             if scales is not None and len(scales) != len(weights):
                 raise ValueError(f"{full_layer_name}: {len(weights)} experts' {pattern} but {len(scales)} scales")
             if scales is not None:
-                dtype = weights[0].dtype if weights[0].is_floating_point() and weights[0].element_size() > 1 else param.dtype
+                dtype = (
+                    weights[0].dtype
+                    if weights[0].is_floating_point() and weights[0].element_size() > 1
+                    else param.dtype
+                )
                 weights = [dequantize_released_weight(w, s, shape[-1], dtype) for w, s in zip(weights, scales)]
             merged.append(torch.stack(weights))
         if sum(t.shape[1] for t in merged) != shape[1] or merged[0].shape[0] != shape[0]:
@@ -195,13 +199,17 @@ class MergeReleasedExperts(ConversionOps):
                 stored_weights = input_dict.pop(pattern)
                 stored_scales = input_dict.pop(pattern[: -len(_WEIGHT)] + _SCALE, None)
                 if stored_scales is None:
-                    raise ValueError(f"{full_layer_name} is kept in FP4 but the checkpoint stores {pattern} without scales")
+                    raise ValueError(
+                        f"{full_layer_name} is kept in FP4 but the checkpoint stores {pattern} without scales"
+                    )
                 weights.append(torch.stack(stored_weights).view(torch.int8))
                 scales.append(torch.stack([stored_scale(s) for s in stored_scales]))
         weight, scale = torch.cat(weights, dim=1), torch.cat(scales, dim=1)
         if weight.shape != shape:
-            raise ValueError(f"{full_layer_name}: the checkpoint's FP4 experts make {tuple(weight.shape)}, the "
-                             f"parameter (this rank's part) is {tuple(shape)}")
+            raise ValueError(
+                f"{full_layer_name}: the checkpoint's FP4 experts make {tuple(weight.shape)}, the "
+                f"parameter (this rank's part) is {tuple(shape)}"
+            )
         return {target: weight, target + "_scale_inv": scale}
 
     @property
@@ -233,7 +241,9 @@ _BACKBONE_ROOTS = r"embed|layers|norm|engram_hasher|vision|aligner|image_start|i
 
 def _released_experts(weights: tuple[str, ...], target: str, suffixes: tuple[str, ...]) -> WeightConverter:
     sources = [f"ffn.experts.*.{w}{suffix}" for w in weights for suffix in suffixes]
-    return WeightConverter(source_patterns=sources, target_patterns=f"ffn.experts.{target}", operations=[MergeReleasedExperts()])
+    return WeightConverter(
+        source_patterns=sources, target_patterns=f"ffn.experts.{target}", operations=[MergeReleasedExperts()]
+    )
 
 
 def _released_names(suffixes: tuple[str, ...]) -> list[WeightRenaming | WeightConverter]:
@@ -266,7 +276,9 @@ def released_storage_conversions() -> list[WeightRenaming | WeightConverter]:
     ]
 
 
-def released_sources(names: Iterable[str], conversions: list[WeightRenaming | WeightConverter]) -> dict[str, list[str]]:
+def released_sources(
+    names: Iterable[str], conversions: list[WeightRenaming | WeightConverter]
+) -> dict[str, list[str]]:
     """Our name → the released tensors (of ``names``) it is made of, by ``conversions``: one, or every expert's
     ``w1`` then ``w3`` (or ``w2``) in expert order, in the order their first source comes in ``names``."""
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
@@ -297,8 +309,8 @@ def in_our_layout(state_dict: Mapping[str, torch.Tensor], own: set[str]) -> dict
         return dict(state_dict)
     ours = {}
     for target, sources in released_sources(state_dict, released_layout_conversions()).items():
-        if target not in own and target.startswith("model.") and target[len("model."):] in own:
-            target = target[len("model."):]
+        if target not in own and target.startswith("model.") and target[len("model.") :] in own:
+            target = target[len("model.") :]
         ours[target] = state_dict[sources[0]] if len(sources) == 1 else fuse_experts(sources, state_dict)
     return ours
 

@@ -38,14 +38,33 @@ from .conversions import (
 IGNORED_KEYS = re.compile("|".join(NOT_LOADED))
 IGNORED_KEYS_WITHOUT_DSPARK = re.compile("|".join((*NOT_LOADED, NOT_LOADED_WITHOUT_DSPARK)))
 # files copied next to the converted weights (tokenizer, chat template, generation defaults, licence)
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                "chat_template.jinja", "LICENSE")
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "LICENSE",
+)
 _PACKED_FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 _PACKED_FP4_NAMES = ("I8", "U8", "F4")
 _SCALE, _WEIGHT = ".scale", ".weight"
 MAX_SHARD_BYTES = 5 * 2**30
-_SAFETENSORS_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "F8_E4M3": 1,
-                         "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1}
+_SAFETENSORS_ITEMSIZE = {
+    "F64": 8,
+    "I64": 8,
+    "F32": 4,
+    "I32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 class _ReleasedCheckpoint:
@@ -95,9 +114,12 @@ class _ReleasedCheckpoint:
 
     def output_names(self, ignored: re.Pattern = IGNORED_KEYS) -> list[str]:
         """Released tensors to convert, in file order: scales are folded into their weights, ``ignored`` keys dropped."""
-        folded = {name for name in self.files if name.endswith(_SCALE) and name[: -len(_SCALE)] + _WEIGHT in self.files}
+        folded = {
+            name for name in self.files if name.endswith(_SCALE) and name[: -len(_SCALE)] + _WEIGHT in self.files
+        }
         return [
-            name for name in sorted(self.files, key=lambda n: (str(self.files[n]), n))
+            name
+            for name in sorted(self.files, key=lambda n: (str(self.files[n]), n))
             if name not in folded and not ignored.match(name)
         ]
 
@@ -141,12 +163,18 @@ def _check_destination(destination: Path, needed_bytes: int) -> None:
         raise OSError(f"cannot create {destination}: {error.strerror or error}") from None
     free = shutil.disk_usage(destination).free
     if free < needed_bytes:
-        raise OSError(f"not enough disk space at {destination}: the converted checkpoint needs "
-                      f"{needed_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free")
+        raise OSError(
+            f"not enough disk space at {destination}: the converted checkpoint needs "
+            f"{needed_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free"
+        )
 
 
 def _write_shards(
-    checkpoint: _ReleasedCheckpoint, names: list[str], destination: Path, dtype: torch.dtype, max_shard_bytes: int,
+    checkpoint: _ReleasedCheckpoint,
+    names: list[str],
+    destination: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
     progress: bool,
 ) -> tuple[int, list[tuple[Path, list[str]]]]:
     """Write the converted tensors into shards of at most ``max_shard_bytes``; returns (bytes, [(file, names)])."""
@@ -180,8 +208,11 @@ def _write_shards(
 
 
 def convert_released_checkpoint(
-    source: str | Path, destination: str | Path, dtype: torch.dtype = torch.bfloat16,
-    max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = True,
+    source: str | Path,
+    destination: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: bool = True,
 ) -> dict[str, int]:
     """Dequantize ``source`` (released format) into ``destination`` (a new or empty folder).
 
@@ -199,9 +230,7 @@ def convert_released_checkpoint(
     if hasattr(config, "quantization_config"):  # the weights are no longer stored quantized
         del config.quantization_config
     with _ReleasedCheckpoint(source) as checkpoint:
-        names = checkpoint.output_names(
-            IGNORED_KEYS if config.text_config.has_dspark else IGNORED_KEYS_WITHOUT_DSPARK
-        )
+        names = checkpoint.output_names(IGNORED_KEYS if config.text_config.has_dspark else IGNORED_KEYS_WITHOUT_DSPARK)
         _check_destination(destination, checkpoint.output_bytes(names, dtype))
         total_bytes, parts = _write_shards(checkpoint, names, destination, dtype, max_shard_bytes, progress)
 

@@ -184,7 +184,9 @@ def _with_high_precision_modules(
     return DeepseekV41BitsAndBytesConfig.from_bitsandbytes(quantization_config)
 
 
-def _with_native_quantization(cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict) -> PreTrainedConfig:
+def _with_native_quantization(
+    cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict
+) -> PreTrainedConfig:
     """A copy of the config whose ``quantization_config`` is the one the released folder implies (FP8 Linears and FP4
     experts kept quantized, :mod:`.native_precision`), for the Linears of a meta-device instance of the model."""
     config = copy.deepcopy(_config(cls, source, config, hub_kwargs))
@@ -202,11 +204,16 @@ def _without_quantization_config(config: PreTrainedConfig) -> PreTrainedConfig:
     return config
 
 
-def _saved_native_config(cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict) -> PreTrainedConfig | None:
+def _saved_native_config(
+    cls, source, config: PreTrainedConfig | str | None, hub_kwargs: dict
+) -> PreTrainedConfig | None:
     """For a model saved after a native load (``quant_method: "fp8"`` with FP4 experts in its config, transformers'
     FP8 layout in its weights): a copy of the config that loads through our quantizer (weight-only on the CPU), else
     None."""
-    if not isinstance(config, PreTrainedConfig) and checkpoint_file(config or source, "config.json", hub_kwargs) is None:
+    if (
+        not isinstance(config, PreTrainedConfig)
+        and checkpoint_file(config or source, "config.json", hub_kwargs) is None
+    ):
         return None
     config = _config(cls, source, config, hub_kwargs)
     saved = getattr(config, "quantization_config", None)
@@ -219,8 +226,12 @@ def _saved_native_config(cls, source, config: PreTrainedConfig | str | None, hub
 
 
 def empty_native_model(
-    cls, source: str | os.PathLike, config: PreTrainedConfig | None = None, engram_tokenizer=None,
-    device: torch.device | str | None = None, **hub_kwargs,
+    cls,
+    source: str | os.PathLike,
+    config: PreTrainedConfig | None = None,
+    engram_tokenizer=None,
+    device: torch.device | str | None = None,
+    **hub_kwargs,
 ) -> nn.Module:
     """``cls.from_pretrained(source)`` of a released checkpoint in its native precision, without its weights: every
     parameter on the meta device, in the dtype and the module (``FP8Linear``, ``FP8Experts``, fp32-kept ones) the
@@ -257,7 +268,9 @@ def empty_dequantized_model(
 def _check_released_storage(cls, source, kwargs: dict, hub_kwargs: dict) -> None:
     released = prepare_checkpoint_load(cls, source, kwargs, hub_kwargs)
     if not (released and stores_quantized_weights(source, **hub_kwargs)):
-        raise ValueError(f"{source} is not a released checkpoint with FP8 / FP4 weights (no .scale tensors beside them)")
+        raise ValueError(
+            f"{source} is not a released checkpoint with FP8 / FP4 weights (no .scale tensors beside them)"
+        )
 
 
 def _empty_model(cls, source, kwargs: dict, quantizer, engram_tokenizer, hub_kwargs: dict) -> nn.Module:

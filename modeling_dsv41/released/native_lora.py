@@ -203,7 +203,9 @@ class FP8LoraLinear(LoraLinear):
         return merged
 
 
-def _native_lora_module(target: nn.Module, adapter_name: str, lora_config, parameter_name: str | None = None, **kwargs):
+def _native_lora_module(
+    target: nn.Module, adapter_name: str, lora_config, parameter_name: str | None = None, **kwargs
+):
     """Our LoRA layer for a released FP8 Linear or FP4 experts, None for any other target."""
     base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
     if parameter_name is not None and (_is_released_fp4(base) or isinstance(base, BnbExperts)):

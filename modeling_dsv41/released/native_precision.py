@@ -175,7 +175,11 @@ class _FrozenQuantizedLinear(torch.autograd.Function):
 
 
 def frozen_quantized_linear(
-    input: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, columns: int, bias: torch.Tensor | None = None,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    columns: int,
+    bias: torch.Tensor | None = None,
     product: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``F.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype), bias)`` (or ``product(input)``,
@@ -244,17 +248,29 @@ def fp4_experts_forward(
     needs_input_grad = torch.is_grad_enabled() and hidden_states.requires_grad
     if not adapters and not needs_input_grad and top_k_index.numel() <= experts.num_experts:
         return per_slot_experts_forward(
-            hidden_states, top_k_index, top_k_weights, experts.limit or 0.0, stored["gate_up_proj"].shape[0],
-            lambda ids: (_gathered_fp4(stored, "gate_up_proj", ids, hidden_states.dtype),
-                         _gathered_fp4(stored, "down_proj", ids, hidden_states.dtype)),
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            experts.limit or 0.0,
+            stored["gate_up_proj"].shape[0],
+            lambda ids: (
+                _gathered_fp4(stored, "gate_up_proj", ids, hidden_states.dtype),
+                _gathered_fp4(stored, "down_proj", ids, hidden_states.dtype),
+            ),
         )
     return routed_experts_forward(
-        hidden_states, top_k_index, top_k_weights, experts.num_experts, experts.limit or 0.0,
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        experts.num_experts,
+        experts.limit or 0.0,
         fp4_expert_weights(stored, adapters),
     )
 
 
-def _gathered_fp4(stored: Mapping[str, torch.Tensor], name: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gathered_fp4(
+    stored: Mapping[str, torch.Tensor], name: str, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Experts ``ids`` [n] of the FP4 tensor ``name`` dequantized to ``dtype``: [n, out, in]."""
     packed = stored[name].index_select(0, ids)  # [n, out, in/2]
     scale = stored[f"{name}_scale_inv"].index_select(0, ids)
@@ -284,7 +300,10 @@ class WeightOnlyFP4Experts(FP8Experts):
     when tokens are routed to it."""
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
         adapters: Mapping[str, ExpertFactors] | None = None,
     ) -> torch.Tensor:
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D]; ``adapters``: the LoRA factors of
@@ -312,7 +331,12 @@ class FP8KernelLinear(FP8Linear):
 
     def _kernel_product(self, input: torch.Tensor) -> torch.Tensor:
         return finegrained_fp8.fp8_linear(
-            input, self.weight, self.weight_scale_inv, self.block_size, self.bias, self.activation_scale,
+            input,
+            self.weight,
+            self.weight_scale_inv,
+            self.block_size,
+            self.bias,
+            self.activation_scale,
             not self._deepgemm_disabled,
         )
 
@@ -350,7 +374,10 @@ class FP4KernelExperts(FP8Experts):
     (:mod:`.native_lora`: the kernels take no delta)."""
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
         adapters: Mapping[str, ExpertFactors] | None = None,
     ) -> torch.Tensor:
         if adapters:  # the kernels take no delta: the weight-only computation with the adapters' factors
@@ -381,13 +408,19 @@ def _replacement(
                 sized = copy.copy(module.config)
                 sized.n_routed_experts = num_experts
             new = experts_class(
-                sized, block_size=config.weight_block_size, scale_fmt=config.scale_fmt, expert_dtype=config.expert_dtype,
+                sized,
+                block_size=config.weight_block_size,
+                scale_fmt=config.scale_fmt,
+                expert_dtype=config.expert_dtype,
             )
             new.config = module.config  # the model's: what experts_implementation dispatches on
         else:
             new = linear_class(
-                module.in_features, module.out_features, block_size=config.weight_block_size,
-                scale_fmt=config.scale_fmt, has_bias=module.bias is not None,
+                module.in_features,
+                module.out_features,
+                block_size=config.weight_block_size,
+                scale_fmt=config.scale_fmt,
+                has_bias=module.bias is not None,
             )
     # transformers' TP styles run a quantized module on its local shards (its forward takes no DTensors)
     new._hf_quantized_needs_local_tp = getattr(module, "_hf_quantized_needs_local_tp", False)
@@ -420,7 +453,11 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
     def get_new_dtype(self, converter, param, dtype):
         """Quantized checkpoint tensors (FP8 weights, E8M0 scales, FP4 bytes) load as stored: the conversions read
         them raw, and a cast to the target's dtype would round the scales to e4m3."""
-        quantized = param.get_dtype().startswith(("F8", "I8", "U8")) if hasattr(param, "get_dtype") else param.element_size() == 1
+        quantized = (
+            param.get_dtype().startswith(("F8", "I8", "U8"))
+            if hasattr(param, "get_dtype")
+            else param.element_size() == 1
+        )
         return None if quantized else dtype
 
     def update_weight_conversions(self, weight_conversions, model):

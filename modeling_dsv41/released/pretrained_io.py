@@ -64,8 +64,12 @@ class ReleasedCheckpointMixin:
 
     @classmethod
     def from_pretrained(
-        cls, pretrained_model_name_or_path: str | os.PathLike, *model_args, engram_tables: Any = None,
-        engram_tokenizer: Any = None, **kwargs,
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *model_args,
+        engram_tables: Any = None,
+        engram_tokenizer: Any = None,
+        **kwargs,
     ):
         """:meth:`PreTrainedModel.from_pretrained`, which also reads DeepSeek's released storage format (FP8/FP4
         weights with E8M0 scales, kept as stored through the fine-grained FP8 quantization the folder implies, or
@@ -103,8 +107,12 @@ class ReleasedCheckpointMixin:
         return loaded
 
     def save_pretrained(
-        self, save_directory: str | os.PathLike, *args, save_original_format: bool | None = None,
-        push_to_hub: bool = False, **kwargs,
+        self,
+        save_directory: str | os.PathLike,
+        *args,
+        save_original_format: bool | None = None,
+        push_to_hub: bool = False,
+        **kwargs,
     ) -> None:
         """:meth:`PreTrainedModel.save_pretrained`, plus the flat remote code the folder's ``auto_map`` names
         (:mod:`configuration.remote_code`), so that it loads with ``trust_remote_code=True`` where this package is

@@ -30,8 +30,11 @@ def checkpoint_file(source: str | os.PathLike | None, filename: str, hub_kwargs:
     if source is None:  # from_pretrained(None, state_dict=...)
         return None
     return cached_file(
-        str(source), filename, _raise_exceptions_for_missing_entries=False,
-        _raise_exceptions_for_connection_errors=False, **hub_kwargs,
+        str(source),
+        filename,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+        **hub_kwargs,
     )
 
 
@@ -60,7 +63,9 @@ def stores_released_names(source: str | os.PathLike, **hub_kwargs) -> bool:
 def stores_quantized_weights(source: str | os.PathLike, **hub_kwargs) -> bool:
     """Whether ``source`` stores Linears or experts quantized (FP8 / FP4 with scales), not only FP8 Engram tables:
     the checkpoints that load natively (:mod:`.native_precision`)."""
-    return any(key.endswith(_SCALE) and not key.endswith("engram.embed.scale") for key in _stored_keys(source, hub_kwargs))
+    return any(
+        key.endswith(_SCALE) and not key.endswith("engram.embed.scale") for key in _stored_keys(source, hub_kwargs)
+    )
 
 
 @contextmanager

@@ -170,8 +170,10 @@ def _experts(
                 dense = dequantize_released_weight(weight, scale, columns, out.dtype)
                 _fill(place, dense[:, cols[0] : cols[1]], keys[e])
             if filled != rows[1] - rows[0]:
-                raise ValueError(f"{parts[0][e]}: the checkpoint's parts of this expert hold {offset} rows, fewer than "
-                                 f"this rank's rows [{rows[0]}, {rows[1]}) of it")
+                raise ValueError(
+                    f"{parts[0][e]}: the checkpoint's parts of this expert hold {offset} rows, fewer than "
+                    f"this rank's rows [{rows[0]}, {rows[1]}) of it"
+                )
 
     return fill
 

@@ -102,8 +102,11 @@ def export_serving_adapter(
     factors = _factors(tree, state, adapter_name, source)
     skipped = sorted(_describe((f.name, f.parameter)) for f in factors if f.name.startswith(_SKIPPED_PREFIX))
     if skipped:
-        logger.warning("left out the DSpark draft head (%d adapted modules under mtp.*): vLLM's DeepSeek-V4 LoRA "
-                       "skips it (served, it drafts without the adapter)", len(skipped))
+        logger.warning(
+            "left out the DSpark draft head (%d adapted modules under mtp.*): vLLM's DeepSeek-V4 LoRA "
+            "skips it (served, it drafts without the adapter)",
+            len(skipped),
+        )
     factors = [f for f in factors if not f.name.startswith(_SKIPPED_PREFIX)]
     if not factors:
         raise ValueError(f"{source} adapts only the DSpark draft head (mtp.*), which vLLM skips: nothing to export")
@@ -117,10 +120,19 @@ def export_serving_adapter(
     save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
     targets = sorted({key.removeprefix(_PEFT_PREFIX).split(".lora_")[0].rpartition(".")[2] for key in tensors})
     serving_config = {
-        "peft_type": "LORA", "r": rank, "lora_alpha": config.lora_alpha, "use_rslora": config.use_rslora,
-        "target_modules": targets, "bias": "none", "use_dora": False, "modules_to_save": None,
-        "lora_dropout": config.lora_dropout, "fan_in_fan_out": False, "inference_mode": True,
-        "base_model_name_or_path": config.base_model_name_or_path, "task_type": config.task_type,
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": config.lora_alpha,
+        "use_rslora": config.use_rslora,
+        "target_modules": targets,
+        "bias": "none",
+        "use_dora": False,
+        "modules_to_save": None,
+        "lora_dropout": config.lora_dropout,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "base_model_name_or_path": config.base_model_name_or_path,
+        "task_type": config.task_type,
         FORMAT_FIELD: {"format": FORMAT, "version": FORMAT_VERSION, "skipped": skipped},
     }
     (out / CONFIG_FILE).write_text(json.dumps(serving_config, indent=2) + "\n")
@@ -137,8 +149,10 @@ def load_serving_adapter(
     serving = _read_json(folder / CONFIG_FILE)
     marker = serving.get(FORMAT_FIELD) or {}
     if marker and (marker.get("format") != FORMAT or marker.get("version", 0) > FORMAT_VERSION):
-        raise ValueError(f"{folder} is in format {marker.get('format')!r} version {marker.get('version')}; this "
-                         f"version of dsv41 reads {FORMAT!r} up to version {FORMAT_VERSION}: upgrade dsv41")
+        raise ValueError(
+            f"{folder} is in format {marker.get('format')!r} version {marker.get('version')}; this "
+            f"version of dsv41 reads {FORMAT!r} up to version {FORMAT_VERSION}: upgrade dsv41"
+        )
     if serving.get("peft_type", "LORA") != "LORA" or not {"r", "lora_alpha"} <= serving.keys():
         raise ValueError(f"{folder / CONFIG_FILE} is not a LoRA adapter config (needs peft_type LORA, r, lora_alpha)")
     text = model.config.get_text_config()
@@ -146,21 +160,28 @@ def load_serving_adapter(
     rslora = bool(serving.get("use_rslora", False))
     scaling = _scaling(serving["lora_alpha"], serving["r"], rslora)
     ranks = {key: a.shape[0] // (text.n_routed_experts if key[1] else 1) for key, (a, _) in ours.items()}
-    patterns = {re.escape(f"{name}.{parameter}" if parameter else name): rank
-                for (name, parameter), rank in ranks.items() if rank != serving["r"]}
+    patterns = {
+        re.escape(f"{name}.{parameter}" if parameter else name): rank
+        for (name, parameter), rank in ranks.items()
+        if rank != serving["r"]
+    }
     config = LoraConfig(
-        r=serving["r"], lora_alpha=serving["lora_alpha"], use_rslora=rslora,
+        r=serving["r"],
+        lora_alpha=serving["lora_alpha"],
+        use_rslora=rslora,
         target_modules=sorted({name for name, parameter in ours if parameter is None}) or None,
         target_parameters=sorted({f"{name}.{parameter}" for name, parameter in ours if parameter}) or None,
         rank_pattern=patterns,
         alpha_pattern={key: scaling * (math.sqrt(rank) if rslora else rank) for key, rank in patterns.items()},
-        base_model_name_or_path=serving.get("base_model_name_or_path"), task_type=serving.get("task_type"),
+        base_model_name_or_path=serving.get("base_model_name_or_path"),
+        task_type=serving.get("task_type"),
     )
     try:
         peft_model = get_peft_model(model, config, adapter_name=adapter_name)
     except ValueError as error:  # PEFT's "Target modules ... not found in the base model"
-        raise ValueError(f"{folder} does not fit {type(model).__name__} ({error}): the adapter is for another "
-                         "base") from None
+        raise ValueError(
+            f"{folder} does not fit {type(model).__name__} ({error}): the adapter is for another base"
+        ) from None
     loaded = set()
     with torch.no_grad():
         for module_name, module in peft_model.named_modules():
@@ -170,15 +191,19 @@ def load_serving_adapter(
             lora_a, lora_b = ours[key]
             own_a, own_b = _own_factors(module, adapter_name)
             if own_a.shape != lora_a.shape or own_b.shape != lora_b.shape:
-                raise ValueError(f"{folder}: {_describe(key)} has factors {tuple(lora_a.shape)}, "
-                                 f"{tuple(lora_b.shape)}; {type(model).__name__} of this config takes "
-                                 f"{tuple(own_a.shape)}, {tuple(own_b.shape)}: the adapter is for another base")
+                raise ValueError(
+                    f"{folder}: {_describe(key)} has factors {tuple(lora_a.shape)}, "
+                    f"{tuple(lora_b.shape)}; {type(model).__name__} of this config takes "
+                    f"{tuple(own_a.shape)}, {tuple(own_b.shape)}: the adapter is for another base"
+                )
             own_a.copy_(lora_a)
             own_b.copy_(lora_b)
             loaded.add(key)
     if loaded != ours.keys():
-        raise ValueError(f"{folder}: {len(ours.keys() - loaded)} modules of the adapter are not in the model, e.g. "
-                         f"{_describe(sorted(ours.keys() - loaded, key=str)[0])}: the adapter is for another base")
+        raise ValueError(
+            f"{folder}: {len(ours.keys() - loaded)} modules of the adapter are not in the model, e.g. "
+            f"{_describe(sorted(ours.keys() - loaded, key=str)[0])}: the adapter is for another base"
+        )
     return peft_model
 
 
@@ -199,8 +224,10 @@ def _read_json(path: Path) -> dict:
 def _read_peft_config(folder: Path) -> LoraConfig:
     config = _read_json(folder / CONFIG_FILE)
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"{folder} is a {config.get('peft_type')} adapter: vLLM's DeepSeek-V4 LoRA serves LoRA "
-                         "adapters only (peft_type LORA); train one with peft.LoraConfig")
+        raise ValueError(
+            f"{folder} is a {config.get('peft_type')} adapter: vLLM's DeepSeek-V4 LoRA serves LoRA "
+            "adapters only (peft_type LORA); train one with peft.LoraConfig"
+        )
     return LoraConfig.from_pretrained(str(folder))
 
 
@@ -214,8 +241,10 @@ def _base_config(config: LoraConfig, folder: Path) -> DeepseekV41Config:
     """The config in the adapter's ``base_model_name_or_path`` folder."""
     base = config.base_model_name_or_path
     if not base or not (Path(base) / "config.json").is_file():
-        raise ValueError(f"{folder}: its base model ({base!r}) is not a local folder with a config.json: give the "
-                         "base's config (dsv41 export --base PRESET|FOLDER; base= in Python)")
+        raise ValueError(
+            f"{folder}: its base model ({base!r}) is not a local folder with a config.json: give the "
+            "base's config (dsv41 export --base PRESET|FOLDER; base= in Python)"
+        )
     return DeepseekV41Config.from_pretrained(base)
 
 
@@ -229,23 +258,32 @@ def _quant_method(config: DeepseekV41Config) -> str | None:
 def _check_config(config: LoraConfig, base: DeepseekV41Config, source: str) -> None:
     """Refuse what vLLM's LoRA does not serve as PEFT computes it, with what to do instead."""
     if getattr(config, "peft_type", None) != "LORA" or not isinstance(config, LoraConfig):
-        raise ValueError(f"{source} is a {getattr(config, 'peft_type', type(config).__name__)} adapter: vLLM's "
-                         "DeepSeek-V4 LoRA serves LoRA adapters only (peft_type LORA); train one with peft.LoraConfig")
+        raise ValueError(
+            f"{source} is a {getattr(config, 'peft_type', type(config).__name__)} adapter: vLLM's "
+            "DeepSeek-V4 LoRA serves LoRA adapters only (peft_type LORA); train one with peft.LoraConfig"
+        )
     if config.use_dora:
-        raise ValueError(f"{source} is DoRA (use_dora=True), which vLLM does not serve: merge it into the weights "
-                         "(merge_and_unload) and serve the merged model, or train a plain LoRA")
+        raise ValueError(
+            f"{source} is DoRA (use_dora=True), which vLLM does not serve: merge it into the weights "
+            "(merge_and_unload) and serve the merged model, or train a plain LoRA"
+        )
     if config.modules_to_save:
-        raise ValueError(f"{source} trains whole modules ({config.modules_to_save}, modules_to_save), which vLLM's "
-                         "LoRA refuses: target them with LoRA instead (target_modules), or merge and serve the model")
+        raise ValueError(
+            f"{source} trains whole modules ({config.modules_to_save}, modules_to_save), which vLLM's "
+            "LoRA refuses: target them with LoRA instead (target_modules), or merge and serve the model"
+        )
     if config.lora_bias:
         raise ValueError(f"{source} has LoRA biases (lora_bias=True), which vLLM's LoRA does not apply: train without")
     if _quant_method(base) == "bitsandbytes":
-        raise ValueError(f"{source} was trained on a bitsandbytes-quantized base (quantization_config quant_method "
-                         "bitsandbytes): its deltas correct NF4/int8 weights, while vLLM serves the release's FP8/FP4 "
-                         "ones. Train the adapter on the bf16 or natively loaded (FP8/FP4) model")
+        raise ValueError(
+            f"{source} was trained on a bitsandbytes-quantized base (quantization_config quant_method "
+            "bitsandbytes): its deltas correct NF4/int8 weights, while vLLM serves the release's FP8/FP4 "
+            "ones. Train the adapter on the bf16 or natively loaded (FP8/FP4) model"
+        )
     if base.model_type != DeepseekV41Config.model_type:
-        raise ValueError(f"{source}: its base is a {base.model_type} model, not DeepSeek-V4.1 "
-                         f"({DeepseekV41Config.model_type})")
+        raise ValueError(
+            f"{source}: its base is a {base.model_type} model, not DeepSeek-V4.1 ({DeepseekV41Config.model_type})"
+        )
 
 
 def _meta_peft_model(config: LoraConfig, base: DeepseekV41Config, source: str) -> PeftModel:
@@ -284,23 +322,37 @@ def _factors(tree: nn.Module, state: dict[str, torch.Tensor], adapter_name: str,
         for suffix, own in zip(suffixes, _own_factors(module, adapter_name)):
             key = f"{module_name}.{suffix}"
             if key not in state:
-                raise ValueError(f"{source} has no {key}, which its config targets on DeepSeek-V4.1 of this config: "
-                                 "the adapter is for another base (or give its config as --base)")
+                raise ValueError(
+                    f"{source} has no {key}, which its config targets on DeepSeek-V4.1 of this config: "
+                    "the adapter is for another base (or give its config as --base)"
+                )
             if state[key].shape != own.shape:
-                raise ValueError(f"{source}: {key} is {tuple(state[key].shape)}, DeepSeek-V4.1 of this config takes "
-                                 f"{tuple(own.shape)}: the adapter is for another base (or give its config as --base)")
+                raise ValueError(
+                    f"{source}: {key} is {tuple(state[key].shape)}, DeepSeek-V4.1 of this config takes "
+                    f"{tuple(own.shape)}: the adapter is for another base (or give its config as --base)"
+                )
             pair.append(state[key])
             used.add(key)
         parameter = module.parameter_name if isinstance(module, ParamWrapper) else None
-        factors.append(_Factors(_our_name(module_name), *pair, module.r[adapter_name], module.scaling[adapter_name],
-                                embedding, parameter))
+        factors.append(
+            _Factors(
+                _our_name(module_name),
+                *pair,
+                module.r[adapter_name],
+                module.scaling[adapter_name],
+                embedding,
+                parameter,
+            )
+        )
     copies = sorted(key for key in state.keys() - used if key.endswith(".base_layer.weight"))
     if copies:  # PEFT's save_embedding_layers: the base's own embedding / head, which vLLM takes from the base
         logger.warning("left out %s: copies of the base model's weights, not LoRA factors", ", ".join(copies))
     unknown = sorted(state.keys() - used - set(copies))
     if unknown:
-        raise ValueError(f"{source} holds {len(unknown)} tensors no module of DeepSeek-V4.1 takes, e.g. {unknown[0]}: "
-                         "the adapter is for another base")
+        raise ValueError(
+            f"{source} holds {len(unknown)} tensors no module of DeepSeek-V4.1 takes, e.g. {unknown[0]}: "
+            "the adapter is for another base"
+        )
     return factors
 
 
@@ -313,8 +365,10 @@ def _check_slot_ranks(factors: list[_Factors], source: str) -> None:
         slots.setdefault(slot, {})[f.parameter or leaf] = f.rank
     for (parent, slot), ranks in slots.items():
         if len(set(ranks.values())) > 1:
-            raise ValueError(f"{source}: {parent} has ranks {ranks}, which vLLM stacks into one LoRA slot of one "
-                             "rank: train them with one rank (rank_pattern sets them apart)")
+            raise ValueError(
+                f"{source}: {parent} has ranks {ranks}, which vLLM stacks into one LoRA slot of one "
+                "rank: train them with one rank (rank_pattern sets them apart)"
+            )
 
 
 def _scaling(alpha: float, rank: int, rslora: bool) -> float:
@@ -343,8 +397,10 @@ def _serving_tensors(f: _Factors, rescale: float, intermediate: int) -> dict[str
     experts = f.lora_a.shape[0] // f.rank
     lora_a = f.lora_a.reshape(experts, f.rank, -1)  # [E, r, in]
     lora_b = lora_b.reshape(lora_b.shape[0], f.rank, experts)  # [out, r, E]
-    parts = {"gate_up_proj": {"w1": slice(0, intermediate), "w3": slice(intermediate, None)},
-             "down_proj": {"w2": slice(None)}}[f.parameter]
+    parts = {
+        "gate_up_proj": {"w1": slice(0, intermediate), "w3": slice(intermediate, None)},
+        "down_proj": {"w2": slice(None)},
+    }[f.parameter]
     tensors = {}
     for e in range(experts):
         for weight, rows in parts.items():
@@ -392,19 +448,25 @@ def _fused_experts(
         expected = {(e, w) for e in range(num_experts) for w in weights}
         if present != expected:
             missing = sorted(expected - present) or sorted(present - expected)
-            raise ValueError(f"{source}: {layer} adapts {len(present)} of the {len(expected)} expert matrices "
-                             f"{'/'.join(weights)} (first off: expert {missing[0][0]} {missing[0][1]}): PEFT's "
-                             f"{parameter} adapter takes all {num_experts} experts")
+            raise ValueError(
+                f"{source}: {layer} adapts {len(present)} of the {len(expected)} expert matrices "
+                f"{'/'.join(weights)} (first off: expert {missing[0][0]} {missing[0][1]}): PEFT's "
+                f"{parameter} adapter takes all {num_experts} experts"
+            )
         ranks = {parts[(e, w)]["A"].shape[0] for e, w in present}
         if len(ranks) > 1:
-            raise ValueError(f"{source}: the experts of {layer} have ranks {sorted(ranks)}: PEFT's (and vLLM's) "
-                             "experts adapter has one rank for all of them")
+            raise ValueError(
+                f"{source}: the experts of {layer} have ranks {sorted(ranks)}: PEFT's (and vLLM's) "
+                "experts adapter has one rank for all of them"
+            )
         a, b = [], []
         for e in range(num_experts):
             first = parts[(e, weights[0])]["A"]
             if any(not torch.equal(parts[(e, w)]["A"], first) for w in weights[1:]):
-                raise ValueError(f"{source}: expert {e} of {layer} has different lora_A for w1 and w3, which PEFT's "
-                                 "fused gate_up_proj adapter cannot hold (it shares one per expert)")
+                raise ValueError(
+                    f"{source}: expert {e} of {layer} has different lora_A for w1 and w3, which PEFT's "
+                    "fused gate_up_proj adapter cannot hold (it shares one per expert)"
+                )
             a.append(first)
             b.append(torch.cat([parts[(e, w)]["B"] for w in weights]))
         out, rank = b[0].shape

@@ -52,7 +52,9 @@ def layer_saved_terms(config, layer_id: int, seq_len: int, rank: int = 16) -> di
         # PEFT's fp32 copies of the adapted inputs and the rank-r intermediates of wq_a, wkv, wq_b
         "LoRA inputs, wq_a wkv wq_b": FP32 * (2 * d + q_rank) + 3 * FP32 * rank,
         # q and the output, one log-sum-exp per head, the K=V rows (window and compressed), the slots
-        "sparse attention": 2 * a * heads * hd + FP32 * heads + a * hd * (seq_len + compressed) / seq_len
+        "sparse attention": 2 * a * heads * hd
+        + FP32 * heads
+        + a * hd * (seq_len + compressed) / seq_len
         + INDEX * attended_slots(config, ratio, seq_len),
         "LoRA input, wo_b": FP32 * out_width + FP32 * rank,
         # each sub-block keeps its output and its mixes (comb, post, pre), the FFN's its input stream too
@@ -84,8 +86,10 @@ BEFORE_INDEXER = ("attention norms", "LoRA inputs, wq_a wkv wq_b", "compressor",
 def layer_constant_bytes(config) -> float:
     """Bytes a layer's forward keeps whatever the sequence length: fp32 copies of frozen bf16 weights the input
     gradient needs (``wo_a``'s grouped product, the router)."""
-    return FP32 * (config.num_attention_heads * config.head_dim * config.o_lora_rank
-                   + config.n_routed_experts * config.hidden_size)
+    return FP32 * (
+        config.num_attention_heads * config.head_dim * config.o_lora_rank
+        + config.n_routed_experts * config.hidden_size
+    )
 
 
 def layer_saved_bytes_per_token(config, layer_id: int, seq_len: int, rank: int = 16) -> float:
@@ -107,7 +111,13 @@ def layer_peak_bytes(config, layer_id: int, seq_len: int, batch_size: int = 1, r
       temporaries of all the queries) and one query chunk's scores against every compressed row [C, heads, T] in
       fp32 while they are rounded to bf16.
     """
-    a, hc, d, heads, hd = ACTIVATION_BYTES, config.hc_mult, config.hidden_size, config.num_attention_heads, config.head_dim
+    a, hc, d, heads, hd = (
+        ACTIVATION_BYTES,
+        config.hc_mult,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.head_dim,
+    )
     tokens = seq_len * batch_size
     spec = config.layer_plan[layer_id]
     ratio = spec.compress_ratio
@@ -119,9 +129,13 @@ def layer_peak_bytes(config, layer_id: int, seq_len: int, batch_size: int = 1, r
     stream_grad = a * hc * d + FP32 * hc
     moments = {
         "the end of its forward (mHC's expand)": (sum(terms.values()) + stream_grad + FP32 * (hc * hc + hc) * d)
-        * tokens + constant,
-        "its sparse attention's backward": (sum(terms.get(k, 0) for k in ATTENTION_SIDE) + a * heads * hd + stream_grad)
-        * tokens + FP32 * chunk * (3 * heads * hd + 2 * block * hd + 5 * heads * block)
+        * tokens
+        + constant,
+        "its sparse attention's backward": (
+            sum(terms.get(k, 0) for k in ATTENTION_SIDE) + a * heads * hd + stream_grad
+        )
+        * tokens
+        + FP32 * chunk * (3 * heads * hd + 2 * block * hd + 5 * heads * block)
         + 2 * FP32 * hd * (seq_len + compressed) * batch_size,
     }
     if spec.is_index_source and compressed:
@@ -130,8 +144,9 @@ def layer_peak_bytes(config, layer_id: int, seq_len: int, batch_size: int = 1, r
         scores = 6 * chunk * index_heads * compressed
         # the FP4 QDQ of all its queries at once: five fp32 / int32 temporaries of their shape (codec.py)
         qdq = 5 * FP32 * tokens * index_heads * index_dim if config.emulate_quantization else 0
-        moments["its indexer"] = (sum(terms.get(k, 0) for k in BEFORE_INDEXER) + a * heads * hd + index_q
-                                  + stream_grad) * tokens + max(scores, qdq)
+        moments["its indexer"] = (
+            sum(terms.get(k, 0) for k in BEFORE_INDEXER) + a * heads * hd + index_q + stream_grad
+        ) * tokens + max(scores, qdq)
     return max(moments.items(), key=lambda item: item[1])
 
 
@@ -195,17 +210,25 @@ def activation_peak(
             return layer_ids * n_layers + (layer_input - layer_ids + shared_inputs) * min(layers, 1)
         return layer_input * layers + shared_inputs
 
-    loss = ActivationPeak("the loss", {
-        "checkpointed layer inputs": inputs_held(0 if offload_activations else n_layers),
-        "logits + loss": 3 * FP32 * config.vocab_size * tokens + root + head,
-    })
+    loss = ActivationPeak(
+        "the loss",
+        {
+            "checkpointed layer inputs": inputs_held(0 if offload_activations else n_layers),
+            "logits + loss": 3 * FP32 * config.vocab_size * tokens + root + head,
+        },
+    )
     layers = []
     for layer_id in range(n_layers):
         moment, held = layer_peak_bytes(config, layer_id, seq_len, batch_size, rank)
-        layers.append(ActivationPeak(f"layer {layer_id}'s backward, {moment}", {
-            "checkpointed layer inputs": inputs_held(layer_id + 1),
-            "recomputed layer": held + root,
-        }))
+        layers.append(
+            ActivationPeak(
+                f"layer {layer_id}'s backward, {moment}",
+                {
+                    "checkpointed layer inputs": inputs_held(layer_id + 1),
+                    "recomputed layer": held + root,
+                },
+            )
+        )
     worst = max(layers, key=lambda peak: peak.total)
     peak, other = (worst, loss) if worst.total >= loss.total else (loss, worst)
     peak.other = (other.moment, other.total)

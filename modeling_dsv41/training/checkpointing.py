@@ -45,8 +45,9 @@ def last_complete_checkpoint(folder: str | os.PathLike) -> str | None:
     for step in sorted(steps, reverse=True):
         if is_complete_checkpoint(steps[step]):
             return str(steps[step])
-        logger.warning("Skipping incomplete checkpoint %s (no %s: its save was interrupted)", steps[step],
-                       TRAINER_STATE_NAME)
+        logger.warning(
+            "Skipping incomplete checkpoint %s (no %s: its save was interrupted)", steps[step], TRAINER_STATE_NAME
+        )
     return None
 
 

@@ -50,7 +50,11 @@ from torch.nn.utils import parametrize
 from ..bnb_experts import BnbExperts
 from ..moe import DeepseekV41Experts, DeepseekV41MoE, add_rows, routed_experts_forward
 from ..released.native_precision import (
-    FP4_EXPERT_TENSORS, ExpertFactors, FP4KernelExperts, WeightOnlyFP4Experts, fp4_expert_weights,
+    FP4_EXPERT_TENSORS,
+    ExpertFactors,
+    FP4KernelExperts,
+    WeightOnlyFP4Experts,
+    fp4_expert_weights,
 )
 
 try:
@@ -134,14 +138,20 @@ class ExpertParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         if num_experts % self.size:
-            raise ValueError(f"expert parallelism over {self.size} ranks needs whole experts per rank: "
-                             f"{num_experts} experts do not split {self.size} ways")
+            raise ValueError(
+                f"expert parallelism over {self.size} ranks needs whole experts per rank: "
+                f"{num_experts} experts do not split {self.size} ways"
+            )
         self.num_experts = num_experts
         self.num_local = num_experts // self.size
         self.first = dist.get_rank(group) * self.num_local  # the global id of this rank's first expert
 
     def __call__(
-        self, experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        self,
+        experts: nn.Module,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
         adapters: Mapping[str, ExpertFactors] | None = None,
     ) -> torch.Tensor:
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] (global expert ids) → fp32 [N, D]; ``adapters``:
@@ -161,7 +171,11 @@ class ExpertParallel:
         return add_rows(out.new_zeros(num_tokens, out.shape[-1]), slot_tokens, out)
 
     def _local_experts(
-        self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, received: torch.Tensor,
+        self,
+        experts: nn.Module,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        received: torch.Tensor,
         adapters: Mapping[str, ExpertFactors] | None,
     ) -> torch.Tensor:
         """Each received slot's weighted expert output [M, D] fp32. The slots come grouped by (source, expert); each
@@ -169,7 +183,11 @@ class ExpertParallel:
         held, swiglu_limit = self._held_experts(experts, adapters)
         virtual = torch.repeat_interleave(torch.arange(received.numel(), device=x.device), received.flatten())
         return routed_experts_forward(
-            x, virtual.unsqueeze(1), weights.unsqueeze(1), received.numel(), swiglu_limit,
+            x,
+            virtual.unsqueeze(1),
+            weights.unsqueeze(1),
+            received.numel(),
+            swiglu_limit,
             lambda v: held(v % self.num_local),
         )
 

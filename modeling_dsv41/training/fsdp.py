@@ -145,7 +145,9 @@ def shard_model(
         own_units, replicated = _split_fp32(model)
         sharded = {id(unit) for unit in expert_units}  # the FP4 experts, units of the expert-parallel mesh already
         own_units += [
-            m for m in quantized_modules(model) if id(m) not in sharded and not tables & set(m.parameters(recurse=False))
+            m
+            for m in quantized_modules(model)
+            if id(m) not in sharded and not tables & set(m.parameters(recurse=False))
         ]
     no_cast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None)
     for unit in own_units:
@@ -174,12 +176,18 @@ def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_s
     """Split the backbone's routed experts over the EP ranks and FSDP2-shard them over ``ep_shard``, each layer's
     experts their own unit; returns the :class:`~.expert_parallel.TrainingMesh` and those units."""
     from .expert_parallel import (
-        EP_SHARD, NATIVE_EXPERTS, check_expert_parallel_model, distribute_experts, training_mesh,
+        EP_SHARD,
+        NATIVE_EXPERTS,
+        check_expert_parallel_model,
+        distribute_experts,
+        training_mesh,
     )
     from .router_balancing import is_adapter_model
 
     if mesh is not None:
-        raise ValueError("shard_model builds the expert-parallel mesh itself: give expert_parallel_size or mesh, not both")
+        raise ValueError(
+            "shard_model builds the expert-parallel mesh itself: give expert_parallel_size or mesh, not both"
+        )
     check_expert_parallel_model(model)
     if not is_adapter_model(model) and quantized_modules(model):
         raise ValueError(
@@ -238,15 +246,17 @@ def load_sharded_weights(
     buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}  # computed in __init__ (hasher)
     tables = {id(t) for t in frozen_engram_tables(model)}
     mapped = {
-        name for name, t in model.named_parameters()
+        name
+        for name, t in model.named_parameters()
         if id(t) in tables and (not released or any(p.dtype == torch.float8_e4m3fn for p in _siblings(model, t)))
     }
     placeheld = {id(t) for name, t in model.named_parameters() if name in mapped}
     # Module.to_empty, but a frozen table becomes a host placeholder of its shape holding one element (an empty table
     # on the device would not fit) until it is mapped; a dequantized one is read whole into host memory
     model._apply(
-        lambda t: _placeholder(t) if id(t) in placeheld
-        else torch.empty_like(t, device="cpu" if id(t) in tables else device)
+        lambda t: (
+            _placeholder(t) if id(t) in placeheld else torch.empty_like(t, device="cpu" if id(t) in tables else device)
+        )
     )
     with torch.no_grad():
         for name, buffer in model.named_buffers():
@@ -390,7 +400,8 @@ def quantized_modules(model: nn.Module) -> list[nn.Module]:
     """The modules holding parameters in a stored quantized dtype (FP8 e4m3 weights, E8M0 scales, packed FP4 bytes):
     the natively loaded ``FP8Linear`` / ``FP8Experts``, and FP8 Engram tables."""
     return [
-        module for module in model.modules()
+        module
+        for module in model.modules()
         if any(p.dtype in QUANTIZED_DTYPES for p in module.parameters(recurse=False))
     ]
 
@@ -398,8 +409,11 @@ def quantized_modules(model: nn.Module) -> list[nn.Module]:
 def frozen_engram_tables(model: nn.Module) -> set[nn.Parameter]:
     """The parameters of the Engram tables that do not train (FP8 ones always; any under LoRA)."""
     return {
-        param for name, module in model.named_modules() if ENGRAM_TABLE.search(name)
-        for param in module.parameters() if not param.requires_grad
+        param
+        for name, module in model.named_modules()
+        if ENGRAM_TABLE.search(name)
+        for param in module.parameters()
+        if not param.requires_grad
     }
 
 
@@ -424,4 +438,13 @@ def _average_over_ranks(grad: torch.Tensor, group) -> None:
     grad.div_(dist.get_world_size(group))
 
 
-__all__ = ["QUANTIZED_DTYPES", "clip_sharded_grad_norm_", "fp32_parameters", "load_sharded_weights", "frozen_engram_tables", "fsdp_units", "quantized_modules", "shard_model"]
+__all__ = [
+    "QUANTIZED_DTYPES",
+    "clip_sharded_grad_norm_",
+    "fp32_parameters",
+    "load_sharded_weights",
+    "frozen_engram_tables",
+    "fsdp_units",
+    "quantized_modules",
+    "shard_model",
+]

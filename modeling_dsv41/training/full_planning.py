@@ -36,7 +36,11 @@ from ..optim.policy import FROZEN
 from ..placement import is_engram_table_tensor
 from .fsdp import _kept_fp32, _split_fp32
 from .planning import (
-    RESERVE_BYTES, PerDeviceTotal, _fsdp_units, all_to_all_bytes, checkpointed_input_bytes_per_token,
+    RESERVE_BYTES,
+    PerDeviceTotal,
+    _fsdp_units,
+    all_to_all_bytes,
+    checkpointed_input_bytes_per_token,
     layer_saved_bytes_per_token,
 )
 
@@ -138,8 +142,15 @@ def _totals(model: nn.Module, precision: str) -> _Totals:
 
 
 def plan_full_training(
-    model: nn.Module, nodes: int, gpus_per_node: int, capacity: int, ep_size: int, precision: str = "fp32 master",
-    seq_len: int = 4096, batch_size: int = 1, totals: _Totals | None = None,
+    model: nn.Module,
+    nodes: int,
+    gpus_per_node: int,
+    capacity: int,
+    ep_size: int,
+    precision: str = "fp32 master",
+    seq_len: int = 4096,
+    batch_size: int = 1,
+    totals: _Totals | None = None,
 ) -> FullTrainingPlan:
     """Plan full fine-tuning of ``model`` (the causal LM on the meta device, in bf16 with its fp32-kept modules
     fp32) on ``nodes`` nodes of ``gpus_per_node`` devices of ``capacity`` bytes, experts split over ``ep_size``
@@ -148,7 +159,9 @@ def plan_full_training(
     plan = FullTrainingPlan(nodes, gpus_per_node, capacity, ep_size, precision, seq_len, batch_size)
     world = plan.world
     if world % ep_size or config.n_routed_experts % ep_size:
-        raise ValueError(f"ep_size={ep_size} must divide the {world} devices and the {config.n_routed_experts} experts")
+        raise ValueError(
+            f"ep_size={ep_size} must divide the {world} devices and the {config.n_routed_experts} experts"
+        )
     totals = totals or _totals(model, precision)
     plan.trainable_parameters = totals.trainable_parameters
     layer_cost = {name: (b[0], b[1] / ep_size, b[2] + b[3] / ep_size) for name, b in totals.layers.items()}
@@ -180,7 +193,12 @@ def ep_sizes(model: nn.Module, world: int) -> list[int]:
 
 
 def smallest_fit(
-    model: nn.Module, gpus_per_node: int, capacity: int, precision: str, seq_len: int = 4096, batch_size: int = 1,
+    model: nn.Module,
+    gpus_per_node: int,
+    capacity: int,
+    precision: str,
+    seq_len: int = 4096,
+    batch_size: int = 1,
     max_nodes: int = 256,
 ) -> FullTrainingPlan | None:
     """The plan on the fewest nodes that fits, and on those nodes the smallest EP size that fits (the fewest ranks
@@ -188,7 +206,9 @@ def smallest_fit(
     totals = _totals(model, precision)
     for nodes in range(1, max_nodes + 1):
         for ep in ep_sizes(model, nodes * gpus_per_node):
-            plan = plan_full_training(model, nodes, gpus_per_node, capacity, ep, precision, seq_len, batch_size, totals)
+            plan = plan_full_training(
+                model, nodes, gpus_per_node, capacity, ep, precision, seq_len, batch_size, totals
+            )
             if plan.fits:
                 return plan
     return None

@@ -65,7 +65,8 @@ def layer_saved_bytes_per_token(config, layer_id: int, seq_len: int) -> float:
         "attention keys": (k + heads) * hd * 4,
         "attention scores": 5 * heads * k * 4 + heads * hd * 4,
         # q_a, q (before and after rope), kv, the attention output and the grouped output projection
-        "attention projections": (2 * config.q_lora_rank + 3 * heads * hd + 3 * hd) * 2 + heads * hd * 4
+        "attention projections": (2 * config.q_lora_rank + 3 * heads * hd + 3 * hd) * 2
+        + heads * hd * 4
         + config.o_groups * config.o_lora_rank * 2,
         # mHC: the flattened stream in fp32 for both sub-blocks' mixes, the collapse inputs, Sinkhorn's iterations
         "mHC": hc * d * (2 * 4 + 2 * 2) + 2 * (config.hc_sinkhorn_iters + 4) * hc * hc * 4 * 2,
@@ -169,8 +170,14 @@ def lora_parameters(model: nn.Module, rank: int) -> int:
 
 
 def plan_lora_training(
-    model: nn.Module, devices: dict[int, int], seq_len: int = 4096, batch_size: int = 1, rank: int = 16,
-    offload: bool = False, offload_activations: bool = False, ep_size: int = 1,
+    model: nn.Module,
+    devices: dict[int, int],
+    seq_len: int = 4096,
+    batch_size: int = 1,
+    rank: int = 16,
+    offload: bool = False,
+    offload_activations: bool = False,
+    ep_size: int = 1,
 ) -> LoraTrainingPlan:
     """Plan LoRA training of ``model`` (the causal LM, meta or not, in bf16) on ``devices`` (index → bytes, one rank
     each), micro-batches of ``batch_size`` × ``seq_len`` tokens per rank, adapters of rank ``rank``, the routed
@@ -188,8 +195,10 @@ def plan_lora_training(
     }
     # a unit in use gathers its frozen weights (of the routed experts, its E/ep local ones) and fp32 adapters, and
     # (backward) its adapters' unsharded gradients
-    sizes = {name: (rest + experts / ep_size, lora_parameters(units[name], rank))
-             for name, (rest, experts) in frozen_split.items()}
+    sizes = {
+        name: (rest + experts / ep_size, lora_parameters(units[name], rank))
+        for name, (rest, experts) in frozen_split.items()
+    }
     total = _frozen_bytes(model)
     running = {name: size for name, size in sizes.items() if _runs_in_training(units[name])}
     plan.largest_unit, (frozen, adapted) = max(running.items(), key=lambda item: item[1][0] + 8 * item[1][1])
@@ -200,7 +209,8 @@ def plan_lora_training(
     plan.checkpoint_bytes = sum(stored)
     plan.largest_read = max(  # a rank reads its rows of a tensor; of the experts, one of its experts at a time
         released_storage_bytes(name, p) / (p.shape[0] if p.dim() == 3 else n)
-        for name, p in model.named_parameters() if not is_engram_table_tensor(name)
+        for name, p in model.named_parameters()
+        if not is_engram_table_tensor(name)
     )
     plan.save_bytes = plan.adapter_parameters * 3 * 4
     adapter_state = plan.adapter_parameters * _ADAPTER_BYTES_PER_PARAMETER
@@ -225,13 +235,22 @@ def plan_lora_training(
 
 
 def longest_sequence(
-    model: nn.Module, devices: dict[int, int], batch_size: int = 1, rank: int = 16, offload: bool = False,
-    offload_activations: bool = False, step: int = 1024, ep_size: int = 1,
+    model: nn.Module,
+    devices: dict[int, int],
+    batch_size: int = 1,
+    rank: int = 16,
+    offload: bool = False,
+    offload_activations: bool = False,
+    step: int = 1024,
+    ep_size: int = 1,
 ) -> int:
     """The longest sequence per device (a multiple of ``step`` tokens, at most the model's
     ``max_position_embeddings``) whose :func:`plan_lora_training` fits; 0 if not even ``step`` tokens do."""
+
     def fits(seq_len: int) -> bool:
-        return plan_lora_training(model, devices, seq_len, batch_size, rank, offload, offload_activations, ep_size).fits
+        return plan_lora_training(
+            model, devices, seq_len, batch_size, rank, offload, offload_activations, ep_size
+        ).fits
 
     limit = model.config.get_text_config().max_position_embeddings // step
     low, high = 0, 1  # low fits (or is 0), high is the next multiple to try

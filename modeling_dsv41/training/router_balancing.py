@@ -96,7 +96,8 @@ class RouterBiasBalancer:
             )
         # the backbone's routers (the DSpark draft blocks' have their own expert count and are not balanced here)
         self.moes = [
-            module for name, module in model.named_modules()
+            module
+            for name, module in model.named_modules()
             if isinstance(module, DeepseekV41MoE) and not re.search(r"(^|\.)mtp\.", name)
         ]
         backbones = [module for module in model.modules() if isinstance(module, DeepseekV41Model)]
@@ -106,9 +107,7 @@ class RouterBiasBalancer:
         experts = self.moes[0].n_routed_experts
         device = self.moes[0].gate.bias.device
         self.counts = torch.zeros(len(self.moes), 2, experts, dtype=torch.long, device=device)  # [L, modality, E]
-        self._hooks = [
-            backbone.register_forward_hook(self._count_forward, with_kwargs=True) for backbone in backbones
-        ]
+        self._hooks = [backbone.register_forward_hook(self._count_forward, with_kwargs=True) for backbone in backbones]
 
     def _count_forward(self, backbone: nn.Module, args: tuple, kwargs: dict, output) -> None:
         """Forward hook of the backbone: count a training forward pass's expert choices."""

@@ -58,6 +58,7 @@ from .router_balancing import RouterBiasBalancer, is_adapter_model
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class DeepseekV41TrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus DeepSeek-V4.1's knobs.
@@ -139,11 +140,15 @@ class DeepseekV41TrainingArguments(TrainingArguments):
         if unknown:
             raise ValueError(f"optimizer_kind_kwargs has unknown kinds {sorted(unknown)}; known: {list(KINDS)}")
         if self.offload_activations and not self.activation_checkpointing:
-            raise ValueError("offload_activations keeps the checkpointed layers' inputs in host memory: set "
-                             "activation_checkpointing=True too")
+            raise ValueError(
+                "offload_activations keeps the checkpointed layers' inputs in host memory: set "
+                "activation_checkpointing=True too"
+            )
         if self.offload_activations and (self.activation_checkpointing_kwargs or {}).get("offload"):
-            raise ValueError("offload_activations and activation_checkpointing_kwargs['offload'] both offload the "
-                             "checkpointed inputs: keep one")
+            raise ValueError(
+                "offload_activations and activation_checkpointing_kwargs['offload'] both offload the "
+                "checkpointed inputs: keep one"
+            )
         check_expert_parallel_arguments(self)
 
 
@@ -158,7 +163,9 @@ def _freeze_default_parameters(model: nn.Module) -> None:
             "DeepseekV41Trainer froze %d adapter tensors (%d parameters) on the indexer, which receives no gradient "
             "(its top-k selection is not differentiable), e.g. %s. Leave the indexer out of target_modules (see the "
             "README's LoRA recipe), or set freeze_default_parameters=False to keep them trainable",
-            len(frozen), count, frozen[0],
+            len(frozen),
+            count,
+            frozen[0],
         )
 
 
@@ -325,7 +332,8 @@ class DeepseekV41Trainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         adapters = {
             name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
-            for name, p in self.model.named_parameters() if p.requires_grad
+            for name, p in self.model.named_parameters()
+            if p.requires_grad
         }
         if self.args.should_save:
             self.model.save_pretrained(output_dir, state_dict=adapters)
@@ -361,7 +369,8 @@ class DeepseekV41Trainer(Trainer):
         if set(plugin.transformer_cls_names_to_wrap or units) != units or plugin.min_num_params:
             logger.warning(
                 "DeepseekV41Trainer shards %s as FSDP2 units; the configured wrap policy (%s) is not used",
-                sorted(units), plugin.transformer_cls_names_to_wrap or f"min_num_params={plugin.min_num_params}",
+                sorted(units),
+                plugin.transformer_cls_names_to_wrap or f"min_num_params={plugin.min_num_params}",
             )
         policy = plugin.mixed_precision_policy
         if policy is not None and policy.param_dtype not in (None, torch.float32):
@@ -372,8 +381,12 @@ class DeepseekV41Trainer(Trainer):
         if mesh is not None:
             mesh = mesh[tuple(self.accelerator.parallelism_config.fsdp_dim_names)]
         shard_model(
-            self.model, mesh=mesh, mp_policy=policy, reshard_after_forward=plugin.reshard_after_forward,
-            offload_policy=plugin.cpu_offload, expert_parallel_size=self.args.expert_parallel_size,
+            self.model,
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=plugin.reshard_after_forward,
+            offload_policy=plugin.cpu_offload,
+            expert_parallel_size=self.args.expert_parallel_size,
         )
 
     def _clip_grad_norm(self, model: nn.Module):
@@ -398,7 +411,9 @@ class DeepseekV41Trainer(Trainer):
         """``Trainer.compute_loss``; with ``train_dspark_head``, the draft head's loss (``labels`` are not used: the
         targets are the backbone's own predictions)."""
         if not self.args.train_dspark_head:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         inputs = {key: value for key, value in inputs.items() if key != "labels"}
         output = self.accelerator.unwrap_model(model).dspark_loss(**inputs)
         return (output.loss, output) if return_outputs else output.loss
@@ -410,7 +425,9 @@ class DeepseekV41Trainer(Trainer):
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"no complete checkpoint to resume from in {self.args.output_dir}")
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)) and not is_complete_checkpoint(resume_from_checkpoint):
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)) and not is_complete_checkpoint(
+            resume_from_checkpoint
+        ):
             raise ValueError(
                 f"cannot resume from {resume_from_checkpoint}: it holds no {TRAINER_STATE_NAME} (missing, or its save "
                 "was interrupted); resume_from_checkpoint=True picks the newest complete checkpoint"
@@ -439,7 +456,9 @@ class DeepseekV41Trainer(Trainer):
                 self.state.best_model_checkpoint = str(checkpoint.final)
                 self.state.save_to_json(str(checkpoint.staged / TRAINER_STATE_NAME))
             checkpoint.publish()
-            rotate_checkpoints(str(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+            rotate_checkpoints(
+                str(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True
+            )
         self.accelerator.wait_for_everyone()
 
     def call_model_init(self, trial=None) -> nn.Module:
@@ -464,7 +483,9 @@ def _freeze_the_draft_head(model: nn.Module) -> None:
     with ``train_dspark_head=True``."""
     head = [param for name, param in model.named_parameters() if name.startswith("mtp.") or ".mtp." in name]
     if any(param.requires_grad for param in head):
-        logger.info("DSpark draft head (mtp.*) frozen: the backbone's loss does not reach it (train_dspark_head=True trains it)")
+        logger.info(
+            "DSpark draft head (mtp.*) frozen: the backbone's loss does not reach it (train_dspark_head=True trains it)"
+        )
         for param in head:
             param.requires_grad_(False)
 
@@ -472,6 +493,8 @@ def _freeze_the_draft_head(model: nn.Module) -> None:
 def _freeze_all_but_the_draft_head(model: nn.Module | None) -> None:
     """``requires_grad=False`` on everything outside ``mtp.*`` (the shared embed and LM head included)."""
     if model is None or getattr(model, "mtp", None) is None:
-        raise ValueError("train_dspark_head needs a DeepseekV41ForCausalLM with the DSpark draft head (dspark_block_size > 0)")
+        raise ValueError(
+            "train_dspark_head needs a DeepseekV41ForCausalLM with the DSpark draft head (dspark_block_size > 0)"
+        )
     for name, param in model.named_parameters():
         param.requires_grad_(name.startswith("mtp."))

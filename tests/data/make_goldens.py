@@ -127,15 +127,21 @@ def build_vl_model(ref: ModuleType, variant: str, max_seq_len: int) -> torch.nn.
     return build_model(ref, config, FIXTURE, max_seq_len)
 
 
-def _no_act_quant(x: torch.Tensor, block_size: int = 128, scale_fmt: str | None = None,
-                  scale_dtype: torch.dtype = torch.float32, inplace: bool = False) -> torch.Tensor:
+def _no_act_quant(
+    x: torch.Tensor,
+    block_size: int = 128,
+    scale_fmt: str | None = None,
+    scale_dtype: torch.dtype = torch.float32,
+    inplace: bool = False,
+) -> torch.Tensor:
     """``act_quant`` in noqdq mode. With bf16 weights every call is an in-place quantize-dequantize."""
     assert inplace, "only in-place QDQ is expected with bf16 weights"
     return x
 
 
-def _no_fp4_act_quant(x: torch.Tensor, block_size: int = 32, inplace: bool = False,
-                      scale_dtype: torch.dtype = torch.float8_e8m0fnu) -> torch.Tensor:
+def _no_fp4_act_quant(
+    x: torch.Tensor, block_size: int = 32, inplace: bool = False, scale_dtype: torch.dtype = torch.float8_e8m0fnu
+) -> torch.Tensor:
     """``fp4_act_quant`` in noqdq mode (in place only, as :func:`_no_act_quant`)."""
     assert inplace, "only in-place QDQ is expected with bf16 weights"
     return x
@@ -147,7 +153,10 @@ def quantization(ref: ModuleType, mode: str) -> Iterator[None]:
     if mode == "qdq":
         yield
         return
-    with mock.patch.object(ref, "act_quant", _no_act_quant), mock.patch.object(ref, "fp4_act_quant", _no_fp4_act_quant):
+    with (
+        mock.patch.object(ref, "act_quant", _no_act_quant),
+        mock.patch.object(ref, "fp4_act_quant", _no_fp4_act_quant),
+    ):
         yield
 
 
@@ -191,8 +200,14 @@ def capture_hooks(model: torch.nn.Module, captured: dict[str, torch.Tensor]) -> 
     return stack
 
 
-def reference_logits(ref: ModuleType, model: torch.nn.Module, prompt: Prompt, mode: str, native: bool,
-                     captures: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+def reference_logits(
+    ref: ModuleType,
+    model: torch.nn.Module,
+    prompt: Prompt,
+    mode: str,
+    native: bool,
+    captures: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Full-position logits [S, vocab] fp32: the reference head returns only the last row, so the final normed
     hidden state is captured and the same ``head`` applied to every position. With ``captures``, also records
     what :func:`capture_hooks` names."""
@@ -253,9 +268,14 @@ def dspark_outputs(ref: ModuleType, mode: str, native: bool = False) -> dict[str
         for t in range(prompt_len, ids.shape[1]):
             out, logits, main_hidden = model(ids[:, t : t + 1], t)
             draft_ids, draft_logits, confidence = model.forward_spec(out, main_hidden, t)
-            for key, value in (("logits", logits), ("output_ids", out), ("main_hidden", main_hidden),
-                               ("draft_output_ids", draft_ids), ("draft_logits", draft_logits),
-                               ("confidence", confidence)):
+            for key, value in (
+                ("logits", logits),
+                ("output_ids", out),
+                ("main_hidden", main_hidden),
+                ("draft_output_ids", draft_ids),
+                ("draft_logits", draft_logits),
+                ("confidence", confidence),
+            ):
                 steps.setdefault(key, []).append(value)
     tensors |= {key: torch.stack(values) for key, values in steps.items()}
     model, captured = build_model(ref, config, DSPARK_FIXTURE, ids.shape[1]), {}

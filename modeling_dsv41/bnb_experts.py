@@ -41,7 +41,7 @@ from transformers.quantizers.quantizer_bnb_8bit import Bnb8BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
 from .hub.registration import register_quantization_config, register_quantizer
-from .moe import DeepseekV41Experts, routed_experts_forward
+from .moe import DeepseekV41Experts, per_slot_experts_forward, routed_experts_forward
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,11 @@ class BnbExperts(DeepseekV41Experts):
         """Expert ``expert``'s weight ``name`` [out, in] (the ``rows`` of it) in ``dtype``."""
         raise NotImplementedError
 
+    def gathered(self, name: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Experts ``experts`` [n] of weight ``name`` dequantized to ``dtype`` at once: [n, out, in], the values
+        :meth:`dequantize` gives each, from their gathered bytes and states (no value read back)."""
+        raise NotImplementedError
+
     @torch.no_grad()
     def dequantized(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Every expert's weight ``name`` [E, out, in] in ``dtype``."""
@@ -156,8 +161,24 @@ class BnbExperts(DeepseekV41Experts):
     ) -> torch.Tensor:
         """hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D], the eager computation with each
         routed expert's weights dequantized inside its products; ``adapters``: the LoRA factors of PEFT's wrappers
-        around this module (:mod:`~.released.native_lora`)."""
+        around this module (:mod:`~.released.native_lora`).
+
+        Decoding (no more slots than experts, no adapter, no input gradient, the compute dtype the input's), each
+        slot's expert is dequantized from its gathered bytes (:func:`~.moe.per_slot_experts_forward`: no host sync);
+        otherwise the loop over the experts with tokens (one host sync reading how many each got)."""
         adapters = adapters or {}
+        dtype = self.compute_dtype or hidden_states.dtype
+        needs_input_grad = torch.is_grad_enabled() and hidden_states.requires_grad
+        decoding = top_k_index.numel() <= self.num_experts
+        if decoding and not adapters and not needs_input_grad and dtype == hidden_states.dtype:
+            return per_slot_experts_forward(
+                hidden_states,
+                top_k_index,
+                top_k_weights,
+                self.swiglu_limit,
+                self.num_experts,
+                lambda ids: (self.gathered("gate_up_proj", ids, dtype), self.gathered("down_proj", ids, dtype)),
+            )
 
         def weight(name: str, expert: int) -> QuantizedExpertWeight:
             return QuantizedExpertWeight(self, name, expert, adapters[name](expert) if name in adapters else None)
@@ -302,6 +323,42 @@ class Bnb4bitExperts(BnbExperts):
         )
         return bnb_functional.dequantize_blockwise(absmax, nested) + getattr(self, f"{name}_nested_offset")[expert]
 
+    def _gathered_absmax(self, name: str, experts: torch.Tensor) -> torch.Tensor:
+        """The fp32 block scales [n, blocks] of ``experts`` [n], each padded to whole nested blocks and dequantized in
+        one call under double quantization (a nested block never spans two experts)."""
+        absmax = getattr(self, f"{name}_absmax").index_select(0, experts)
+        if not self.double_quant:
+            return absmax
+        import bitsandbytes.functional as bnb_functional
+
+        blocks = absmax.shape[1]
+        nested_absmax = getattr(self, f"{name}_nested_absmax").index_select(0, experts)  # [n, nested blocks]
+        padded = F.pad(absmax, (0, nested_absmax.shape[1] * NESTED_BLOCK - blocks))
+        nested = bnb_functional.QuantState(
+            absmax=nested_absmax.flatten(), code=self.nested_code, blocksize=NESTED_BLOCK, dtype=torch.float32
+        )
+        scales = bnb_functional.dequantize_blockwise(padded.flatten(), nested).view(len(experts), -1)[:, :blocks]
+        return scales + getattr(self, f"{name}_nested_offset").index_select(0, experts).unsqueeze(1)
+
+    def gathered(self, name: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        import bitsandbytes.functional as bnb_functional
+
+        _, out_features, in_features = self._shapes[name]
+        count, numel = len(experts), out_features * in_features
+        absmax = self._gathered_absmax(name, experts)  # [n, blocks]
+        codes = getattr(self, name).index_select(0, experts).view(count, -1)  # [n, out·in/2], two codes a byte
+        if numel % BLOCK_4BIT:  # each expert's last block is partial: padded so that no block spans two experts
+            codes = F.pad(codes, (0, absmax.shape[1] * BLOCK_4BIT // 2 - codes.shape[1]))
+        state = bnb_functional.QuantState(
+            absmax=absmax.flatten(),
+            shape=torch.Size((count, 2 * codes.shape[1])),
+            dtype=dtype,
+            blocksize=BLOCK_4BIT,
+            quant_type=self.quant_type,
+        )
+        dense = bnb_functional.dequantize_4bit(codes.reshape(-1, 1), state)
+        return dense[:, :numel].view(count, out_features, in_features)
+
     def dequantize(
         self, name: str, expert: int, rows: slice = slice(None), dtype: torch.dtype = torch.bfloat16
     ) -> torch.Tensor:
@@ -345,6 +402,13 @@ class Bnb8bitExperts(BnbExperts):
 
         codes, scb = getattr(self, name)[expert, rows], getattr(self, f"{name}_scb")[expert, rows]
         return bnb_functional.int8_vectorwise_dequant(codes, scb).to(dtype)
+
+    def gathered(self, name: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        import bitsandbytes.functional as bnb_functional
+
+        codes = getattr(self, name).index_select(0, experts)  # [n, out, in]
+        scb = getattr(self, f"{name}_scb").index_select(0, experts)  # [n, out]
+        return bnb_functional.int8_vectorwise_dequant(codes.flatten(0, 1), scb.flatten()).view(codes.shape).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -651,3 +651,46 @@ def test_nothing_dequantized_waits_for_the_backward(checkpoint, fmt):
 def test_bitsandbytes_with_tensor_or_expert_parallelism_is_refused(checkpoint, parallel):
     with pytest.raises(ValueError, match="bitsandbytes with tensor or expert parallelism.*device_map"):
         _load(checkpoint, FORMATS["nf4"], **parallel)
+
+
+def _dense_experts(**text) -> DeepseekV41Experts:
+    torch.manual_seed(0)
+    dense = DeepseekV41Experts(DeepseekV41Config(text_config=dict(TEXT, **text)).get_text_config()).to(torch.bfloat16)
+    torch.nn.init.normal_(dense.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(dense.down_proj, std=0.05)
+    return dense
+
+
+# widths: 64-weight blocks within rows; a 40-wide expert whose 40·40 weights end in a partial block and whose
+# 2·40·40 / 64 = 50 block scales fill a fifth of a nested block
+DECODE_SHAPES = {"64 wide": {}, "partial blocks": dict(hidden_size=40, moe_intermediate_size=40)}
+
+
+@pytest.mark.parametrize("shape", list(DECODE_SHAPES))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_a_decode_step_of_the_quantized_experts_reads_nothing_back(fmt, shape):
+    """No more slots than experts (decoding): each slot's expert is dequantized from its gathered bytes and states,
+    with no value read back (the loop over experts with tokens reads their counts), computing what plain experts
+    holding the dequantized weights compute, bit for bit (the same dequantized values in the same per-slot
+    products). Fails with the loop: its bincount reads the counts back."""
+    from benchmarks.op_counts import StepCounter
+
+    dense = _dense_experts(**DECODE_SHAPES[shape])
+    options = FORMATS[fmt]
+    if options.get("load_in_8bit"):
+        experts = Bnb8bitExperts.from_dense(dense, compute_dtype=torch.bfloat16)
+    else:
+        experts = Bnb4bitExperts.from_dense(
+            dense,
+            compute_dtype=torch.bfloat16,
+            quant_type=options["bnb_4bit_quant_type"],
+            double_quant=options.get("bnb_4bit_use_double_quant", False),
+        )
+    reference = dequantized_experts(experts, torch.bfloat16)
+    hidden = torch.randn(1, dense.hidden_dim, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    index, weights = torch.tensor([[3, 1]]), torch.tensor([[0.75, 0.25]])
+    with torch.no_grad(), StepCounter() as counter:
+        out = experts(hidden, index, weights)
+    assert dict(counter.count.syncs) == {}
+    with torch.no_grad():
+        assert torch.equal(out, reference(hidden, index, weights))

@@ -294,8 +294,8 @@ class DeepseekV41Trainer(Trainer):
         """Point every param group of the :class:`MixedOptimizer` at the model's parameters named in its
         ``param_names``. accelerate's FSDP2 preparation swaps each optimizer parameter for the model's by its
         ``data_ptr()``; parameters already sharded whose local shard is empty on a rank (a LoRA ``lora_A`` of rank
-        r < the number of processes) share one, so they all became one parameter there, trained with every
-        gradient of theirs in turn and checkpointed under one name: resumed runs diverged."""
+        r < the number of processes) share one, so they would all become one parameter there, trained with every
+        gradient of theirs in turn and checkpointed under one name (a resumed run would not continue the same one)."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer
         if not isinstance(optimizer, MixedOptimizer):
             return

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .generation.cache import CacheStep, DeepseekV41LayerCache, gather_rows
+from .layer_cache import CacheStep, DeepseekV41LayerCache, gather_rows
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear, einsum_rounded_once
 from .norms import DeepseekV41RMSNorm
 from .numerics import backward_in_forward_numerics, reference_numerics_active

@@ -15,7 +15,7 @@ from modeling_dsv41.attention import (
     sink_attention_forward,
     topk_selection,
 )
-from modeling_dsv41.generation.cache import decode_window_slots
+from modeling_dsv41.layer_cache import decode_window_slots
 from modeling_dsv41.numerics import reference_numerics, reference_numerics_active
 from modeling_dsv41.rotary import apply_rotary
 from tiny_models import tiny_model

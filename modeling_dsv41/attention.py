@@ -29,6 +29,7 @@ carries from one forward to the next lives in :class:`~.cache.DeepseekV41Cache`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -434,6 +435,19 @@ def sink_attention_probs(
     return torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1].to(q.dtype)
 
 
+def attention_from_probs(probs: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """:func:`sink_attention`'s output [B, S, H, D] from its attention map probs [B, H, S, K]
+    (:func:`sink_attention_probs`), as transformers' eager attention computes it, so that the map lies on the
+    gradient path. It agrees with the fused online softmax to rounding (that one rounds per block of slots, as the
+    reference kernel)."""
+    return torch.einsum("bhsk,bskd->bshd", probs.float(), gather_slots(kv.float(), slots)).to(kv.dtype)
+
+
+def _decoding(step: CacheStep | None) -> bool:
+    """Whether a call adds tokens to a cached sequence (else it is a full pass: without a cache, or the prefill)."""
+    return step is not None and not step.prefill
+
+
 def prefill_window_slots(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
     """[S, min(S, W)]: query i reads positions max(0, i - W + 1) onwards, oldest first, -1 past i."""
     query = torch.arange(seq_len, device=device).unsqueeze(1)
@@ -494,8 +508,8 @@ class DeepseekV41Attention(nn.Module):
         """x [B,S,D] (positions 0..S-1), rotation [S, R] complex for this layer's rope kind → [B,S,D].
 
         ``output_attentions`` also returns DeepSeek-V4.1's attention map, ``(out, (probs, slot_index))``, and computes
-        ``out`` from it (:meth:`_attend_with_map`: the same to rounding, with the map on the gradient path): a query
-        attends over its own list of slots rather than over all keys, so the map is probs [B, H, S, K], each
+        ``out`` from it (:func:`attention_from_probs`: the same to rounding, with the map on the gradient path): a
+        query attends over its own list of slots rather than over all keys, so the map is probs [B, H, S, K], each
         head's softmax probability on each slot (the sink takes the rest of the row), with slot_index [B, S, K]
         saying what each slot is: its first ``min(S, sliding_window)`` slots (``sliding_window`` when decoding)
         are key positions of the window, oldest first; on compressed layers the rest are the selected compressed
@@ -504,73 +518,81 @@ class DeepseekV41Attention(nn.Module):
         Padding needs no mask: the model aligns every row to start at 0, so padding only follows a row's real
         tokens, outside their windows and compressed lengths.
 
-        With a ``layer_cache``: on the prefill ``step`` this full pass also records the decode state; on later
-        steps x holds only the new tokens (at ``step.positions``, rotation [B, S, R]) and attends over the cache.
+        With a ``layer_cache``, the prefill ``step`` also records the decode state; on later steps x holds only the
+        new tokens (at ``step.positions``, rotation [B, S, R]), which the same steps join to the cached state where
+        it enters: the window keys (:meth:`_window`) and the compressed rows (:meth:`_pool`, :meth:`_compress`).
         """
-        if layer_cache is not None and not step.prefill:
-            return self._forward_incremental(x, rotation, ctx, layer_cache, step, output_attentions)
-        bsz, seq_len, _ = x.shape
-        rot = rotation.unsqueeze(0).expand(bsz, -1, -1)
+        rot = rotation.expand(x.shape[0], *rotation.shape[-2:])  # [B, S, R]: a full pass's table is every row's
         qr = self.q_norm(self.wq_a(x))
         q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
-
-        kv = self._window_kv(x, rot)
-        if layer_cache is not None:
-            layer_cache.store_window(kv, step.lengths)
-        slots = slot_index = prefill_window_slots(seq_len, self.window, x.device).expand(bsz, -1, -1)
+        kv, slots = window_kv, window_slots = self._window(x, rot, layer_cache, step)
+        selection = None
         if self.ratio:
             compress_kv, selection = self._compressed(x, qr, rot, ctx, layer_cache, step)
-            kv = torch.cat([kv, compress_kv], dim=1)
-            slots = torch.cat([slots, _shifted(selection, seq_len)], dim=-1)
-            slot_index = torch.cat([slot_index, selection], dim=-1)
+            kv = torch.cat([window_kv, compress_kv], dim=1)
+            slots = torch.cat([window_slots, _shifted(selection, window_kv.shape[1])], dim=-1)
         if not output_attentions:
             return self._attend(q, kv, slots, rot)
-        probs = self._slot_probs(q, kv, slots)
-        return self._attend_with_map(probs, kv, slots, rot), (probs, slot_index)
+        probs = self._per_query_chunk(sink_attention_probs, q, kv, slots, dim=2)
+        slot_index = self._slot_index(window_slots, selection, layer_cache, step)
+        return self._output(attention_from_probs(probs, kv, slots), rot), (probs, slot_index)
 
     def _window_kv(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         """Each token's shared K=V [B,S,D], rotated (and FP8 quantize-dequantized, as cached by the reference)."""
         kv = apply_rotary(self.kv_norm(self.wkv(x)), rot)
         return _fp8_qdq(kv) if self.emulate_quantization else kv
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        """Sink attention over ``query_chunk_size`` queries at a time (each query's row by the same ops whatever
-        the chunking), then the output projections over all of them."""
-        bsz, seq_len = q.shape[:2]
-        chunk = self.query_chunk_size
-        out = _joined(
-            [
-                sink_attention(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
-                for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
-            ],
-            dim=1,
-        )
-        out = apply_rotary(out, rot, inverse=True)
-        out = out.view(bsz, seq_len, self.n_groups, -1)
-        return self.wo_b(self.wo_a(out).flatten(2))
+    def _window(
+        self, x: torch.Tensor, rot: torch.Tensor, layer_cache: DeepseekV41LayerCache | None, step: CacheStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window K=V rows this call attends over [B, N, D] and each query's slots in them [B, S, W']: in a full
+        pass the call's own tokens (the prefill keeps each row's last W); when decoding, the call's tokens after
+        the cached window (N = W + S)."""
+        kv = self._window_kv(x, rot)
+        if _decoding(step):
+            return layer_cache.extend_window(kv), step.window_slots
+        if layer_cache is not None:
+            layer_cache.store_window(kv, step.lengths)
+        return kv, prefill_window_slots(x.shape[1], self.window, x.device).expand(x.shape[0], -1, -1)
 
-    def _attend_with_map(
-        self, probs: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor
+    def _slot_index(
+        self,
+        window_slots: torch.Tensor,
+        selection: torch.Tensor | None,
+        layer_cache: DeepseekV41LayerCache | None,
+        step: CacheStep | None,
     ) -> torch.Tensor:
-        """:meth:`_attend` from the attention map [B, H, S, K] that ``output_attentions`` returns, as transformers'
-        eager attention does, so that the map lies on the gradient path. It agrees with the fused online softmax
-        to rounding (that one rounds per block of slots, as the reference kernel)."""
-        bsz, seq_len = slots.shape[:2]
-        out = torch.einsum("bhsk,bskd->bshd", probs.float(), gather_slots(kv.float(), slots)).to(kv.dtype)
-        out = apply_rotary(out, rot, inverse=True)
-        out = out.view(bsz, seq_len, self.n_groups, -1)
-        return self.wo_b(self.wo_a(out).flatten(2))
+        """What each slot of the attention map is [B, S, K]: window key positions, then compressed rows (-1 none).
+        A decode step's window slots index the cached window, which starts at position ``past - W``."""
+        positions = window_slots
+        if _decoding(step):
+            positions = torch.where(window_slots >= 0, window_slots + (step.past - self.window).view(-1, 1, 1), -1)
+        return positions if selection is None else torch.cat([positions, selection], dim=-1)
 
-    def _slot_probs(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The attention map [B, H, S, K] (see :func:`sink_attention_probs`), ``query_chunk_size`` queries at a time."""
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """Sink attention of q [B, S, H, D] over the rows of kv [B, N, D] that ``slots`` [B, S, K] pick, then the
+        output projections."""
+        return self._output(self._per_query_chunk(sink_attention, q, kv, slots, dim=1), rot)
+
+    def _per_query_chunk(
+        self, attention: Callable, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, dim: int
+    ) -> torch.Tensor:
+        """``attention(q, kv, slots, sink, scale)`` over ``query_chunk_size`` queries at a time (each query's row by
+        the same ops whatever the chunking), the chunks joined along ``dim``."""
         chunk = self.query_chunk_size
         return _joined(
             [
-                sink_attention_probs(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
+                attention(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
                 for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
             ],
-            dim=2,
+            dim=dim,
         )
+
+    def _output(self, out: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """The attention's output [B, S, H, D] → [B, S, hidden]: the rope slice rotated back, then ``wo_a``, ``wo_b``."""
+        bsz, seq_len = out.shape[:2]
+        out = apply_rotary(out, rot, inverse=True).view(bsz, seq_len, self.n_groups, -1)
+        return self.wo_b(self.wo_a(out).flatten(2))
 
     def _compressed(
         self,
@@ -578,107 +600,84 @@ class DeepseekV41Attention(nn.Module):
         qr: torch.Tensor,
         rot: torch.Tensor,
         ctx: CompressedContext,
-        layer_cache: DeepseekV41LayerCache | None = None,
-        step: CacheStep | None = None,
+        layer_cache: DeepseekV41LayerCache | None,
+        step: CacheStep | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressed K=V this layer reads [B,T,D] and the rows each query attends to [B,S,k] (-1 = none)."""
-        seq_len, r = x.shape[1], self.ratio
-        compress_lens = torch.arange(1, seq_len + 1, device=x.device) // r  # rows visible to each query
+        """The compressed K=V this layer reads [B,T,D] and the rows each query attends to [B,S,k] (-1 = none): a KV
+        source publishes its rows, an index source its selection, for the layers up to the next one."""
         if self.is_kv_source:
-            latent = self.compressor(x)  # [B, T, D], unrotated
-            group_rot = rot[:, : latent.shape[1] * r : r]  # a latent sits at its group's first token
-            if self.indexer is not None:
-                ctx.index_k = self.indexer.index_keys(latent, group_rot)
-            latent = apply_rotary(latent, group_rot)
-            ctx.compress_kv = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
-            if layer_cache is not None:
-                self._record_compressed(x, ctx, layer_cache, step.lengths)
-        self._select(x, qr, rot, ctx, compress_lens)
+            self._compress(x, rot, ctx, layer_cache, step)
+        if self.is_index_source:
+            ctx.selection = self._select(x, qr, rot, ctx, step)
         return ctx.compress_kv, ctx.selection
+
+    def _compress(
+        self,
+        x: torch.Tensor,
+        rot: torch.Tensor,
+        ctx: CompressedContext,
+        layer_cache: DeepseekV41LayerCache | None,
+        step: CacheStep | None,
+    ) -> None:
+        """A KV source's compressed K=V (and its index keys, where it owns them) into ``ctx``: the rows this call
+        completes, rotated at their groups' first tokens; when decoding, every cached row, these appended."""
+        r, decoding = self.ratio, _decoding(step)
+        held = None if layer_cache is None else step.past // r  # [B] rows each row holds before this call
+        latent, new_rows = self._pool(x, layer_cache, step)  # [B, G, D] unrotated; [B] of them real
+        if decoding:  # a group's first token may belong to an earlier call
+            group_rot = step.compress_rotary((held.unsqueeze(1) + torch.arange(latent.shape[1], device=x.device)) * r)
+        else:
+            group_rot = rot[:, : latent.shape[1] * r : r]
+        index_k = self.indexer.index_keys(latent, group_rot) if self.indexer is not None else None
+        latent = apply_rotary(latent, group_rot)
+        latent = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
+        if layer_cache is not None:
+            layer_cache.append_compressed(latent, index_k, held, new_rows, step.columns)
+        if decoding:
+            latent = layer_cache.compressed_kv
+            index_k = None if index_k is None else layer_cache.index_keys
+        ctx.compress_kv = latent
+        if index_k is not None:
+            ctx.index_k = index_k
+
+    def _pool(
+        self, x: torch.Tensor, layer_cache: DeepseekV41LayerCache | None, step: CacheStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The latents [B, G, D] (unrotated) of the groups this call completes, and with a cache how many of them
+        each row completes for real [B]. A full pass pools x's complete groups (the prefill also keeps each row's
+        open group); when decoding, the cache's open group continues with x (r > 1)."""
+        r = self.ratio
+        if layer_cache is None:
+            return self.compressor(x), None
+        if step.prefill:
+            new_rows = step.lengths // r
+            if r > 1:
+                self._keep_open_group(x, layer_cache, new_rows, step.lengths)
+            return self.compressor(x), new_rows
+        if r == 1:
+            return self.compressor(x), torch.full_like(step.past, x.shape[1])
+        kv, score, complete = layer_cache.complete_groups(*self.compressor.project(x), step.past)
+        return self.compressor.pool(kv, score, x.dtype), complete
+
+    def _keep_open_group(
+        self, x: torch.Tensor, layer_cache: DeepseekV41LayerCache, rows: torch.Tensor, lengths: torch.Tensor
+    ) -> None:
+        """After a full pass: the projections of each row's open group (the tokens after its ``rows`` complete
+        groups), and while recording those of every token (what a rewind into the prompt rebuilds groups from)."""
+        open_group = (rows * self.ratio).unsqueeze(1) + torch.arange(self.ratio, device=x.device)
+        layer_cache.store_pending(*self.compressor.project(gather_rows(x, open_group)))
+        if layer_cache.record_past:
+            layer_cache.record_prefill_projections(*self.compressor.project(x), lengths)
 
     def _select(
-        self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, compress_lens: torch.Tensor
-    ) -> None:
-        """An index source publishes its top-k selection [B, S, k] for the layers up to the next one."""
-        if not self.is_index_source:
-            return
+        self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, step: CacheStep | None
+    ) -> torch.Tensor:
+        """An index source's top-k selection [B, S, k] over the compressed rows each query sees: those before its
+        own position's group."""
         if ctx.compress_kv.shape[1] == 0:
-            ctx.selection = x.new_zeros(x.shape[0], x.shape[1], 0, dtype=torch.long)
+            return x.new_zeros(x.shape[0], x.shape[1], 0, dtype=torch.long)
+        if _decoding(step):
+            visible = (step.positions + 1) // self.ratio  # [B, S]
         else:
-            ctx.selection = self.indexer(x, qr, rot, ctx, compress_lens)
-
-    # ---- decode cache -------------------------------------------------------------------------------------
-    def _record_compressed(
-        self, x: torch.Tensor, ctx: CompressedContext, layer_cache: DeepseekV41LayerCache, lengths: torch.Tensor
-    ) -> None:
-        """After a full pass: keep each row's ``lengths // r`` compressed rows and index keys, and the projections
-        of its open group."""
-        r = self.ratio
-        counts = lengths // r
-        zero = torch.zeros_like(counts)
-        index_k = ctx.index_k if self.indexer is not None else None
-        layer_cache.append_compressed(ctx.compress_kv, index_k, zero, counts, columns=x.shape[1])
-        if r > 1:
-            open_group = (counts * r).unsqueeze(1) + torch.arange(r, device=x.device)
-            layer_cache.store_pending(*self.compressor.project(gather_rows(x, open_group)))
-            if layer_cache.record_past:  # what a rewind into this prompt rebuilds open groups from
-                layer_cache.record_prefill_projections(*self.compressor.project(x), lengths)
-
-    def _forward_incremental(
-        self,
-        x: torch.Tensor,
-        rot: torch.Tensor,
-        ctx: CompressedContext,
-        layer_cache: DeepseekV41LayerCache,
-        step: CacheStep,
-        output_attentions: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """New tokens x [B,S,D] at ``step.positions`` [B,S] (rot [B,S,R]) against the cached state."""
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
-        kv = layer_cache.extend_window(self._window_kv(x, rot))  # positions past - W … past + S - 1
-        slots = window_slots = step.window_slots
-        selection = None
-        if self.ratio:
-            compress_kv, selection = self._compressed_incremental(x, qr, rot, ctx, layer_cache, step)
-            slots = torch.cat([slots, _shifted(selection, kv.shape[1])], dim=-1)
-            kv = torch.cat([kv, compress_kv], dim=1)
-        if not output_attentions:
-            return self._attend(q, kv, slots, rot)
-        slot_index = torch.where(window_slots >= 0, window_slots + (step.past - self.window).view(-1, 1, 1), -1)
-        if selection is not None:  # key positions: the window's, then the compressed rows'
-            slot_index = torch.cat([slot_index, selection], dim=-1)
-        probs = self._slot_probs(q, kv, slots)
-        return self._attend_with_map(probs, kv, slots, rot), (probs, slot_index)
-
-    def _compressed_incremental(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        rot: torch.Tensor,
-        ctx: CompressedContext,
-        layer_cache: DeepseekV41LayerCache,
-        step: CacheStep,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`_compressed`, for new tokens: a KV source pools the groups they complete (its open group
-        included) and appends them; index sources score the new queries against their owner's complete keys."""
-        r = self.ratio
-        if self.is_kv_source:
-            if r > 1:
-                kv, score, complete = layer_cache.complete_groups(*self.compressor.project(x), step.past)
-                latent = self.compressor.pool(kv, score, x.dtype)  # [B, G, D], unrotated
-            else:
-                latent = self.compressor(x)
-                complete = torch.full_like(step.past, x.shape[1])
-            counts = step.past // r
-            group_start = (counts.unsqueeze(1) + torch.arange(latent.shape[1], device=x.device)) * r
-            group_rot = step.compress_rotary(group_start)
-            index_k = self.indexer.index_keys(latent, group_rot) if self.indexer is not None else None
-            latent = apply_rotary(latent, group_rot)
-            latent = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
-            layer_cache.append_compressed(latent, index_k, counts, complete, step.columns)
-            ctx.compress_kv = layer_cache.compressed_kv
-            if index_k is not None:
-                ctx.index_k = layer_cache.index_keys
-        self._select(x, qr, rot, ctx, (step.positions + 1) // r)
-        return ctx.compress_kv, ctx.selection
+            visible = torch.arange(1, x.shape[1] + 1, device=x.device) // self.ratio  # [S]
+        return self.indexer(x, qr, rot, ctx, visible)

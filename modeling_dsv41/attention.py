@@ -24,7 +24,9 @@ over ``query_chunk_size`` queries at a time, by the same per-query ops, so that 
 sequence length.
 
 What a source hands to its consumers within one forward lives in :class:`CompressedContext`; what decoding
-carries from one forward to the next lives in :class:`~.cache.DeepseekV41Cache`.
+carries from one forward to the next lives in :class:`~.layer_cache.DeepseekV41LayerCache`. A full pass and a decode
+step run the same steps; the cache enters where a decode step joins the cached window keys and continues the cached
+compressed rows.
 """
 
 from __future__ import annotations

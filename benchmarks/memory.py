@@ -249,7 +249,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
 def autograd_sink_attention(q, kv, slots, sink, scale):
     """The baseline: autograd of the sparse attention's forward, which keeps every block's keys and probabilities."""
-    from modeling_dsv41.attention import sink_attention_forward
+    from modeling_dsv41.sparse_attention import sink_attention_forward
 
     return sink_attention_forward(q, kv, slots, sink, scale)[0]
 

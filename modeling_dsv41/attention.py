@@ -17,52 +17,36 @@ Per layer ``i`` with ``compress_ratios[i] = r`` (its roles: ``config.layer_plan[
 
 Each query attends over a list of *slots* (rows of the concatenated [window K=V; compressed K=V], -1 for none)
 laid out as the reference lays them out: its window positions oldest first, then its selected compressed rows in
-position order. :func:`sink_attention` reduces them in the reference kernel's blocks of 64 slots, so that the float
-rounding, and with it the logits, follow the reference's; inference outside reference numerics takes as many as fit
-a memory bound (:func:`slots_per_step`: a decode step's query all at once), for fewer ops. A full pass runs the indexer and the attention
+position order, for :func:`~.sparse_attention.sink_attention` (the reference kernel's rounding). A full pass runs
+the indexer and the attention
 over ``query_chunk_size`` queries at a time, by the same per-query ops, so that its memory grows linearly with the
 sequence length.
 
 What a source hands to its consumers within one forward lives in :class:`CompressedContext`; what decoding
-carries from one forward to the next lives in :class:`~.cache.DeepseekV41Cache`.
+carries from one forward to the next lives in :class:`~.layer_cache.DeepseekV41LayerCache`. A full pass and a decode
+step run the same steps; the cache enters where a decode step joins the cached window keys and continues the cached
+compressed rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from .generation.cache import CacheStep, DeepseekV41LayerCache, gather_rows
+from .layer_cache import CacheStep, DeepseekV41LayerCache, gather_rows
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear, einsum_rounded_once
 from .norms import DeepseekV41RMSNorm
-from .numerics import backward_in_forward_numerics, reference_numerics_active
 from .codec import fp4_qdq_e4m3_scale, fp4_qdq_e8m0_scale, fp8_qdq, straight_through
 from .rotary import apply_rotary
+from .sparse_attention import attention_from_probs, sink_attention, sink_attention_probs
 
 _fp8_qdq = straight_through(fp8_qdq)
 _fp4_qdq_kv = straight_through(fp4_qdq_e4m3_scale)
 _fp4_qdq_index = straight_through(fp4_qdq_e8m0_scale)
-# Slots per step of the reference kernel's online softmax (its tile of gathered K=V rows).
-SPARSE_ATTENTION_BLOCK = 64
-# In inference, outside reference numerics, a step takes as many slots as keep its gathered fp32 keys and logits
-# within this many bytes (at least the kernel's 64): each step is some twenty ops, and a decode step's query takes
-# all its slots in one.
-SPARSE_ATTENTION_STEP_BYTES = 64 * 2**20
-
-
-def slots_per_step(q: torch.Tensor) -> int:
-    """Slots per step of an online softmax that keeps nothing for a backward (inference: decoding, eval), for queries
-    q [B, S, H, D]: as many as :data:`SPARSE_ATTENTION_STEP_BYTES` allows, at least :data:`SPARSE_ATTENTION_BLOCK`.
-    Training, reference numerics (the reference kernel's rounding points) and ``torch.compile`` (which fuses the
-    steps' ops, and would otherwise recompile for each sequence length) take the kernel's 64."""
-    if reference_numerics_active() or torch.compiler.is_compiling():
-        return SPARSE_ATTENTION_BLOCK
-    bsz, seq_len, n_heads, dim = q.shape
-    return max(SPARSE_ATTENTION_BLOCK, SPARSE_ATTENTION_STEP_BYTES // (4 * bsz * seq_len * (dim + 2 * n_heads)))
 
 
 @dataclass
@@ -243,195 +227,9 @@ def topk_selection(scores: torch.Tensor, compress_lens: torch.Tensor, topk: int)
     return picked.masked_fill(picked >= compress_lens.unsqueeze(-1), -1)
 
 
-def gather_slots(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The K=V rows [B, S, k, D] that ``slots`` [B, S, k] pick from kv [B, N, D]; an empty slot (-1) reads row 0,
-    for the caller to mask.
-
-    An ``index_select`` on the flattened rows rather than advanced indexing: its backward is an ``index_add_``
-    (atomic adds on GPU) instead of the deterministic ``index_put_`` that advanced indexing's backward sorts
-    its indices for, which dominated a GPU training step. The forward is the same copy of the same rows.
-    """
-    bsz, n_rows, dim = kv.shape
-    offsets = torch.arange(0, bsz * n_rows, n_rows, device=slots.device).view(-1, 1, 1)
-    flat = (slots.clamp_min(0) + offsets).flatten()
-    return kv.reshape(bsz * n_rows, dim).index_select(0, flat).view(*slots.shape, dim)
-
-
-def sink_attention(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Softmax attention of every head over the K=V rows its query's ``slots`` pick, with a per-head sink logit in
-    the denominator: :func:`sink_attention_forward`'s output, differentiated by recomputation.
-
-    q [B,S,H,D], kv [B,N,D], slots [B,S,K] (rows of kv, -1 = empty), sink [H] → [B,S,H,D]. For the backward it keeps
-    q, kv, the slots, the sink, the output and each row's log-sum-exp, not the gathered keys or the probabilities:
-    :func:`sink_attention_backward` recomputes them block by block, as sparse attention kernels do. Without a
-    gradient to track it is the forward alone, in fewer steps (:func:`slots_per_step`).
-    """
-    if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or sink.requires_grad):
-        return _SinkAttention.apply(q, kv, slots, sink, scale)
-    return _online_softmax(q, kv, slots, sink, scale, slots_per_step(q))[0]
-
-
-def sink_attention_forward(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    slots: torch.Tensor,
-    sink: torch.Tensor,
-    scale: float,
-    step: int = SPARSE_ATTENTION_BLOCK,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output of :func:`sink_attention` [B,S,H,D] and each row's log-sum-exp [B,S,H] (fp32, over its slots'
-    logits and its sink).
-
-    As in the reference kernel, an online softmax runs over blocks of ``step`` slots (the kernel's 64; wider in
-    inference, :func:`slots_per_step`): probabilities are taken against the running maximum and rounded to the activation dtype
-    before the PV product, while the denominator and the accumulator stay fp32. A query with no slot to attend to gets zeros. Written in
-    differentiable ops, so autograd of it is the plain backward that keeps every block's keys and probabilities.
-    """
-    out, peak, denom = _online_softmax(q, kv, slots, sink, scale, step)
-    return out, peak + torch.log(denom)
-
-
-def _online_softmax(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float, step: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`sink_attention_forward`'s output [B,S,H,D] with the final running maximum and denominator [B,S,H]."""
-    qf, kvf = q.float(), kv.float()
-    peak, denom, acc = _online_softmax_first(qf, kvf, slots[..., :step], scale, q.dtype)
-    for start in range(step, slots.shape[-1], step):
-        block = slots[..., start : start + step]
-        peak, denom, acc = _online_softmax_step(qf, kvf, block, scale, peak, denom, acc, q.dtype)
-    denom = denom + torch.exp(sink - peak)  # a bf16 sink promoted to fp32 inside the subtraction
-    return (acc / denom.unsqueeze(-1)).to(q.dtype), peak, denom
-
-
-def _online_softmax_first(
-    qf: torch.Tensor, kvf: torch.Tensor, block: torch.Tensor, scale: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_online_softmax_step` from the empty state (maximum -1e30, zero sums), in the ops that do not change
-    its result: the rescale of the empty sums is exp(-1e30 - peak) = 0. The maximum stays finite (-1e30) over a
-    block of empty slots, so that their probabilities are exp(-inf) = 0 as later blocks' are."""
-    keys, scores = _block_scores(qf, kvf, block, scale)
-    peak = scores.amax(dim=-1).clamp_min(-1e30)
-    probs = torch.exp(scores - peak.unsqueeze(-1))
-    acc = torch.einsum("bshk,bskd->bshd", probs.to(dtype).float(), keys)
-    return peak, probs.sum(dim=-1), acc
-
-
-def _online_softmax_step(
-    qf: torch.Tensor,
-    kvf: torch.Tensor,
-    block: torch.Tensor,
-    scale: float,
-    peak: torch.Tensor,
-    denom: torch.Tensor,
-    acc: torch.Tensor,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block of the online softmax: the running maximum, denominator and accumulator after it (a function of its
-    own, so that a block's keys are freed before the next block gathers its own)."""
-    keys, scores = _block_scores(qf, kvf, block, scale)
-    new_peak = torch.maximum(peak, scores.amax(dim=-1))
-    rescale = torch.exp(peak - new_peak)
-    probs = torch.exp(scores - new_peak.unsqueeze(-1))
-    denom = denom * rescale + probs.sum(dim=-1)
-    acc = acc * rescale.unsqueeze(-1) + torch.einsum("bshk,bskd->bshd", probs.to(dtype).float(), keys)
-    return new_peak, denom, acc
-
-
-def _block_scores(
-    qf: torch.Tensor, kvf: torch.Tensor, block: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's keys [B,S,k,D] (fp32; an empty slot's are row 0's) and scaled logits [B,S,H,k] (-inf on empty
-    slots). An empty slot's probability is exactly 0, so its (finite) keys add nothing forward or backward."""
-    keys = gather_slots(kvf, block)
-    scores = torch.einsum("bshd,bskd->bshk", qf, keys) * scale
-    return keys, scores.masked_fill((block < 0).unsqueeze(2), -torch.inf)
-
-
-def sink_attention_backward(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    slots: torch.Tensor,
-    sink: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (q [B,S,H,D], kv [B,N,D], sink [H]) of :func:`sink_attention` given the output's ``grad``, from what
-    its forward kept: each block's keys and logits are recomputed as the forward computed them, its probabilities
-    from the row's log-sum-exp, p = exp(logit - lse). With δ = Σ_d grad·out per row (the sink's value is zero),
-    d logit = p·(grad·key - δ), the sink gets -Σ p_sink·δ, and each slot's key and value gradients (one row of kv
-    for both) are added back onto the row it picked."""
-    bsz, n_rows, dim = kv.shape
-    n_heads = q.shape[2]
-    kvf = kv.float()
-    qg = torch.cat([q.float(), grad.float()], dim=2)  # [B, S, 2H, D]: a slot's key and value gradients, one product
-    delta = (qg[:, :, n_heads:] * out.float()).sum(dim=-1)  # [B, S, H]
-    grad_q = torch.zeros_like(qg[:, :, :n_heads])
-    grad_kv = kvf.new_zeros(bsz * n_rows, dim)
-    offsets = torch.arange(0, bsz * n_rows, n_rows, device=slots.device).view(-1, 1, 1)
-    for start in range(0, slots.shape[-1], SPARSE_ATTENTION_BLOCK):
-        block = slots[..., start : start + SPARSE_ATTENTION_BLOCK]
-        _block_backward(qg, kvf, (block.clamp_min(0) + offsets).flatten(), block, lse, delta, scale, grad_q, grad_kv)
-    grad_sink = -(torch.exp(sink.float() - lse) * delta).sum(dim=(0, 1))
-    return grad_q.to(q.dtype), grad_kv.view(bsz, n_rows, dim).to(kv.dtype), grad_sink.to(sink.dtype)
-
-
-def _block_backward(
-    qg: torch.Tensor,
-    kvf: torch.Tensor,
-    rows: torch.Tensor,
-    block: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    scale: float,
-    grad_q: torch.Tensor,
-    grad_kv: torch.Tensor,
-) -> None:
-    """One block's share of :func:`sink_attention_backward`, added into ``grad_q`` [B,S,H,D] and ``grad_kv``
-    [B·N, D] (fp32) at the flattened ``rows`` its slots picked."""
-    n_heads = grad_q.shape[2]
-    keys, scores = _block_scores(qg[:, :, :n_heads], kvf, block, scale)
-    probs = torch.exp(scores - lse.unsqueeze(-1))  # [B, S, H, k], 0 on empty slots
-    grad_scores = probs * (torch.einsum("bshd,bskd->bshk", qg[:, :, n_heads:], keys) - delta.unsqueeze(-1)) * scale
-    grad_q.add_(torch.einsum("bshk,bskd->bshd", grad_scores, keys))
-    grad_keys = torch.einsum("bshk,bshd->bskd", torch.cat([grad_scores, probs], dim=2), qg)
-    grad_kv.index_add_(0, rows, grad_keys.flatten(0, 2))
-
-
-class _SinkAttention(torch.autograd.Function):
-    """:func:`sink_attention_forward` whose backward recomputes the blocks (:func:`sink_attention_backward`)."""
-
-    @staticmethod
-    def forward(ctx, q, kv, slots, sink, scale):
-        out, lse = sink_attention_forward(q, kv, slots, sink, scale)
-        ctx.save_for_backward(q, kv, slots, sink, out, lse)
-        ctx.scale, ctx.reference_numerics = scale, reference_numerics_active()
-        return out
-
-    @staticmethod
-    @once_differentiable
-    @backward_in_forward_numerics
-    def backward(ctx, grad):
-        q, kv, slots, sink, out, lse = ctx.saved_tensors
-        grad_q, grad_kv, grad_sink = sink_attention_backward(grad, q, kv, slots, sink, ctx.scale, out, lse)
-        return grad_q, grad_kv, None, grad_sink, None
-
-
-def sink_attention_probs(
-    q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sink: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """The attention map of :func:`sink_attention`: each head's probability on each of its query's slots
-    [B, H, S, K] (same arguments), in the activation dtype. An empty slot gets 0; a row sums to less than one,
-    the rest going to the sink."""
-    keys = gather_slots(kv.float(), slots)
-    logits = torch.einsum("bshd,bskd->bhsk", q.float(), keys) * scale
-    logits = logits.masked_fill((slots < 0).unsqueeze(1), -torch.inf)
-    sinks = sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
-    return torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1].to(q.dtype)
+def _decoding(step: CacheStep | None) -> bool:
+    """Whether a call adds tokens to a cached sequence (else it is a full pass: without a cache, or the prefill)."""
+    return step is not None and not step.prefill
 
 
 def prefill_window_slots(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -494,8 +292,8 @@ class DeepseekV41Attention(nn.Module):
         """x [B,S,D] (positions 0..S-1), rotation [S, R] complex for this layer's rope kind → [B,S,D].
 
         ``output_attentions`` also returns DeepSeek-V4.1's attention map, ``(out, (probs, slot_index))``, and computes
-        ``out`` from it (:meth:`_attend_with_map`: the same to rounding, with the map on the gradient path): a query
-        attends over its own list of slots rather than over all keys, so the map is probs [B, H, S, K], each
+        ``out`` from it (:func:`attention_from_probs`: the same to rounding, with the map on the gradient path): a
+        query attends over its own list of slots rather than over all keys, so the map is probs [B, H, S, K], each
         head's softmax probability on each slot (the sink takes the rest of the row), with slot_index [B, S, K]
         saying what each slot is: its first ``min(S, sliding_window)`` slots (``sliding_window`` when decoding)
         are key positions of the window, oldest first; on compressed layers the rest are the selected compressed
@@ -504,73 +302,81 @@ class DeepseekV41Attention(nn.Module):
         Padding needs no mask: the model aligns every row to start at 0, so padding only follows a row's real
         tokens, outside their windows and compressed lengths.
 
-        With a ``layer_cache``: on the prefill ``step`` this full pass also records the decode state; on later
-        steps x holds only the new tokens (at ``step.positions``, rotation [B, S, R]) and attends over the cache.
+        With a ``layer_cache``, the prefill ``step`` also records the decode state; on later steps x holds only the
+        new tokens (at ``step.positions``, rotation [B, S, R]), which the same steps join to the cached state where
+        it enters: the window keys (:meth:`_window`) and the compressed rows (:meth:`_pool`, :meth:`_compress`).
         """
-        if layer_cache is not None and not step.prefill:
-            return self._forward_incremental(x, rotation, ctx, layer_cache, step, output_attentions)
-        bsz, seq_len, _ = x.shape
-        rot = rotation.unsqueeze(0).expand(bsz, -1, -1)
+        rot = rotation.expand(x.shape[0], *rotation.shape[-2:])  # [B, S, R]: a full pass's table is every row's
         qr = self.q_norm(self.wq_a(x))
         q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
-
-        kv = self._window_kv(x, rot)
-        if layer_cache is not None:
-            layer_cache.store_window(kv, step.lengths)
-        slots = slot_index = prefill_window_slots(seq_len, self.window, x.device).expand(bsz, -1, -1)
+        kv, slots = window_kv, window_slots = self._window(x, rot, layer_cache, step)
+        selection = None
         if self.ratio:
             compress_kv, selection = self._compressed(x, qr, rot, ctx, layer_cache, step)
-            kv = torch.cat([kv, compress_kv], dim=1)
-            slots = torch.cat([slots, _shifted(selection, seq_len)], dim=-1)
-            slot_index = torch.cat([slot_index, selection], dim=-1)
+            kv = torch.cat([window_kv, compress_kv], dim=1)
+            slots = torch.cat([window_slots, _shifted(selection, window_kv.shape[1])], dim=-1)
         if not output_attentions:
             return self._attend(q, kv, slots, rot)
-        probs = self._slot_probs(q, kv, slots)
-        return self._attend_with_map(probs, kv, slots, rot), (probs, slot_index)
+        probs = self._per_query_chunk(sink_attention_probs, q, kv, slots, dim=2)
+        slot_index = self._slot_index(window_slots, selection, layer_cache, step)
+        return self._output(attention_from_probs(probs, kv, slots), rot), (probs, slot_index)
 
     def _window_kv(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
         """Each token's shared K=V [B,S,D], rotated (and FP8 quantize-dequantized, as cached by the reference)."""
         kv = apply_rotary(self.kv_norm(self.wkv(x)), rot)
         return _fp8_qdq(kv) if self.emulate_quantization else kv
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        """Sink attention over ``query_chunk_size`` queries at a time (each query's row by the same ops whatever
-        the chunking), then the output projections over all of them."""
-        bsz, seq_len = q.shape[:2]
-        chunk = self.query_chunk_size
-        out = _joined(
-            [
-                sink_attention(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
-                for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
-            ],
-            dim=1,
-        )
-        out = apply_rotary(out, rot, inverse=True)
-        out = out.view(bsz, seq_len, self.n_groups, -1)
-        return self.wo_b(self.wo_a(out).flatten(2))
+    def _window(
+        self, x: torch.Tensor, rot: torch.Tensor, layer_cache: DeepseekV41LayerCache | None, step: CacheStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window K=V rows this call attends over [B, N, D] and each query's slots in them [B, S, W']: in a full
+        pass the call's own tokens (the prefill keeps each row's last W); when decoding, the call's tokens after
+        the cached window (N = W + S)."""
+        kv = self._window_kv(x, rot)
+        if _decoding(step):
+            return layer_cache.extend_window(kv), step.window_slots
+        if layer_cache is not None:
+            layer_cache.store_window(kv, step.lengths)
+        return kv, prefill_window_slots(x.shape[1], self.window, x.device).expand(x.shape[0], -1, -1)
 
-    def _attend_with_map(
-        self, probs: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor
+    def _slot_index(
+        self,
+        window_slots: torch.Tensor,
+        selection: torch.Tensor | None,
+        layer_cache: DeepseekV41LayerCache | None,
+        step: CacheStep | None,
     ) -> torch.Tensor:
-        """:meth:`_attend` from the attention map [B, H, S, K] that ``output_attentions`` returns, as transformers'
-        eager attention does, so that the map lies on the gradient path. It agrees with the fused online softmax
-        to rounding (that one rounds per block of slots, as the reference kernel)."""
-        bsz, seq_len = slots.shape[:2]
-        out = torch.einsum("bhsk,bskd->bshd", probs.float(), gather_slots(kv.float(), slots)).to(kv.dtype)
-        out = apply_rotary(out, rot, inverse=True)
-        out = out.view(bsz, seq_len, self.n_groups, -1)
-        return self.wo_b(self.wo_a(out).flatten(2))
+        """What each slot of the attention map is [B, S, K]: window key positions, then compressed rows (-1 none).
+        A decode step's window slots index the cached window, which starts at position ``past - W``."""
+        positions = window_slots
+        if _decoding(step):
+            positions = torch.where(window_slots >= 0, window_slots + (step.past - self.window).view(-1, 1, 1), -1)
+        return positions if selection is None else torch.cat([positions, selection], dim=-1)
 
-    def _slot_probs(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The attention map [B, H, S, K] (see :func:`sink_attention_probs`), ``query_chunk_size`` queries at a time."""
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """Sink attention of q [B, S, H, D] over the rows of kv [B, N, D] that ``slots`` [B, S, K] pick, then the
+        output projections."""
+        return self._output(self._per_query_chunk(sink_attention, q, kv, slots, dim=1), rot)
+
+    def _per_query_chunk(
+        self, attention: Callable, q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, dim: int
+    ) -> torch.Tensor:
+        """``attention(q, kv, slots, sink, scale)`` over ``query_chunk_size`` queries at a time (each query's row by
+        the same ops whatever the chunking), the chunks joined along ``dim``."""
         chunk = self.query_chunk_size
         return _joined(
             [
-                sink_attention_probs(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
+                attention(q_chunk, kv, slots_chunk, self.attn_sink, self.scale)
                 for q_chunk, slots_chunk in zip(q.split(chunk, dim=1), slots.split(chunk, dim=1))
             ],
-            dim=2,
+            dim=dim,
         )
+
+    def _output(self, out: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """The attention's output [B, S, H, D] → [B, S, hidden]: the rope slice rotated back, then ``wo_a``, ``wo_b``."""
+        bsz, seq_len = out.shape[:2]
+        out = apply_rotary(out, rot, inverse=True).view(bsz, seq_len, self.n_groups, -1)
+        return self.wo_b(self.wo_a(out).flatten(2))
 
     def _compressed(
         self,
@@ -578,107 +384,84 @@ class DeepseekV41Attention(nn.Module):
         qr: torch.Tensor,
         rot: torch.Tensor,
         ctx: CompressedContext,
-        layer_cache: DeepseekV41LayerCache | None = None,
-        step: CacheStep | None = None,
+        layer_cache: DeepseekV41LayerCache | None,
+        step: CacheStep | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressed K=V this layer reads [B,T,D] and the rows each query attends to [B,S,k] (-1 = none)."""
-        seq_len, r = x.shape[1], self.ratio
-        compress_lens = torch.arange(1, seq_len + 1, device=x.device) // r  # rows visible to each query
+        """The compressed K=V this layer reads [B,T,D] and the rows each query attends to [B,S,k] (-1 = none): a KV
+        source publishes its rows, an index source its selection, for the layers up to the next one."""
         if self.is_kv_source:
-            latent = self.compressor(x)  # [B, T, D], unrotated
-            group_rot = rot[:, : latent.shape[1] * r : r]  # a latent sits at its group's first token
-            if self.indexer is not None:
-                ctx.index_k = self.indexer.index_keys(latent, group_rot)
-            latent = apply_rotary(latent, group_rot)
-            ctx.compress_kv = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
-            if layer_cache is not None:
-                self._record_compressed(x, ctx, layer_cache, step.lengths)
-        self._select(x, qr, rot, ctx, compress_lens)
+            self._compress(x, rot, ctx, layer_cache, step)
+        if self.is_index_source:
+            ctx.selection = self._select(x, qr, rot, ctx, step)
         return ctx.compress_kv, ctx.selection
+
+    def _compress(
+        self,
+        x: torch.Tensor,
+        rot: torch.Tensor,
+        ctx: CompressedContext,
+        layer_cache: DeepseekV41LayerCache | None,
+        step: CacheStep | None,
+    ) -> None:
+        """A KV source's compressed K=V (and its index keys, where it owns them) into ``ctx``: the rows this call
+        completes, rotated at their groups' first tokens; when decoding, every cached row, these appended."""
+        r, decoding = self.ratio, _decoding(step)
+        held = None if layer_cache is None else step.past // r  # [B] rows each row holds before this call
+        latent, new_rows = self._pool(x, layer_cache, step)  # [B, G, D] unrotated; [B] of them real
+        if decoding:  # a group's first token may belong to an earlier call
+            group_rot = step.compress_rotary((held.unsqueeze(1) + torch.arange(latent.shape[1], device=x.device)) * r)
+        else:
+            group_rot = rot[:, : latent.shape[1] * r : r]
+        index_k = self.indexer.index_keys(latent, group_rot) if self.indexer is not None else None
+        latent = apply_rotary(latent, group_rot)
+        latent = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
+        if layer_cache is not None:
+            layer_cache.append_compressed(latent, index_k, held, new_rows, step.columns)
+        if decoding:
+            latent = layer_cache.compressed_kv
+            index_k = None if index_k is None else layer_cache.index_keys
+        ctx.compress_kv = latent
+        if index_k is not None:
+            ctx.index_k = index_k
+
+    def _pool(
+        self, x: torch.Tensor, layer_cache: DeepseekV41LayerCache | None, step: CacheStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The latents [B, G, D] (unrotated) of the groups this call completes, and with a cache how many of them
+        each row completes for real [B]. A full pass pools x's complete groups (the prefill also keeps each row's
+        open group); when decoding, the cache's open group continues with x (r > 1)."""
+        r = self.ratio
+        if layer_cache is None:
+            return self.compressor(x), None
+        if step.prefill:
+            new_rows = step.lengths // r
+            if r > 1:
+                self._keep_open_group(x, layer_cache, new_rows, step.lengths)
+            return self.compressor(x), new_rows
+        if r == 1:
+            return self.compressor(x), torch.full_like(step.past, x.shape[1])
+        kv, score, complete = layer_cache.complete_groups(*self.compressor.project(x), step.past)
+        return self.compressor.pool(kv, score, x.dtype), complete
+
+    def _keep_open_group(
+        self, x: torch.Tensor, layer_cache: DeepseekV41LayerCache, rows: torch.Tensor, lengths: torch.Tensor
+    ) -> None:
+        """After a full pass: the projections of each row's open group (the tokens after its ``rows`` complete
+        groups), and while recording those of every token (what a rewind into the prompt rebuilds groups from)."""
+        open_group = (rows * self.ratio).unsqueeze(1) + torch.arange(self.ratio, device=x.device)
+        layer_cache.store_pending(*self.compressor.project(gather_rows(x, open_group)))
+        if layer_cache.record_past:
+            layer_cache.record_prefill_projections(*self.compressor.project(x), lengths)
 
     def _select(
-        self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, compress_lens: torch.Tensor
-    ) -> None:
-        """An index source publishes its top-k selection [B, S, k] for the layers up to the next one."""
-        if not self.is_index_source:
-            return
+        self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, ctx: CompressedContext, step: CacheStep | None
+    ) -> torch.Tensor:
+        """An index source's top-k selection [B, S, k] over the compressed rows each query sees: those before its
+        own position's group."""
         if ctx.compress_kv.shape[1] == 0:
-            ctx.selection = x.new_zeros(x.shape[0], x.shape[1], 0, dtype=torch.long)
+            return x.new_zeros(x.shape[0], x.shape[1], 0, dtype=torch.long)
+        if _decoding(step):
+            visible = (step.positions + 1) // self.ratio  # [B, S]
         else:
-            ctx.selection = self.indexer(x, qr, rot, ctx, compress_lens)
-
-    # ---- decode cache -------------------------------------------------------------------------------------
-    def _record_compressed(
-        self, x: torch.Tensor, ctx: CompressedContext, layer_cache: DeepseekV41LayerCache, lengths: torch.Tensor
-    ) -> None:
-        """After a full pass: keep each row's ``lengths // r`` compressed rows and index keys, and the projections
-        of its open group."""
-        r = self.ratio
-        counts = lengths // r
-        zero = torch.zeros_like(counts)
-        index_k = ctx.index_k if self.indexer is not None else None
-        layer_cache.append_compressed(ctx.compress_kv, index_k, zero, counts, columns=x.shape[1])
-        if r > 1:
-            open_group = (counts * r).unsqueeze(1) + torch.arange(r, device=x.device)
-            layer_cache.store_pending(*self.compressor.project(gather_rows(x, open_group)))
-            if layer_cache.record_past:  # what a rewind into this prompt rebuilds open groups from
-                layer_cache.record_prefill_projections(*self.compressor.project(x), lengths)
-
-    def _forward_incremental(
-        self,
-        x: torch.Tensor,
-        rot: torch.Tensor,
-        ctx: CompressedContext,
-        layer_cache: DeepseekV41LayerCache,
-        step: CacheStep,
-        output_attentions: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """New tokens x [B,S,D] at ``step.positions`` [B,S] (rot [B,S,R]) against the cached state."""
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rot)
-        kv = layer_cache.extend_window(self._window_kv(x, rot))  # positions past - W … past + S - 1
-        slots = window_slots = step.window_slots
-        selection = None
-        if self.ratio:
-            compress_kv, selection = self._compressed_incremental(x, qr, rot, ctx, layer_cache, step)
-            slots = torch.cat([slots, _shifted(selection, kv.shape[1])], dim=-1)
-            kv = torch.cat([kv, compress_kv], dim=1)
-        if not output_attentions:
-            return self._attend(q, kv, slots, rot)
-        slot_index = torch.where(window_slots >= 0, window_slots + (step.past - self.window).view(-1, 1, 1), -1)
-        if selection is not None:  # key positions: the window's, then the compressed rows'
-            slot_index = torch.cat([slot_index, selection], dim=-1)
-        probs = self._slot_probs(q, kv, slots)
-        return self._attend_with_map(probs, kv, slots, rot), (probs, slot_index)
-
-    def _compressed_incremental(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        rot: torch.Tensor,
-        ctx: CompressedContext,
-        layer_cache: DeepseekV41LayerCache,
-        step: CacheStep,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`_compressed`, for new tokens: a KV source pools the groups they complete (its open group
-        included) and appends them; index sources score the new queries against their owner's complete keys."""
-        r = self.ratio
-        if self.is_kv_source:
-            if r > 1:
-                kv, score, complete = layer_cache.complete_groups(*self.compressor.project(x), step.past)
-                latent = self.compressor.pool(kv, score, x.dtype)  # [B, G, D], unrotated
-            else:
-                latent = self.compressor(x)
-                complete = torch.full_like(step.past, x.shape[1])
-            counts = step.past // r
-            group_start = (counts.unsqueeze(1) + torch.arange(latent.shape[1], device=x.device)) * r
-            group_rot = step.compress_rotary(group_start)
-            index_k = self.indexer.index_keys(latent, group_rot) if self.indexer is not None else None
-            latent = apply_rotary(latent, group_rot)
-            latent = _fp4_qdq_kv(latent) if self.emulate_quantization else latent
-            layer_cache.append_compressed(latent, index_k, counts, complete, step.columns)
-            ctx.compress_kv = layer_cache.compressed_kv
-            if index_k is not None:
-                ctx.index_k = layer_cache.index_keys
-        self._select(x, qr, rot, ctx, (step.positions + 1) // r)
-        return ctx.compress_kv, ctx.selection
+            visible = torch.arange(1, x.shape[1] + 1, device=x.device) // self.ratio  # [S]
+        return self.indexer(x, qr, rot, ctx, visible)

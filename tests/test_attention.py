@@ -5,17 +5,15 @@ maps."""
 import pytest
 import torch
 
-from modeling_dsv41 import attention
-from modeling_dsv41.attention import (
+from modeling_dsv41 import attention, sparse_attention
+from modeling_dsv41.attention import CompressedContext, prefill_window_slots, topk_selection
+from modeling_dsv41.sparse_attention import (
     SPARSE_ATTENTION_BLOCK,
-    CompressedContext,
     gather_slots,
-    prefill_window_slots,
     sink_attention,
     sink_attention_forward,
-    topk_selection,
 )
-from modeling_dsv41.generation.cache import decode_window_slots
+from modeling_dsv41.layer_cache import decode_window_slots
 from modeling_dsv41.numerics import reference_numerics, reference_numerics_active
 from modeling_dsv41.rotary import apply_rotary
 from tiny_models import tiny_model
@@ -39,7 +37,7 @@ def test_blockwise_softmax_equals_the_plain_formula_across_blocks(monkeypatch, s
     """More slots than one block, empty slots scattered through them, a query with no slot at all; in the kernel's
     blocks (as in reference numerics) or in as few steps as the memory bound allows (otherwise: here one)."""
     if step_bytes is not None:
-        monkeypatch.setattr(attention, "SPARSE_ATTENTION_STEP_BYTES", step_bytes)
+        monkeypatch.setattr(sparse_attention, "SPARSE_ATTENTION_STEP_BYTES", step_bytes)
     generator = torch.Generator().manual_seed(0)
     bsz, seq, heads, dim, rows = 2, 5, 3, 16, 200
     q = torch.randn(bsz, seq, heads, dim, generator=generator)
@@ -63,10 +61,10 @@ def test_the_online_softmax_takes_the_kernels_blocks_in_reference_numerics_and_f
     of its gathered keys bounded; reference numerics always takes 64, the reference kernel's rounding points."""
     one_token = torch.zeros(1, 1, 16, 512)
     long_pass = torch.zeros(4, 2048, 16, 512)
-    assert attention.slots_per_step(one_token) >= 8192
-    assert attention.slots_per_step(long_pass) == SPARSE_ATTENTION_BLOCK
+    assert sparse_attention.slots_per_step(one_token) >= 8192
+    assert sparse_attention.slots_per_step(long_pass) == SPARSE_ATTENTION_BLOCK
     with reference_numerics():
-        assert attention.slots_per_step(one_token) == SPARSE_ATTENTION_BLOCK
+        assert sparse_attention.slots_per_step(one_token) == SPARSE_ATTENTION_BLOCK
 
 
 def test_window_slots_follow_the_reference_layout():
@@ -166,13 +164,13 @@ def test_backward_recomputes_in_the_numerics_of_its_forward(monkeypatch):
     """The autograd engine runs a backward without the forward's torch-function modes: the recomputation re-enters
     reference numerics when (and only when) its forward ran in it."""
     seen = []
-    backward = attention.sink_attention_backward
+    backward = sparse_attention.sink_attention_backward
 
     def spy(*args):
         seen.append(reference_numerics_active())
         return backward(*args)
 
-    monkeypatch.setattr(attention, "sink_attention_backward", spy)
+    monkeypatch.setattr(sparse_attention, "sink_attention_backward", spy)
     q, kv, slots, sink, upstream = attention_inputs(2)
     q.requires_grad_()
     sink_attention_grads(q, kv, slots, sink, upstream, numerics=True)
@@ -212,7 +210,7 @@ def test_slot_gather_backward_matches_the_advanced_indexing_path(monkeypatch):
     picked by many slots sum their gradient (fp32: a few ulp)."""
     q, kv, slots, sink, upstream = attention_inputs(1)
     ours = sink_attention_grads(q, kv, slots, sink, upstream, autograd_sink_attention)
-    monkeypatch.setattr(attention, "gather_slots", advanced_indexing_gather)
+    monkeypatch.setattr(sparse_attention, "gather_slots", advanced_indexing_gather)
     before = sink_attention_grads(q, kv, slots, sink, upstream, autograd_sink_attention)
     assert torch.equal(ours[0], before[0])
     for name, mine, theirs in zip(("q", "kv", "sink"), ours[1:], before[1:]):

@@ -18,13 +18,16 @@ head scores each column from the un-normed last stream and the previous token's 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.utils import ModelOutput
 
 from .attention import DeepseekV41Attention
 from .generation.cache import DeepseekV41DSparkCache
-from .hyper_connections import add_block_hc_parameters, identity_pre_mix
+from .hyper_connections import DeepseekV41HyperConnectedBlock, identity_pre_mix
 from .linear import DeepseekV41Fp32Linear
 from .moe import DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm
@@ -40,6 +43,17 @@ def dspark_block_slots(ring_filled: torch.Tensor, window: int, block_size: int) 
     slots = torch.where(column < filled, column, window + column - filled)
     slots = slots.masked_fill(column >= filled + block_size, -1)
     return slots.unsqueeze(1).expand(-1, block_size, -1)
+
+
+@dataclass
+class DeepseekV41DSparkLossOutput(ModelOutput):
+    """:meth:`DeepseekV41DSpark.loss` (``DeepseekV41ForCausalLM.dspark_loss``): ``loss`` = ``draft_loss`` + ``confidence_loss``, and the share
+    of drafted tokens (teacher-forced) equal to the backbone's, ``accuracy``."""
+
+    loss: torch.FloatTensor | None = None
+    draft_loss: torch.FloatTensor | None = None
+    confidence_loss: torch.FloatTensor | None = None
+    accuracy: torch.FloatTensor | None = None
 
 
 class DeepseekV41DSparkAttention(DeepseekV41Attention):
@@ -87,13 +101,13 @@ class DeepseekV41DSparkConfidenceHead(nn.Module):
         return self.proj(torch.cat([hidden, markov_embed], dim=-1)).squeeze(-1)
 
 
-class DeepseekV41DSparkBlock(nn.Module):
-    """One draft block ``mtp.{k}``: mHC → attention → mHC → MoE (its own expert counts) → mHC, as a backbone layer
-    without Engram or compression. Stage 0 also holds ``main_proj`` / ``main_norm``; the last stage ``norm``,
-    ``markov_head`` and ``confidence_head``."""
+class DeepseekV41DSparkBlock(DeepseekV41HyperConnectedBlock):
+    """One draft block ``mtp.{k}``: attention and MoE (its own expert counts) under mHC, as a backbone layer without
+    Engram or compression. Stage 0 also holds ``main_proj`` / ``main_norm``; the last stage ``norm``, ``markov_head``
+    and ``confidence_head``."""
 
     def __init__(self, config, stage: int):
-        super().__init__()
+        super().__init__(config)
         self.stage = stage
         dim = config.hidden_size
         self.attn = DeepseekV41DSparkAttention(config, config.num_hidden_layers + stage)
@@ -105,7 +119,6 @@ class DeepseekV41DSparkBlock(nn.Module):
         )
         self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
         self.ffn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
-        add_block_hc_parameters(self, config)
         if stage == 0:
             self.main_proj = nn.Linear(dim * len(config.dspark_target_layer_ids), dim, bias=False)
             self.main_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
@@ -124,14 +137,10 @@ class DeepseekV41DSparkBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, N, hc, D], pre_mix [B, N, hc] → (x, this FFN's pre for the next block); see the attention for
         ``context`` and ``slots``."""
-        residual = x
-        attn_pre, post, comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        out = self.attn(self.attn_norm(self.hc.collapse(x, pre_mix)), rotation, context, slots)
-        x = self.hc.expand(out, residual, post, comb)
-        residual = x
-        ffn_pre, post, comb = self.hc.mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        out = self.ffn(self.ffn_norm(self.hc.collapse(x, attn_pre)))
-        return self.hc.expand(out, residual, post, comb), ffn_pre
+        x, ffn_pre, _ = self.hyper_connected(
+            x, pre_mix, lambda h: (self.attn(h, rotation, context, slots), None), self.ffn
+        )
+        return x, ffn_pre
 
 
 def greedy_choice(logits: torch.Tensor, column: int) -> torch.Tensor:
@@ -242,6 +251,30 @@ class DeepseekV41DSpark(nn.ModuleList):
         targets = shifted[..., 1:].masked_fill(~(shifted_valid[..., 1:] & valid.unsqueeze(-1)), -100)
         return logits, confidence, targets
 
+    def loss(
+        self,
+        main_hidden: torch.Tensor,
+        predictions: torch.Tensor,
+        valid: torch.Tensor,
+        embed: nn.Module,
+        head: nn.Module,
+    ) -> DeepseekV41DSparkLossOutput:
+        """The training loss of :meth:`teacher_forced` drafts (same arguments): cross-entropy of each drafted column
+        towards its target (``draft_loss``), and binary cross-entropy of the confidence head towards whether the
+        drafted argmax equals it (``confidence_loss``: would greedy verification accept it)."""
+        logits, confidence, targets = self.teacher_forced(main_hidden, predictions, valid, embed, head)
+        keep = targets != -100
+        logits, confidence, targets = logits[keep], confidence[keep], targets[keep]
+        accepted = (logits.argmax(dim=-1) == targets).float()
+        draft_loss = F.cross_entropy(logits, targets)
+        confidence_loss = F.binary_cross_entropy_with_logits(confidence, accepted)
+        return DeepseekV41DSparkLossOutput(
+            loss=draft_loss + confidence_loss,
+            draft_loss=draft_loss,
+            confidence_loss=confidence_loss,
+            accuracy=accepted.mean(),
+        )
+
     @under_configured_numerics
     def write_ring(
         self,
@@ -298,5 +331,6 @@ __all__ = [
     "DeepseekV41DSparkAttention",
     "DeepseekV41DSparkBlock",
     "DeepseekV41DSparkConfidenceHead",
+    "DeepseekV41DSparkLossOutput",
     "DeepseekV41DSparkMarkovHead",
 ]

@@ -7,6 +7,9 @@ collapse the copies into its input (one-hot on copy 0 before the first layer).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,11 +77,8 @@ class _Sinkhorn(torch.autograd.Function):
 
 
 class DeepseekV41HyperConnection(nn.Module):
-    """The ``hc_{attn,ffn}_{fn,base,scale}`` parameters of one sub-block and its collapse / expand steps.
-
-    Parameters live on the decoder layer under their released names; this module only holds the math and
-    is given them at call time, so the state-dict layout stays ``layers.{i}.hc_attn_fn``.
-    """
+    """mHC's arithmetic over the copies: a sub-block's mixes from its input, the collapse and the expand. It holds no
+    parameters: each sub-block's are its block's (:class:`DeepseekV41HyperConnectedBlock`)."""
 
     def __init__(self, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
         super().__init__()
@@ -165,13 +165,52 @@ def identity_pre_mix(x: torch.Tensor, hc_mult: int) -> torch.Tensor:
     return pre
 
 
-def add_block_hc_parameters(block: nn.Module, config) -> None:
-    """A block's mHC mixer and its per-sub-layer parameters ``hc_{attn,ffn}_{fn,base,scale}`` (fp32, the checkpoint's
-    names): the same in every decoder layer and DSpark block."""
-    hc, dim = config.hc_mult, config.hidden_size
-    mix = (2 + hc) * hc
-    block.hc = DeepseekV41HyperConnection(hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
-    shapes = {"fn": (torch.empty, (mix, hc * dim)), "base": (torch.zeros, (mix,)), "scale": (torch.ones, (3,))}
-    for kind, (make, shape) in shapes.items():  # registered fn, fn, base, base, scale, scale (optimizer order)
-        for sublayer in ("attn", "ffn"):
-            setattr(block, f"hc_{sublayer}_{kind}", nn.Parameter(make(*shape, dtype=torch.float32)))
+class DeepseekV41HyperConnectedBlock(nn.Module):
+    """A block of two sub-layers, attention then FFN, each under single-pass mHC: it reads the copies [B,S,hc,D]
+    collapsed with the ``pre`` of the sub-layer before it and normed (``attn_norm``, ``ffn_norm``), and its output
+    [B,S,D] is expanded back into them with its own ``post`` and ``comb``; its own ``pre`` collapses the copies for
+    the next sub-layer. The base of every decoder layer and DSpark draft block, which define ``attn``, ``ffn`` and the
+    norms.
+
+    The block owns both sub-layers' mHC parameters, fp32, under the checkpoint's names ``hc_{attn,ffn}_{fn,base,scale}``
+    (``layers.{i}.hc_attn_fn``, ``mtp.{k}.hc_ffn_scale``): fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3].
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        hc, dim = config.hc_mult, config.hidden_size
+        mix = (2 + hc) * hc
+        self.hc = DeepseekV41HyperConnection(hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        # registered fn, fn, base, base, scale, scale (the optimizer's order)
+        fp32 = torch.float32
+        self.hc_attn_fn = nn.Parameter(torch.empty(mix, hc * dim, dtype=fp32))
+        self.hc_ffn_fn = nn.Parameter(torch.empty(mix, hc * dim, dtype=fp32))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix, dtype=fp32))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix, dtype=fp32))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=fp32))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=fp32))
+
+    def hc_parameters(self) -> tuple[tuple[nn.Parameter, nn.Parameter, nn.Parameter], ...]:
+        """Each sub-layer's mHC parameters (fn, scale, base): the attention's, then the FFN's."""
+        return (
+            (self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base),
+            (self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base),
+        )
+
+    def hyper_connected(
+        self,
+        x: torch.Tensor,
+        pre_mix: torch.Tensor,
+        attention: Callable[[torch.Tensor], tuple[torch.Tensor, Any]],
+        ffn: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The two sub-layers on the copies x [B,S,hc,D], the first collapsing them with ``pre_mix`` [B,S,hc] →
+        (the copies, the FFN's ``pre`` for the next block, what else ``attention`` returned). ``attention`` takes
+        its normed input [B,S,D] and returns (its output [B,S,D], anything else); ``ffn`` returns its output."""
+        (attn_fn, attn_scale, attn_base), (ffn_fn, ffn_scale, ffn_base) = self.hc_parameters()
+        attn_pre, post, comb = self.hc.mixes(x, attn_fn, attn_scale, attn_base)
+        out, extra = attention(self.attn_norm(self.hc.collapse(x, pre_mix)))
+        x = self.hc.expand(out, x, post, comb)
+        ffn_pre, post, comb = self.hc.mixes(x, ffn_fn, ffn_scale, ffn_base)
+        out = ffn(self.ffn_norm(self.hc.collapse(x, attn_pre)))
+        return self.hc.expand(out, x, post, comb), ffn_pre, extra

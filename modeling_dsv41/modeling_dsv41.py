@@ -9,37 +9,30 @@ routed experts are fused (``layers.{i}.ffn.experts.gate_up_proj`` / ``down_proj`
 conversions of :mod:`.released.conversions` (registered below for ``deepseek_v41``).
 """
 
-from collections.abc import Iterable
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPooling,
-    MultimodalBaseModelOutputWithPast,
-    MultimodalCausalLMOutputWithPast,
-)
-from transformers.utils import ModelOutput, can_return_tuple
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from configuration.configuration_dsv41 import DeepseekV41Config
-from processing.image_tokens import ImageTokenType, span_length, token_grid
+from processing.image_tokens import ImageTokenType
 
-from .attention import CompressedContext, DeepseekV41Attention, DeepseekV41Indexer
-from .dspark import DeepseekV41DSpark, DeepseekV41DSparkBlock
-from .generation.cache import CacheStep, DeepseekV41Cache, DeepseekV41StaticCache
+from .attention import DeepseekV41Attention, DeepseekV41Indexer
+from .decoder_layer import DeepseekV41DecoderLayer, DeepseekV41DecoderLayerOutput, DeepseekV41LayerInputs
+from .dspark import DeepseekV41DSpark, DeepseekV41DSparkLossOutput
+from .generation.cache import DeepseekV41Cache, DeepseekV41StaticCache
 from .generation.generate import DeepseekV41GenerationMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
-from .hyper_connections import DeepseekV41HyperConnection, add_block_hc_parameters
+from .hyper_connections import DeepseekV41HyperConnectedBlock, DeepseekV41HyperConnection
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
-from .moe import DeepseekV41Experts, DeepseekV41Gate, DeepseekV41MoE
+from .moe import DeepseekV41Experts, DeepseekV41Gate
 from .norms import DeepseekV41RMSNorm
 from .numerics import under_configured_numerics
+from .outputs import CollectedOutputs, DeepseekV41CausalLMOutputWithPast, DeepseekV41ModelOutputWithPast
 from .padding import align_rows, in_caller_layout, new_tokens_per_row, prefill_alignment
 from .pipeline import (
     DeepseekV41PipelineStage,
@@ -55,201 +48,16 @@ from .released.pretrained_io import ReleasedCheckpointMixin
 from .residual_stream import ResidualStream
 from .rotary import DeepseekV41RotaryEmbedding
 from .validation import check_image_inputs, check_pixel_values, check_text_inputs
-from .vision import DeepseekV41Aligner, DeepseekV41VisionTransformer, merge_image_embeddings
+from .vision import (
+    DeepseekV41Aligner,
+    DeepseekV41VisionTransformer,
+    encode_images,
+    image_token_grids,
+    merge_image_embeddings,
+)
 
 # the released checkpoint's names and layout, mapped onto ours on load (and back by save_pretrained)
 register_layout_conversions(DeepseekV41Config.model_type)
-
-
-@dataclass
-class DeepseekV41ModelOutputWithPast(MultimodalBaseModelOutputWithPast):
-    """The backbone's output (``cache`` is a :class:`DeepseekV41Cache`). Beyond transformers' fields:
-
-    hidden_states: ``num_hidden_layers + 1`` tensors [B, S, D]: the embeddings, then each layer's output collapsed
-        from its ``hc_mult`` residual copies with the mHC weights the next layer's attention (or the final ``norm``)
-        collapses them with, i.e. what that attention takes in (unless that layer's Engram first adds to the
-        copies). The copies themselves are the decoder layers' first output (a forward hook on
-        :class:`DeepseekV41DecoderLayer` reads them).
-    attentions: one tensor [B, H, S, K] per layer, the CSA2 attention map. A query attends over its own K slots
-        rather than over all keys: an entry is one head's softmax probability on one slot (an empty slot gets 0;
-        a row sums to less than one, the rest going to the attention sink).
-    attention_slots: one tensor [B, S, K] per layer saying what each slot of ``attentions`` is: the first
-        ``min(S, sliding_window)`` slots (``sliding_window`` when decoding) are key positions of the sliding window,
-        oldest first; on compressed layers the rest are the selected compressed rows, ascending (row t pools
-        positions t·r … t·r + r - 1 for ``r = compress_ratios[layer]``); -1 is an empty slot.
-    router_logits: one tensor [B·S, n_routed_experts] per layer (``output_router_logits=True``): the router's
-        logits before its scoring function (the experts are chosen from the scores plus the balancing bias).
-    dspark_hidden_states: [B, S, D·n_targets] (``output_dspark_hidden_states=True``): what the DSpark draft head
-        reads, the mean over the ``hc_mult`` copies of the stream entering each ``dspark_target_layer_ids`` layer
-        (after its Engram), concatenated in layer order (the reference's ``main_hidden``).
-    image_outputs: what :meth:`DeepseekV41Model.get_image_features` returned for this call's images.
-    """
-
-    attention_slots: tuple[torch.LongTensor, ...] | None = None
-    router_logits: tuple[torch.FloatTensor, ...] | None = None
-    dspark_hidden_states: torch.Tensor | None = None
-
-
-@dataclass
-class DeepseekV41DSparkLossOutput(ModelOutput):
-    """:meth:`DeepseekV41ForCausalLM.dspark_loss`: ``loss`` = ``draft_loss`` + ``confidence_loss``, and the share
-    of drafted tokens (teacher-forced) equal to the backbone's, ``accuracy``."""
-
-    loss: torch.FloatTensor | None = None
-    draft_loss: torch.FloatTensor | None = None
-    confidence_loss: torch.FloatTensor | None = None
-    accuracy: torch.FloatTensor | None = None
-
-
-@dataclass
-class DeepseekV41CausalLMOutputWithPast(MultimodalCausalLMOutputWithPast):
-    """``loss``, fp32 ``logits`` and the backbone's outputs (see :class:`DeepseekV41ModelOutputWithPast`)."""
-
-    attention_slots: tuple[torch.LongTensor, ...] | None = None
-    router_logits: tuple[torch.FloatTensor, ...] | None = None
-    dspark_hidden_states: torch.Tensor | None = None
-
-
-@dataclass
-class _CollectedOutputs:
-    """What the decoder layers' outputs collect for the caller, each list None unless asked for: the stream after
-    each layer collapsed to [B, S, D] (the embeddings first), the attention maps and their slots; and the DSpark taps
-    of the ``dspark_targets`` layers."""
-
-    hidden_states: list[torch.Tensor] | None
-    attentions: list[torch.Tensor] | None
-    attention_slots: list[torch.LongTensor] | None
-    dspark_targets: frozenset[int]
-    taps: list[torch.Tensor]
-
-    @classmethod
-    def asked(
-        cls,
-        embeds: torch.Tensor | None,
-        output_hidden_states: bool,
-        output_attentions: bool,
-        dspark_targets: Iterable[int],
-    ) -> "_CollectedOutputs":
-        """Empty lists for the outputs asked for; the hidden states open with ``embeds`` (the embedding copies
-        collapsed onto copy 0)."""
-        return cls(
-            hidden_states=[embeds] if output_hidden_states else None,
-            attentions=[] if output_attentions else None,
-            attention_slots=[] if output_attentions else None,
-            dspark_targets=frozenset(dspark_targets),
-            taps=[],
-        )
-
-    def add(
-        self,
-        stream: ResidualStream,
-        probs: torch.Tensor | None,
-        slots: torch.LongTensor | None,
-        tap: torch.Tensor | None,
-    ) -> None:
-        """One layer's: the stream it handed up, its attention map and slots, its DSpark tap (None when not asked)."""
-        if tap is not None:
-            self.taps.append(tap)
-        if self.hidden_states is not None:
-            self.hidden_states.append(DeepseekV41HyperConnection.collapse(stream.hidden_states, stream.pre_mix))
-        if self.attentions is not None:
-            self.attentions.append(probs)
-            self.attention_slots.append(slots)
-
-    def outputs(
-        self,
-        last_hidden_state: torch.Tensor,
-        cache: DeepseekV41Cache | None,
-        image_outputs: BaseModelOutputWithPooling | None,
-    ) -> DeepseekV41ModelOutputWithPast:
-        """The backbone's output: ``last_hidden_state`` and ``cache``, with what was collected."""
-        return DeepseekV41ModelOutputWithPast(
-            last_hidden_state=last_hidden_state,
-            cache=cache,
-            hidden_states=None if self.hidden_states is None else tuple(self.hidden_states),
-            attentions=None if self.attentions is None else tuple(self.attentions),
-            attention_slots=None if self.attention_slots is None else tuple(self.attention_slots),
-            dspark_hidden_states=torch.cat(self.taps, dim=-1) if self.taps else None,
-            image_outputs=image_outputs,
-        )
-
-
-class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
-    """One block: [Engram] → mHC collapse → attention → mHC expand → mHC collapse → MoE → mHC expand.
-
-    Each sub-block computes its mHC coefficients from its own input; its ``pre`` collapses the copies for
-    the *next* sub-block (single-pass mHC), so ``forward`` takes the previous FFN's ``pre`` and returns its own.
-    """
-
-    def __init__(self, config, layer_id: int, use_vision_bias: bool):
-        super().__init__()
-        self.layer_id = layer_id
-        self.spec = config.layer_plan[layer_id]  # read on the forward path: a constant there, not a config lookup
-        dim = config.hidden_size
-        self.engram = DeepseekV41Engram(config, layer_id) if self.spec.has_engram else None
-        self.attn = DeepseekV41Attention(config, layer_id)
-        self.ffn = DeepseekV41MoE(config, use_vision_bias)
-        self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
-        self.ffn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
-        add_block_hc_parameters(self, config)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        pre_mix: torch.Tensor,
-        compress_kv: torch.Tensor | None,
-        index_k: torch.Tensor | None,
-        selection: torch.Tensor | None,
-        candidates: torch.Tensor | None,
-        rotation: torch.Tensor,
-        engram_rows: torch.Tensor | None = None,
-        image_mask: torch.Tensor | None = None,
-        engram_hash_ids: torch.Tensor | None = None,
-        engram_mask: torch.Tensor | None = None,
-        cache: DeepseekV41Cache | None = None,
-        step: CacheStep | None = None,
-        output_attentions: bool = False,
-        tap_stream: bool = False,
-    ) -> tuple[torch.Tensor | None, ...]:
-        """The :class:`ResidualStream` the layer below handed up, field by field (hidden_states [B,S,hc,D], pre_mix
-        [B,S,hc], the compressed context), and the rotary table of the positions → the stream this layer hands up,
-        field by field, then with ``output_attentions`` this layer's attention map and slot index (else two ``None``)
-        and with ``tap_stream`` the DSpark tap: the mean over the copies of the stream after Engram [B,S,D] (else
-        ``None``).
-
-        The stream travels as positional tensors, and so do the Engram rows, so that reentrant gradient
-        checkpointing, which tracks tensor arguments only, carries their gradients back (to the layer that made
-        the compressed KV, to the Engram table).
-        An Engram layer takes its table rows already gathered (``engram_rows``, see
-        :meth:`DeepseekV41Model.gather_engram_rows`) or gathers them from ``engram_hash_ids`` [B,S,n_layers,n_cols].
-        With a ``cache``, attention reads and extends this layer's decode state (see :class:`DeepseekV41Cache`).
-        """
-        x = hidden_states
-        if self.engram is not None:
-            hash_ids = None if engram_hash_ids is None else engram_hash_ids[:, :, self.engram.hash_index]
-            x = self.engram(x, hash_ids, engram_mask, rows=engram_rows)
-        tap = x.mean(dim=2) if tap_stream else None
-        ctx = CompressedContext(compress_kv, index_k, selection, candidates)
-
-        residual = x
-        attn_pre, post, comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        layer_cache = None if cache is None else cache.layers[self.layer_id]
-        out = self.attn(
-            self.attn_norm(self.hc.collapse(x, pre_mix)),
-            rotation,
-            ctx,
-            layer_cache=layer_cache,
-            step=step,
-            output_attentions=output_attentions,
-        )
-        out, (probs, slots) = out if output_attentions else (out, (None, None))
-        x = self.hc.expand(out, residual, post, comb)
-
-        residual = x
-        ffn_pre, post, comb = self.hc.mixes(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        out = self.ffn(self.ffn_norm(self.hc.collapse(x, attn_pre)), image_mask)
-        x = self.hc.expand(out, residual, post, comb)
-        return (*ResidualStream.handed_up(x, ffn_pre, ctx), probs, slots, tap)
 
 
 class DeepseekV41PreTrainedModel(ReleasedCheckpointMixin, PreTrainedModel):
@@ -304,11 +112,11 @@ class DeepseekV41PreTrainedModel(ReleasedCheckpointMixin, PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, DeepseekV41RMSNorm) or type(module).__name__ == "DeepseekV41VisionRMSNorm":
             init.ones_(module.weight)
-        elif isinstance(module, (DeepseekV41DecoderLayer, DeepseekV41DSparkBlock)):
-            for kind in ("attn", "ffn"):
-                init.normal_(getattr(module, f"hc_{kind}_fn"), mean=0.0, std=std)
-                init.zeros_(getattr(module, f"hc_{kind}_base"))
-                init.ones_(getattr(module, f"hc_{kind}_scale"))
+        elif isinstance(module, DeepseekV41HyperConnectedBlock):
+            for fn, scale, base in module.hc_parameters():
+                init.normal_(fn, mean=0.0, std=std)
+                init.zeros_(base)
+                init.ones_(scale)
         elif isinstance(module, DeepseekV41Attention):
             init.zeros_(module.attn_sink)
         elif isinstance(module, DeepseekV41Experts):
@@ -342,7 +150,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
     # last stage collapses the copies before `norm`.
     _pp_plan = {
         "embed": (["input_ids"], ["inputs_embeds"]),
-        "layers": (list(ResidualStream._fields), list(ResidualStream._fields)),
+        "layers": (list(ResidualStream.TENSORS), list(ResidualStream.TENSORS)),
         "norm": (["hidden_states", "pre_mix"], ["hidden_states"]),
     }
     _pp_stage: DeepseekV41PipelineStage | None = None  # this rank's stage under pipeline parallelism (.pipeline)
@@ -401,18 +209,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         vision = self.config.vision_config
         output_hidden_states = _flag(output_hidden_states, vision, "output_hidden_states")
         output_attentions = _flag(output_attentions, vision, "output_attentions")
-        images = self.vision.encode(pixel_values, image_grid_hw, output_hidden_states, output_attentions)
-        features = [image[0] for image in images]
-        hidden_states = attentions = None
-        if output_hidden_states:
-            hidden_states = tuple(torch.cat(layer) for layer in zip(*(image[1] for image in images)))
-        if output_attentions:
-            attentions = tuple(zip(*(image[2] for image in images)))
-        return BaseModelOutputWithPooling(
-            last_hidden_state=torch.cat(features),
-            pooler_output=self.aligner(features, image_grid_hw),
-            hidden_states=hidden_states,
-            attentions=attentions,
+        return encode_images(
+            self.vision, self.aligner, pixel_values, image_grid_hw, output_hidden_states, output_attentions
         )
 
     def _embed_inputs(
@@ -436,14 +234,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             raise ValueError("images were passed but this DeepSeek-V4.1 config has no vision_config")
         if image_grid_hw is None or image_token_types is None:
             raise ValueError("pixel_values need image_grid_hw and image_token_types (as the processor returns them)")
-        vision = self.config.vision_config
-        grids = [token_grid(g, vision.downsample_ratio) for g in image_grid_hw.tolist()]
-        for index, grid in enumerate(grids):
-            if span_length(grid) > vision.max_image_tokens:
-                raise ValueError(
-                    f"image {index} needs {span_length(grid)} positions, more than max_image_tokens "
-                    f"({vision.max_image_tokens}); preprocess it with the DeepseekV41ImageProcessor"
-                )
+        grids = image_token_grids(image_grid_hw, self.config.vision_config)
         image_outputs = self.get_image_features(
             pixel_values,
             image_grid_hw,
@@ -548,16 +339,14 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         image_mask = None if image_token_types is None else image_token_types != ImageTokenType.TEXT.value
 
         # The layers, at the tokens' cache rows, n-gram hashes and rotary positions.
-        step, hash_ids, rotations = self._locate_tokens(stream, input_ids, attention_mask, image_mask, cache, prefill)
-        collected = _CollectedOutputs.asked(
-            embeds,
-            output_hidden_states,
-            output_attentions,
-            self.text_config.dspark_target_layer_ids if output_dspark_hidden_states else (),
+        dspark_targets = tuple(self.text_config.dspark_target_layer_ids) if output_dspark_hidden_states else ()
+        inputs = self._layer_inputs(
+            stream, input_ids, attention_mask, image_mask, cache, prefill, output_attentions, dspark_targets
         )
-        stream = self._run_layers(stream, rotations, hash_ids, image_mask, cache, step, collected)
+        collected = CollectedOutputs.asked(embeds, output_hidden_states, output_attentions)
+        stream = self._run_layers(stream, inputs, collected)
         if cache is not None:
-            cache.finish_step(step, stream.hidden_states.shape[1])
+            cache.finish_step(inputs.step, stream.hidden_states.shape[1])
 
         # The outputs, or the stream for the next pipeline stage.
         if hand_on_to_next_stage(self._pp_stage, stream):
@@ -592,7 +381,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
                 input_ids, inputs_embeds, pixel_values, image_grid_hw, image_token_types, self.config.image_token_id
             )
 
-    def _locate_tokens(
+    def _layer_inputs(
         self,
         stream: ResidualStream,
         input_ids: torch.LongTensor | None,
@@ -600,9 +389,12 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         image_mask: torch.Tensor | None,
         cache: DeepseekV41Cache | None,
         prefill: bool,
-    ) -> tuple[CacheStep | None, torch.Tensor | None, dict[bool, torch.Tensor]]:
-        """Where this call's tokens sit: their cache step (rows of the decode state), their Engram n-gram hash ids
-        [B, S, n_layers, n_cols] and the rotary tables of their positions (``{compressed layer: table}``)."""
+        output_attentions: bool,
+        dspark_targets: tuple[int, ...],
+    ) -> DeepseekV41LayerInputs:
+        """What every layer reads beside the stream: where this call's tokens sit (their cache step, i.e. their rows
+        of the decode state; their Engram n-gram hash ids; the rotary tables of their positions), and what to hand
+        back beside the stream."""
         seq_len = stream.hidden_states.shape[1]
         step = None
         if cache is not None:
@@ -613,38 +405,30 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             real = attention_mask if prefill else None  # a later call's tokens are all real
             hash_ids = self.engram_hasher.hash_ids(input_ids, image_mask, real, cache, step)
         positions = torch.arange(seq_len, device=stream.hidden_states.device) if prefill else step.positions
-        return step, hash_ids, {False: self.window_rotary(positions), True: self.compress_rotary(positions)}
+        return DeepseekV41LayerInputs(
+            rotations={False: self.window_rotary(positions), True: self.compress_rotary(positions)},
+            image_mask=image_mask,
+            engram_mask=None if image_mask is None else ~image_mask,
+            engram_hash_ids=hash_ids,
+            cache=cache,
+            step=step,
+            output_attentions=output_attentions,
+            dspark_targets=dspark_targets,
+        )
 
     def _run_layers(
-        self,
-        stream: ResidualStream,
-        rotations: dict[bool, torch.Tensor],
-        hash_ids: torch.Tensor | None,
-        image_mask: torch.Tensor | None,
-        cache: DeepseekV41Cache | None,
-        step: CacheStep | None,
-        collected: _CollectedOutputs,
+        self, stream: ResidualStream, inputs: DeepseekV41LayerInputs, collected: CollectedOutputs
     ) -> ResidualStream:
         """This stage's decoder layers on ``stream`` → the stream the last one hands up; what each layer returns
         beside it goes to ``collected``."""
-        engram_rows = self.gather_engram_rows(hash_ids)
-        engram_mask = None if image_mask is None else ~image_mask
+        engram_rows = self.gather_engram_rows(inputs.engram_hash_ids)
         for layer in self._stage_layers():
-            rotation = rotations[layer.spec.is_compressed]
-            *handed_up, probs, slots, tap = layer(
-                *stream,
-                rotation,
-                engram_rows.get(layer.layer_id),
-                image_mask=image_mask,
-                engram_hash_ids=hash_ids,
-                engram_mask=engram_mask,
-                cache=cache,
-                step=step,
-                output_attentions=collected.attentions is not None,
-                tap_stream=layer.layer_id in collected.dspark_targets,
+            # named again: reentrant gradient checkpointing hands the layer's output back as a plain tuple
+            out = DeepseekV41DecoderLayerOutput(
+                *layer(*stream.tensors(), engram_rows.get(layer.layer_id), inputs=inputs)
             )
-            stream = ResidualStream(*handed_up)
-            collected.add(stream, probs, slots, tap)
+            stream = out.stream
+            collected.add(out)
         return stream
 
     def _resolve_cache(self, cache: DeepseekV41Cache | None, use_cache: bool | None) -> DeepseekV41Cache | None:
@@ -793,20 +577,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
             )
         predictions = out.logits.argmax(dim=-1)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        logits, confidence, targets = self.mtp.teacher_forced(
-            out.dspark_hidden_states, predictions, valid, self.model.embed, self.lm_head
-        )
-        keep = targets != -100
-        logits, confidence, targets = logits[keep], confidence[keep], targets[keep]
-        accepted = (logits.argmax(dim=-1) == targets).float()
-        draft_loss = F.cross_entropy(logits, targets)
-        confidence_loss = F.binary_cross_entropy_with_logits(confidence, accepted)
-        return DeepseekV41DSparkLossOutput(
-            loss=draft_loss + confidence_loss,
-            draft_loss=draft_loss,
-            confidence_loss=confidence_loss,
-            accuracy=accepted.mean(),
-        )
+        return self.mtp.loss(out.dspark_hidden_states, predictions, valid, self.model.embed, self.lm_head)
 
 
 def _flag(value: bool | None, config, name: str) -> bool:

@@ -58,25 +58,26 @@ class DeepseekV41PipelineStage(PipelineStage):
     def send_stream(self, stream: ResidualStream) -> None:
         """Send the stream to the next stage: a header [n, 2 + _MAX_NDIM] (dtype code or -1 for None, ndim, shape),
         then each tensor, at its own dtype (``pre_mix`` is fp32 whatever the model dtype; selections are ids)."""
-        header = torch.full((len(stream), 2 + _MAX_NDIM), -1, dtype=torch.long)
-        for row, tensor in zip(header, stream):
+        tensors = stream.tensors()
+        header = torch.full((len(tensors), 2 + _MAX_NDIM), -1, dtype=torch.long)
+        for row, tensor in zip(header, tensors):
             if tensor is None:
                 continue
             if tensor.dtype not in _DTYPES or tensor.ndim > _MAX_NDIM:
                 raise ValueError(f"cannot send a {tensor.dtype} tensor of shape {tuple(tensor.shape)} between stages")
             row[0], row[1] = _DTYPES.index(tensor.dtype), tensor.ndim
             row[2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
-        device = next(tensor.device for tensor in stream if tensor is not None)  # NCCL sends from the accelerator
+        device = next(tensor.device for tensor in tensors if tensor is not None)  # NCCL sends from the accelerator
         self.communicate("send_forward", device=device, dtype=torch.long, tensor=header)
-        for tensor in stream:
+        for tensor in tensors:
             if tensor is not None:
                 self.communicate("send_forward", device=tensor.device, dtype=tensor.dtype, tensor=tensor)
 
     def recv_stream(self, device: torch.device) -> ResidualStream:
         """Receive the stream :meth:`send_stream` sent from the previous stage, onto ``device``."""
         receive = partial(self.communicate, "recv_forward", device=device)
-        header = receive(dtype=torch.long, shape=(len(ResidualStream._fields), 2 + _MAX_NDIM))
-        return ResidualStream(
+        header = receive(dtype=torch.long, shape=(len(ResidualStream.TENSORS), 2 + _MAX_NDIM))
+        return ResidualStream.from_tensors(
             *[
                 None if code < 0 else receive(dtype=_DTYPES[code], shape=shape[:ndim])
                 for code, ndim, *shape in header.tolist()

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from processing.image_tokens import ImageTokenType
+from processing.image_tokens import ImageTokenType, span_length, token_grid
 
 from .validation import count
 
@@ -241,6 +242,43 @@ class DeepseekV41Aligner(nn.Module):
             cells = unfold_token_grid(features, h, w, self.downsample_ratio)
             out.append(self.w2(F.gelu(self.w1(cells))))
         return out
+
+
+def encode_images(
+    vision: DeepseekV41VisionTransformer,
+    aligner: DeepseekV41Aligner,
+    pixel_values: torch.Tensor,
+    image_grid_hw: torch.Tensor,
+    output_hidden_states: bool,
+    output_attentions: bool,
+) -> BaseModelOutputWithPooling:
+    """The images through DeepSeek-ViT, then the aligner: what ``DeepseekV41Model.get_image_features`` returns."""
+    images = vision.encode(pixel_values, image_grid_hw, output_hidden_states, output_attentions)
+    features = [image[0] for image in images]
+    hidden_states = attentions = None
+    if output_hidden_states:
+        hidden_states = tuple(torch.cat(layer) for layer in zip(*(image[1] for image in images)))
+    if output_attentions:
+        attentions = tuple(zip(*(image[2] for image in images)))
+    return BaseModelOutputWithPooling(
+        last_hidden_state=torch.cat(features),
+        pooler_output=aligner(features, image_grid_hw),
+        hidden_states=hidden_states,
+        attentions=attentions,
+    )
+
+
+def image_token_grids(image_grid_hw: torch.Tensor, config) -> list[tuple[int, int]]:
+    """Each image's grid of LM tokens (from its patch grid, ``config`` the vision config); an image whose span
+    would exceed ``max_image_tokens`` is refused."""
+    grids = [token_grid(g, config.downsample_ratio) for g in image_grid_hw.tolist()]
+    for index, grid in enumerate(grids):
+        if span_length(grid) > config.max_image_tokens:
+            raise ValueError(
+                f"image {index} needs {span_length(grid)} positions, more than max_image_tokens "
+                f"({config.max_image_tokens}); preprocess it with the DeepseekV41ImageProcessor"
+            )
+    return grids
 
 
 def _image_spans(image_token_types: torch.Tensor) -> list[tuple[int, int, int]]:

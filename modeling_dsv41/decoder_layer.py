@@ -18,7 +18,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import CompressedContext, DeepseekV41Attention
 from .engram import DeepseekV41Engram
-from .generation.cache import CacheStep, DeepseekV41Cache
+from .generation.cache import DeepseekV41Cache
+from .layer_cache import CacheStep
 from .hyper_connections import DeepseekV41HyperConnectedBlock
 from .moe import DeepseekV41MoE
 from .norms import DeepseekV41RMSNorm

@@ -158,7 +158,7 @@ def test_a_saved_adapter_folder_exports_the_same_tensors(trained, tmp_path, capl
 
 
 def test_the_documented_command_runs_as_printed(trained):
-    (command,) = command_lines("dsv41 export ")
+    (command,) = command_lines("dsv41 export --format vllm-lora ")
     argv = shlex.split(command)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(

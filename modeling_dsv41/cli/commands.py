@@ -8,6 +8,8 @@
   :mod:`modeling_dsv41.released.convert`).
 - ``dsv41 export --format vllm-lora ADAPTER DST [--base PRESET|PATH]``: a PEFT LoRA adapter → the layout vLLM's
   DeepSeek-V4 LoRA serves (see :mod:`modeling_dsv41.serving.adapter_export`).
+- ``dsv41 export --format released SRC DST``: a full fine-tune (a folder our ``save_pretrained`` / Trainer wrote) →
+  DeepSeek's released checkpoint format, FP8/FP4 (see :mod:`modeling_dsv41.serving.released_export`).
 
 Errors are one line on stderr (``dsv41 <command>: error: …``) with exit status 2; Ctrl-C exits with 130.
 
@@ -219,28 +221,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser(
         "export",
-        help="write a fine-tune for serving: a LoRA adapter in the layout vLLM's DeepSeek-V4 LoRA reads",
-        description="Write a PEFT LoRA adapter of DeepSeek-V4.1 (the folder save_pretrained wrote) as an adapter "
-        "vLLM's DeepSeek-V4 LoRA serves: the release's module names, each routed expert's own w1/w2/w3 factors, one "
-        "scale (format vllm-deepseek-v4-lora, version 1). The DSpark draft head (mtp.*) is left out, as vLLM skips it.",
+        help="write a fine-tune for serving: a LoRA adapter for vLLM, or a full fine-tune in the release's format",
+        description="--format vllm-lora: write a PEFT LoRA adapter of DeepSeek-V4.1 (the folder save_pretrained "
+        "wrote) as an adapter vLLM's DeepSeek-V4 LoRA serves: the release's module names, each routed expert's own "
+        "w1/w2/w3 factors, one scale (format vllm-deepseek-v4-lora, version 1). The DSpark draft head (mtp.*) is left "
+        "out, as vLLM skips it. --format released: write a full fine-tune (a model folder our save_pretrained or "
+        "Trainer wrote) in DeepSeek's released checkpoint format (format deepseek-v4.1-released, version 1): the "
+        "published config.json keys, inference/config.json, FP8 Linears, FP4 routed experts and FP8 Engram tables "
+        "with E8M0 scales; the weights are rounded to that storage.",
     )
     export.add_argument(
         "source",
         type=Path,
-        metavar="ADAPTER",
-        help="the adapter folder (adapter_config.json, adapter_model.safetensors)",
+        metavar="SRC",
+        help="vllm-lora: the adapter folder (adapter_config.json, adapter_model.safetensors); released: the model "
+        "folder (config.json, *.safetensors)",
     )
     export.add_argument("destination", type=Path, metavar="DST", help="new (or empty) folder to write")
     export.add_argument(
         "--format",
         required=True,
-        choices=("vllm-lora",),
-        help="what to write: vllm-lora, the adapter layout of vLLM's DeepSeek-V4 LoRA",
+        choices=("vllm-lora", "released"),
+        help="what to write: vllm-lora, the adapter layout of vLLM's DeepSeek-V4 LoRA; released, DeepSeek's "
+        "checkpoint format (FP8/FP4)",
     )
     export.add_argument(
         "--base",
         metavar="PRESET|PATH",
-        help="the config the adapter was trained on: a preset, a "
+        help="vllm-lora only: the config the adapter was trained on: a preset, a "
         "folder with config.json or a config.json (default: the adapter's base_model_name_or_path)",
     )
     export.set_defaults(handler=_run_export)
@@ -540,6 +548,8 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    if args.format == "released":
+        return _run_released_export(args)
     from ..serving.adapter_export import FORMAT, FORMAT_VERSION, export_serving_adapter
 
     written = export_serving_adapter(args.source, args.destination, base=load_config(args.base) if args.base else None)
@@ -548,6 +558,22 @@ def _run_export(args: argparse.Namespace) -> int:
         f"Wrote {written['tensors']:,} tensors of {written['modules']:,} adapted modules ({FORMAT} version "
         f"{FORMAT_VERSION}{left_out}) to {args.destination}; serve with vLLM's --enable-lora --lora-modules "
         f"NAME={args.destination}"
+    )
+    return 0
+
+
+def _run_released_export(args: argparse.Namespace) -> int:
+    from ..serving.released_export import FORMAT, FORMAT_VERSION, export_released_checkpoint
+
+    if args.base:
+        raise ValueError("--base is for --format vllm-lora: a full model folder holds its own config")
+    written = export_released_checkpoint(args.source, args.destination)
+    print(
+        f"Wrote {written['tensors']:,} tensors ({written['bytes'] / 2**30:.2f} GiB, {FORMAT} version "
+        f"{FORMAT_VERSION}) to {args.destination}; {written['quantized']:,} weights rounded to FP8/FP4 storage "
+        f"(largest relative change {written['max_relative_rounding']:.3g}). Load with "
+        f"DeepseekV41ForCausalLM.from_pretrained({str(args.destination)!r}); DeepSeek's inference code reads "
+        f"{args.destination / 'inference' / 'config.json'}"
     )
     return 0
 

@@ -300,7 +300,8 @@ def exported_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], int]
     if config.has_dspark:
         for k in range(config.num_nextn_predict_layers):
             for suffix, source in _DSPARK_COPIES:
-                state.setdefault(f"mtp.{k}.{suffix}", state[f"{source}.weight"])
+                # a copy of its own: the release's files hold each tensor once, and safetensors refuses shared memory
+                state.setdefault(f"mtp.{k}.{suffix}", state[f"{source}.weight"].clone())
     return state, narrowed
 
 

@@ -154,3 +154,48 @@ QUANT_FORMAT_TEXT = dict(
     engram_compressed_vocab_size=256,
     num_nextn_predict_layers=0,
 )
+
+
+# The released-export golden (tests/data/reference_export.safetensors): a seeded "fine-tune" of the dense fixture,
+# exported with `dsv41 export --format released`, decoded greedily by DeepSeek's reference code and by our model.
+EXPORT_SEED = 49
+EXPORT_NOISE = 0.05  # each weight scaled by 1 + EXPORT_NOISE * N(0, 1): far more than one FP8/FP4 step
+EXPORT_PROMPT_LEN = 12
+EXPORT_NEW_TOKENS = 12
+# the files of the export that DeepSeek's inference code reads (config, index, shards, tokenizer)
+EXPORT_READ_FILES = ("inference/config.json", "model.safetensors.index.json", "tokenizer.json")
+
+
+def released_finetune(fixtures: Path, folder: Path) -> Path:
+    """The dense fixture model with every parameter scaled by seeded noise (a stand-in for a full fine-tune), saved
+    with ``save_pretrained`` and the stub tokenizer into ``folder / "finetune"`` and exported in the release's
+    format into ``folder / "released"``, which is returned. The same bytes on every run with the same torch."""
+    from modeling_dsv41.serving.released_export import export_released_checkpoint
+
+    model = reference_model(fixtures, "dense", emulate_quantization=True)
+    generator = torch.Generator().manual_seed(EXPORT_SEED)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_((param.float() * (1 + EXPORT_NOISE * noise)).to(param.dtype))
+    source = folder / "finetune"
+    model.save_pretrained(source)
+    stub_tokenizer().save(str(source / "tokenizer.json"))
+    released = folder / "released"
+    export_released_checkpoint(source, released)
+    return released
+
+
+def export_prompt() -> torch.Tensor:
+    """[1, EXPORT_PROMPT_LEN] text ids (no image token, no pad id) from a seeded generator."""
+    generator = torch.Generator().manual_seed(EXPORT_SEED)
+    return torch.randint(3, 500, (1, EXPORT_PROMPT_LEN), generator=generator)
+
+
+def export_read_files(released: Path) -> dict[str, str]:
+    """sha256 of each file of the export DeepSeek's inference code reads, by path relative to ``released``."""
+    import hashlib
+
+    index = json.loads((released / "model.safetensors.index.json").read_text())
+    names = sorted({*EXPORT_READ_FILES, *index["weight_map"].values()})
+    return {name: hashlib.sha256((released / name).read_bytes()).hexdigest() for name in names}

@@ -5,7 +5,9 @@ The reference is DeepSeek-V4.1-Flash's ``inference/`` code in the CPU port vendo
 folder of its own and pass that folder (see README.md next to this file). Two sets of goldens: logits (and a few
 captures) of the ``v41_tiny_vl`` fixture weights on three prompts, and the ``v41_tiny_dspark`` fixture's protocol
 (prefill, ring seeding, teacher-forced decode steps each with a draft call, full pass). Its sources must be the versions the
-fixtures were made with: their sha256 are checked against ``../shared/fixtures/v41_tiny_vl/meta.json``.
+fixtures were made with: their sha256 are checked against ``../shared/fixtures/v41_tiny_vl/meta.json``. A third
+golden: a seeded fine-tune of the dense fixture exported with ``dsv41 export --format released``, loaded by the
+reference from the exported folder (:func:`load_released`) and decoded greedily.
 
 The reference runs unmodified on the fixture weights inside ``modeling_dsv41.numerics.reference_numerics()`` of
 the checkout this script lives in, so that rerunning it after the mode changes makes the matching goldens. The
@@ -27,6 +29,7 @@ import importlib
 import importlib.util
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,11 +37,13 @@ from types import ModuleType
 from unittest import mock
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 from modeling_dsv41.numerics import portable_attention, reference_numerics  # noqa: E402
+from reference_fixture import EXPORT_NEW_TOKENS, export_prompt, export_read_files, released_finetune  # noqa: E402
 
 FIXTURE = REPO_ROOT.parent / "shared" / "fixtures" / "v41_tiny_vl"
 DSPARK_FIXTURE = REPO_ROOT.parent / "shared" / "fixtures" / "v41_tiny_dspark"
@@ -54,6 +59,8 @@ DSPARK_GOLDENS = {
     "reference_dspark_noqdq.safetensors": "noqdq",
     "reference_dspark_qdq.safetensors": "qdq",
 }
+# the released export's golden: prompt, greedy tokens and each step's logits, the read files' sha256 in its metadata
+EXPORT_GOLDEN = "reference_export.safetensors"
 CAPTURED = ("dense", "fixture")  # the (variant, prompt) whose layer-0 attention and ViT captures are stored too
 REFERENCE_FILES = ("__init__.py", "model.py", "kernel_cpu.py", "engram.py", "vision.py", "image_processor.py")
 PACKAGE = "deepseek_v41_reference"
@@ -291,6 +298,102 @@ def dspark_outputs(ref: ModuleType, mode: str, native: bool = False) -> dict[str
     return tensors
 
 
+def convert_released(
+    ref: ModuleType, ref_state: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The exported tensors as the reference's ``Transformer`` holds them, by the rules of DeepSeek's ``convert.py``
+    that the reference states: a weight it holds unquantized is dequantized to its dtype (``Attention.forward``:
+    "convert.py dequantizes [wo_a] to bf16"; with ``dtype="bf16"`` every Linear, as the fixtures were run), and the
+    packed FP4 experts, two E2M1 codes a byte with the low nibble first (``kernel_cpu.unpack_fp4``, "same as
+    upstream convert.py FP4_TABLE"), are read as ``float4_e2m1fn_x2``. The names are the release's, which are the
+    reference's own (no renaming; one process, so nothing to shard). Dequantization is exact: an e4m3 or E2M1 value
+    times a power of two is a bf16 value."""
+    unpack_fp4 = importlib.import_module(f"{PACKAGE}.kernel_cpu").unpack_fp4
+    quantized = (torch.float8_e4m3fn, torch.float4_e2m1fn_x2)
+    out = {}
+    for name, tensor in stored.items():
+        held = ref_state.get(name)
+        if name.endswith(".scale") and held is None:  # the scale of a weight the reference holds unquantized
+            continue
+        scale = stored.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
+        if scale is not None and held is not None and held.dtype not in quantized:
+            rows, cols = held.shape
+            if tensor.dtype == torch.int8:  # FP4 routed expert: one E8M0 scale per row and 32 columns
+                values, scales = unpack_fp4(tensor), scale.float().repeat_interleave(32, 1)
+            else:  # FP8 Linear: one E8M0 scale per 32x32 block
+                values, scales = tensor.float(), scale.float().repeat_interleave(32, 0).repeat_interleave(32, 1)
+            tensor = (values * scales[:rows, :cols]).to(held.dtype)
+        elif held is not None and held.dtype == torch.float4_e2m1fn_x2 and tensor.dtype == torch.int8:
+            tensor = tensor.view(torch.float4_e2m1fn_x2)
+        out[name] = tensor
+    return out
+
+
+def load_released(ref: ModuleType, folder: Path, max_seq_len: int, dtype: str) -> torch.nn.Module:
+    """The reference ``Transformer`` of an exported folder, built as DeepSeek's ``generate.py`` builds it:
+    ``ModelArgs(**inference/config.json)`` (with batch 1, ``max_seq_len`` and greedy sampling as the runtime
+    limits; ``dtype="bf16"`` also sets ``dtype="bf16", expert_dtype=None``, the fixtures' build), the tokenizer from the folder's ``tokenizer.json`` (the Engram token map), bf16 default dtype, and
+    the shards of ``model.safetensors.index.json`` through :func:`convert_released`, loaded strictly with every
+    name, shape and dtype checked."""
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((folder / "inference" / "config.json").read_text())
+    config |= {"max_batch_size": 1, "max_seq_len": max_seq_len, "temperature": 0.0}
+    if dtype == "bf16":
+        config |= {"dtype": "bf16", "expert_dtype": None}
+    args = ref.ModelArgs(**config)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    with ref.set_dtype(torch.bfloat16):
+        model = ref.Transformer(args, tokenizer).eval()
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    stored = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(folder / shard, "pt") as f:
+            stored |= {name: f.get_tensor(name) for name in f.keys()}
+    assert stored.keys() == index["weight_map"].keys(), "the index does not list the shards' tensors"
+    ours = model.state_dict()
+    state = convert_released(ref, ours, stored)
+    wrong = {k for k in state if k not in ours or ours[k].dtype != state[k].dtype or ours[k].shape != state[k].shape}
+    assert not wrong and ours.keys() == state.keys(), (sorted(wrong), sorted(ours.keys() ^ state.keys()))
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's greedy decode of ``EXPORT_NEW_TOKENS`` ids after ``prompt`` (prefill at 0, then one id a
+    step at its position): the ids [EXPORT_NEW_TOKENS] and the logits [EXPORT_NEW_TOKENS, vocab] fp32 they are the
+    argmax of."""
+    ids, logits = [], []
+    out, last, _ = model(prompt, 0)
+    for step in range(EXPORT_NEW_TOKENS):
+        assert torch.equal(out, last.argmax(-1)), "greedy sampling picked another id than the argmax"
+        ids.append(out)
+        logits.append(last[0])
+        if step + 1 < EXPORT_NEW_TOKENS:
+            out, last, _ = model(out[:, None], prompt.shape[1] + step)
+    return torch.cat(ids), torch.stack(logits)
+
+
+def export_outputs(ref: ModuleType) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The released export of the seeded fine-tune (``reference_fixture.released_finetune``), loaded by the reference
+    (:func:`load_released`) and decoded greedily from ``export_prompt()``, twice: ``bf16`` (the reference built as
+    the fixtures were, every weight dequantized by the convert step) and ``fp8`` (as released: FP8 Linears and FP4
+    experts through ``fp8_gemm`` / ``fp4_gemm``, which quantize their inputs to FP8). Both as released otherwise
+    (window KV, compressed KV and indexer QDQ), in the mode. Returns the prompt, ``{bf16,fp8}_output_ids`` and
+    ``{bf16,fp8}_logits``, and the sha256 of the files the reference read."""
+    prompt = export_prompt()
+    tensors = {"prompt_ids": prompt}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = released_finetune(FIXTURE.parent, Path(tmp))
+        hashes = export_read_files(folder)
+        for dtype in ("bf16", "fp8"):
+            model = load_released(ref, folder, prompt.shape[1] + EXPORT_NEW_TOKENS, dtype)
+            with reference_numerics(), ref.set_dtype(torch.bfloat16), torch.inference_mode():
+                tensors[f"{dtype}_output_ids"], tensors[f"{dtype}_logits"] = greedy_decode(model, prompt)
+        assert export_read_files(folder) == hashes
+    return tensors, hashes
+
+
 def same_bits(label: str, ours: torch.Tensor, expected: torch.Tensor) -> bool:
     """Prints max|Δ| of two tensors and whether they hold the same bits; returns the latter."""
     same = ours.shape == expected.shape and ours.dtype == expected.dtype
@@ -300,13 +403,20 @@ def same_bits(label: str, ours: torch.Tensor, expected: torch.Tensor) -> bool:
     return same
 
 
-def write_or_check(name: str, tensors: dict[str, torch.Tensor], check: bool) -> bool:
-    """Writes ``tensors`` to ``tests/data/{name}``, or compares them bit for bit with the committed file."""
+def write_or_check(
+    name: str, tensors: dict[str, torch.Tensor], check: bool, metadata: dict[str, str] | None = None
+) -> bool:
+    """Writes ``tensors`` (and ``metadata``) to ``tests/data/{name}``, or compares them bit for bit (and the metadata
+    for equality) with the committed file."""
     if not check:
-        save_file(tensors, DATA / name)
+        save_file(tensors, DATA / name, metadata=metadata)
         print(f"wrote {DATA / name}")
         return True
     committed, ok = load_file(DATA / name), True
+    with safe_open(DATA / name, "pt") as f:
+        same_metadata = (f.metadata() or None) == metadata
+    print(f"{name} metadata: {'same' if same_metadata else 'DIFFERENT'}")
+    ok &= same_metadata
     assert committed.keys() == tensors.keys(), (sorted(committed), sorted(tensors))
     for key in sorted(tensors):
         ok &= same_bits(f"{name} {key}", tensors[key], committed[key])
@@ -336,6 +446,8 @@ def make_goldens(ref: ModuleType, check: bool) -> bool:
         ok &= write_or_check(name, tensors, check)
     for name, mode in DSPARK_GOLDENS.items():
         ok &= write_or_check(name, dspark_outputs(ref, mode), check)
+    tensors, hashes = export_outputs(ref)
+    ok &= write_or_check(EXPORT_GOLDEN, tensors, check, {"sha256": json.dumps(hashes, sort_keys=True)})
     return ok
 
 

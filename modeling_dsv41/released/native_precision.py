@@ -466,9 +466,12 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         super()._process_model_after_weight_loading(model, **kwargs)
-        for module in model.modules():  # frozen: the loader hands them over as parameters that require a gradient
+        for module in model.modules():
             if isinstance(module, (FP8Linear, FP8Experts)):
+                # frozen: the loader hands them over as parameters that require a gradient
                 module.requires_grad_(False)
+                # the dtype of their inputs and outputs (the load's `dtype`): what a merged copy of them holds
+                module.model_dtype = model.config.dtype
         self._model = weakref.ref(model)  # for `is_trainable`, which transformers asks without the model
 
     @property

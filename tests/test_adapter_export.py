@@ -11,12 +11,14 @@ import os
 import shlex
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, get_peft_model
 from peft.tuners.lora import ParamWrapper
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
 from transformers.integrations.finegrained_fp8 import FP8Linear
 
 from documentation import REPO_ROOT, command_lines
@@ -147,6 +149,31 @@ def test_the_exported_folder_loads_back_with_the_same_logits(trained, caplog):
     torch.testing.assert_close(logits(served, trained["ids"]), trained["logits"], rtol=0, atol=0)
 
 
+def test_the_exported_folder_loads_back_in_a_fresh_process(trained, tmp_path):
+    """Exported here, read back with ``load_serving_adapter`` onto the base loaded in a new process: the adapter's
+    logits, exactly (the same factors in the same layers, fp32)."""
+    torch.save({"ids": trained["ids"], "logits": trained["logits"]}, tmp_path / "expected.pt")
+    script = textwrap.dedent(
+        f"""
+        import json, torch
+        from modeling_dsv41 import DeepseekV41ForCausalLM
+        from modeling_dsv41.serving.adapter_export import load_serving_adapter
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        base = DeepseekV41ForCausalLM.from_pretrained({str(trained["root"] / BASE)!r}).eval()
+        served = load_serving_adapter(base, {str(trained["exported"])!r}).eval()
+        with torch.no_grad():
+            got = served(input_ids=expected["ids"]).logits
+        print(json.dumps({{"equal": torch.equal(got, expected["logits"])}}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"equal": True}
+
+
 def test_a_saved_adapter_folder_exports_the_same_tensors(trained, tmp_path, caplog, monkeypatch):
     monkeypatch.chdir(trained["root"])  # the adapter's base path is relative
     with caplog.at_level(logging.WARNING):
@@ -262,6 +289,23 @@ def test_an_adapter_of_another_base_is_refused(trained, tmp_path):
     # and the serving layout into a model of another size
     with pytest.raises(ValueError, match="another base"):
         load_serving_adapter(tiny_models.tiny_model(tiny_config(q_lora_rank=16)), trained["exported"])
+
+
+def test_a_base_of_another_model_type_is_refused(trained, tmp_path):
+    """An adapter checked against another model type's config, and the serving layout loaded into a model that is
+    not ours: each a clear error naming what it got."""
+    with pytest.raises(ValueError, match=r"its base is a llama model, not DeepSeek-V4\.1 \(deepseek_v41"):
+        export_serving_adapter(trained["root"] / ADAPTER, tmp_path / "out", base=LlamaConfig())
+    with pytest.raises(TypeError, match="takes a DeepseekV41ForCausalLM.*got Linear"):
+        load_serving_adapter(torch.nn.Linear(4, 4), trained["exported"])
+
+
+def test_loading_onto_a_bitsandbytes_base_is_refused(trained):
+    base = fresh_base(trained)
+    base.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(ValueError, match=r"bitsandbytes-quantized \(NF4 / int8\).*bf16 or natively"):
+        load_serving_adapter(base, trained["exported"])
+    assert not hasattr(base, "peft_config")  # refused before any adapter went in
 
 
 def test_experts_of_different_ranks_are_refused_on_reading(trained, tmp_path):

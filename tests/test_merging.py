@@ -281,6 +281,52 @@ def test_a_merge_saved_in_the_released_format_loads_back_in_a_fresh_process(rele
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"equal": True, "wq_b": "torch.float8_e4m3fn"}
 
 
+def test_a_bf16_merge_saved_with_save_pretrained_loads_back_in_a_fresh_process(released, tmp_path):
+    """``merge_and_unload()`` on the native release, saved with ``save_pretrained`` and loaded back with
+    ``from_pretrained`` in a new process: the merged modules load as the bf16 copies they were saved as (the saved
+    quantization_config names them), the others as FP8 / FP4, and the logits equal the merged model's."""
+    merged = adapted(released, 0.1).merge_and_unload()
+    expected = logits(merged)
+    folder = tmp_path / "merged"
+    merged.save_pretrained(folder)
+    shutil.copy(released / "tokenizer.json", folder / "tokenizer.json")
+    saved = json.loads((folder / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert r"model\.layers\.0\.attn\.wq_b" in saved and r"model\.layers\.1\.ffn\.experts" in saved
+    assert (
+        merged.config.quantization_config.modules_to_not_convert
+        == native(released).config.quantization_config.modules_to_not_convert
+    )
+    torch.save({"ids": IDS, "logits": expected}, tmp_path / "expected.pt")
+    script = textwrap.dedent(
+        f"""
+        import json, torch
+        from modeling_dsv41 import DeepseekV41ForCausalLM
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        model = DeepseekV41ForCausalLM.from_pretrained({str(folder)!r}, dtype=torch.bfloat16).eval()
+        layer = model.model.layers[0]
+        with torch.no_grad():
+            got = model(input_ids=expected["ids"]).logits.float()
+        print(json.dumps({{
+            "equal": torch.equal(got, expected["logits"]),
+            "wq_b": [type(layer.attn.wq_b).__name__, str(layer.attn.wq_b.weight.dtype)],
+            "experts": [type(layer.ffn.experts).__name__, str(layer.ffn.experts.gate_up_proj.dtype)],
+            "wq_a": str(layer.attn.wq_a.weight.dtype),
+        }}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
+        "equal": True,
+        "wq_b": ["Linear", "torch.bfloat16"],
+        "experts": ["DeepseekV41Experts", "torch.bfloat16"],
+        "wq_a": "torch.float8_e4m3fn",  # not adapted: still FP8
+    }
+
+
 @pytest.fixture(scope="module")
 def native_adapter(released):
     return adapted(released, 0.01)

@@ -144,7 +144,19 @@ def load_serving_adapter(
 ) -> PeftModel:
     """``model`` with the adapter of a folder :func:`export_serving_adapter` wrote (or any adapter in that layout),
     as a PEFT LoRA in our layout: the experts' factors fused back into ``target_parameters`` adapters. It computes
-    what the exported adapter did (the same factors; a folded scale makes the B factors differ by one rounding)."""
+    what the exported adapter did (the same factors; a folded scale makes the B factors differ by one rounding).
+    Raises for a model that is not ours or is bitsandbytes-quantized, and for an adapter of another base."""
+    if not isinstance(model, DeepseekV41ForCausalLM):
+        raise TypeError(
+            f"load_serving_adapter takes a DeepseekV41ForCausalLM (the base the adapter was exported from), got "
+            f"{type(model).__name__}"
+        )
+    if _quant_method(model.config) == "bitsandbytes":
+        raise ValueError(
+            "the model is bitsandbytes-quantized (NF4 / int8): an adapter in the serving layout adapts the release's "
+            "FP8 / FP4 (or bf16) weights, not NF4 / int8 ones. Load the base in bf16 or natively (from_pretrained "
+            "of the released folder) and the adapter onto it"
+        )
     folder = Path(adapter_dir)
     serving = _read_json(folder / CONFIG_FILE)
     marker = serving.get(FORMAT_FIELD) or {}

@@ -44,7 +44,7 @@ DSPARK = dict(
     dspark_n_routed_experts=2,
     dspark_n_activated_experts=1,
 )
-TARGETS = ["wq_a", "wkv", "wo_b", "w1", "w2", "w3", "lm_head"]
+TARGETS = ["wq_a", "wkv", "wo_b", "w1", "w2", "w3"]
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 BASE, ADAPTER = "dsv41-demo/model", "dsv41-lora/adapter"  # where the README's snippets put them
 
@@ -102,7 +102,6 @@ def test_keys_are_the_release_names_with_per_expert_factors(trained):
         "layers.1.attn.compressor.wkv": ((r, D), (config.head_dim, r)),
         "layers.0.ffn.shared_experts.w1": ((r, D), (I, r)),
         "layers.0.ffn.shared_experts.w2": ((r, I), (D, r)),
-        "head": ((r, D), (config.vocab_size, r)),
         **{
             f"layers.{i}.ffn.experts.{e}.{w}": ((r, I), (D, r)) if w == "w2" else ((r, D), (I, r))
             for i in range(config.num_hidden_layers)
@@ -127,7 +126,7 @@ def test_keys_are_the_release_names_with_per_expert_factors(trained):
     ]
     assert serving["base_model_name_or_path"] == BASE
     assert (serving["r"], serving["lora_alpha"], serving["use_rslora"]) == (2, 4, False)
-    assert set(serving["target_modules"]) == {"wq_a", "wkv", "wo_b", "w1", "w2", "w3", "head"}
+    assert set(serving["target_modules"]) == {"wq_a", "wkv", "wo_b", "w1", "w2", "w3"}
 
     # each expert's factors are PEFT's own: its delta scaling·B_e·A_e is PEFT's delta of that expert, w1 the first I
     # rows of gate_up_proj and w3 the rest (exact: the same products of the same numbers)
@@ -209,7 +208,7 @@ def test_a_rank_pattern_is_folded_into_one_scale(tmp_path):
     config = LoraConfig(
         r=2,
         lora_alpha=4,
-        target_modules=["wo_b", "lm_head"],
+        target_modules=["wo_b", "wq_a"],
         target_parameters=EXPERTS,
         rank_pattern={"wo_b": 4},
         alpha_pattern={"wo_b": 3},
@@ -263,6 +262,15 @@ def test_what_vllm_does_not_serve_is_refused(tmp_path, config, message):
     config.save_pretrained(tmp_path / "adapter")
     with pytest.raises(ValueError, match=message):
         export_serving_adapter(tmp_path / "adapter", tmp_path / "out", base=tiny_config())
+
+
+@pytest.mark.parametrize("targets, adapted", [(["lm_head"], "lm_head"), (["embed"], "model.embed")])
+def test_an_adapted_embedding_or_head_is_refused(tmp_path, targets, adapted):
+    """vLLM's DeepSeek-V4 model takes no LoRA on its embed_tokens / lm_head: an adapter of either is refused (with
+    the attention adapted beside it), not written under names vLLM would not find."""
+    with pytest.raises(ValueError, match=rf"adapts {adapted}: vLLM's DeepSeek-V4 LoRA serves no adapter on the token"):
+        export_serving_adapter(meta_adapter(r=2, target_modules=["wq_a", *targets]), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bitsandbytes_base_is_refused(tmp_path):

@@ -592,8 +592,9 @@ class DeepseekV41VisionConfig(PreTrainedConfig):
             raise ValueError(f"vision max_wh_ratio must be None or ≥ 1, got {self.max_wh_ratio!r}")
 
 
-# the flat reference `inference/config.json` (ModelArgs) → our nested keys
-_REFERENCE_TEXT_KEYS = {
+# the flat reference `inference/config.json` (ModelArgs) key → our text / vision config's key: read by
+# `reference_to_config_dict`, and written back by the release exporter
+REFERENCE_TEXT_KEYS = {
     "vocab_size": "vocab_size",
     "dim": "hidden_size",
     "moe_inter_dim": "moe_intermediate_size",
@@ -649,7 +650,7 @@ _REFERENCE_TEXT_KEYS = {
     },
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
-_REFERENCE_VISION_KEYS = {
+REFERENCE_VISION_KEYS = {
     "vision_n_layers": "num_hidden_layers",
     "vision_dim": "hidden_size",
     "vision_n_heads": "num_attention_heads",
@@ -726,10 +727,10 @@ def reference_to_config_dict(ref: dict[str, Any]) -> dict[str, Any]:
     storage: dict[str, Any] = {}
     yarn = _default_yarn()
     for key, value in ref.items():
-        if key in _REFERENCE_TEXT_KEYS:
-            text[_REFERENCE_TEXT_KEYS[key]] = list(value) if isinstance(value, (list, tuple)) else value
-        elif key in _REFERENCE_VISION_KEYS:
-            vision[_REFERENCE_VISION_KEYS[key]] = value
+        if key in REFERENCE_TEXT_KEYS:
+            text[REFERENCE_TEXT_KEYS[key]] = list(value) if isinstance(value, (list, tuple)) else value
+        elif key in REFERENCE_VISION_KEYS:
+            vision[REFERENCE_VISION_KEYS[key]] = value
         elif key == "original_seq_len":
             yarn["original_max_position_embeddings"] = value
         elif key == "rope_factor":
@@ -858,6 +859,8 @@ __all__ = [
     "DeepseekV41VisionConfig",
     "LayerSpec",
     "PRESETS_DIR",
+    "REFERENCE_TEXT_KEYS",
+    "REFERENCE_VISION_KEYS",
     "check_required_keys",
     "released_quantization_dict",
 ]

@@ -11,12 +11,14 @@ import os
 import shlex
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, get_peft_model
 from peft.tuners.lora import ParamWrapper
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
 from transformers.integrations.finegrained_fp8 import FP8Linear
 
 from documentation import REPO_ROOT, command_lines
@@ -42,7 +44,7 @@ DSPARK = dict(
     dspark_n_routed_experts=2,
     dspark_n_activated_experts=1,
 )
-TARGETS = ["wq_a", "wkv", "wo_b", "w1", "w2", "w3", "lm_head"]
+TARGETS = ["wq_a", "wkv", "wo_b", "w1", "w2", "w3"]
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 BASE, ADAPTER = "dsv41-demo/model", "dsv41-lora/adapter"  # where the README's snippets put them
 
@@ -100,7 +102,6 @@ def test_keys_are_the_release_names_with_per_expert_factors(trained):
         "layers.1.attn.compressor.wkv": ((r, D), (config.head_dim, r)),
         "layers.0.ffn.shared_experts.w1": ((r, D), (I, r)),
         "layers.0.ffn.shared_experts.w2": ((r, I), (D, r)),
-        "head": ((r, D), (config.vocab_size, r)),
         **{
             f"layers.{i}.ffn.experts.{e}.{w}": ((r, I), (D, r)) if w == "w2" else ((r, D), (I, r))
             for i in range(config.num_hidden_layers)
@@ -125,7 +126,7 @@ def test_keys_are_the_release_names_with_per_expert_factors(trained):
     ]
     assert serving["base_model_name_or_path"] == BASE
     assert (serving["r"], serving["lora_alpha"], serving["use_rslora"]) == (2, 4, False)
-    assert set(serving["target_modules"]) == {"wq_a", "wkv", "wo_b", "w1", "w2", "w3", "head"}
+    assert set(serving["target_modules"]) == {"wq_a", "wkv", "wo_b", "w1", "w2", "w3"}
 
     # each expert's factors are PEFT's own: its delta scaling·B_e·A_e is PEFT's delta of that expert, w1 the first I
     # rows of gate_up_proj and w3 the rest (exact: the same products of the same numbers)
@@ -145,6 +146,31 @@ def test_the_exported_folder_loads_back_with_the_same_logits(trained, caplog):
     served = load_serving_adapter(fresh_base(trained), trained["exported"]).eval()
     # the same factors, bit for bit, in the same PEFT layers of the same base: the same computation, exactly (fp32)
     torch.testing.assert_close(logits(served, trained["ids"]), trained["logits"], rtol=0, atol=0)
+
+
+def test_the_exported_folder_loads_back_in_a_fresh_process(trained, tmp_path):
+    """Exported here, read back with ``load_serving_adapter`` onto the base loaded in a new process: the adapter's
+    logits, exactly (the same factors in the same layers, fp32)."""
+    torch.save({"ids": trained["ids"], "logits": trained["logits"]}, tmp_path / "expected.pt")
+    script = textwrap.dedent(
+        f"""
+        import json, torch
+        from modeling_dsv41 import DeepseekV41ForCausalLM
+        from modeling_dsv41.serving.adapter_export import load_serving_adapter
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        base = DeepseekV41ForCausalLM.from_pretrained({str(trained["root"] / BASE)!r}).eval()
+        served = load_serving_adapter(base, {str(trained["exported"])!r}).eval()
+        with torch.no_grad():
+            got = served(input_ids=expected["ids"]).logits
+        print(json.dumps({{"equal": torch.equal(got, expected["logits"])}}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"equal": True}
 
 
 def test_a_saved_adapter_folder_exports_the_same_tensors(trained, tmp_path, caplog, monkeypatch):
@@ -182,7 +208,7 @@ def test_a_rank_pattern_is_folded_into_one_scale(tmp_path):
     config = LoraConfig(
         r=2,
         lora_alpha=4,
-        target_modules=["wo_b", "lm_head"],
+        target_modules=["wo_b", "wq_a"],
         target_parameters=EXPERTS,
         rank_pattern={"wo_b": 4},
         alpha_pattern={"wo_b": 3},
@@ -238,6 +264,15 @@ def test_what_vllm_does_not_serve_is_refused(tmp_path, config, message):
         export_serving_adapter(tmp_path / "adapter", tmp_path / "out", base=tiny_config())
 
 
+@pytest.mark.parametrize("targets, adapted", [(["lm_head"], "lm_head"), (["embed"], "model.embed")])
+def test_an_adapted_embedding_or_head_is_refused(tmp_path, targets, adapted):
+    """vLLM's DeepSeek-V4 model takes no LoRA on its embed_tokens / lm_head: an adapter of either is refused (with
+    the attention adapted beside it), not written under names vLLM would not find."""
+    with pytest.raises(ValueError, match=rf"adapts {adapted}: vLLM's DeepSeek-V4 LoRA serves no adapter on the token"):
+        export_serving_adapter(meta_adapter(r=2, target_modules=["wq_a", *targets]), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_bitsandbytes_base_is_refused(tmp_path):
     LoraConfig(r=2, target_modules=["wq_a"]).save_pretrained(tmp_path / "adapter")
     base = tiny_config()
@@ -262,6 +297,23 @@ def test_an_adapter_of_another_base_is_refused(trained, tmp_path):
     # and the serving layout into a model of another size
     with pytest.raises(ValueError, match="another base"):
         load_serving_adapter(tiny_models.tiny_model(tiny_config(q_lora_rank=16)), trained["exported"])
+
+
+def test_a_base_of_another_model_type_is_refused(trained, tmp_path):
+    """An adapter checked against another model type's config, and the serving layout loaded into a model that is
+    not ours: each a clear error naming what it got."""
+    with pytest.raises(ValueError, match=r"its base is a llama model, not DeepSeek-V4\.1 \(deepseek_v41"):
+        export_serving_adapter(trained["root"] / ADAPTER, tmp_path / "out", base=LlamaConfig())
+    with pytest.raises(TypeError, match="takes a DeepseekV41ForCausalLM.*got Linear"):
+        load_serving_adapter(torch.nn.Linear(4, 4), trained["exported"])
+
+
+def test_loading_onto_a_bitsandbytes_base_is_refused(trained):
+    base = fresh_base(trained)
+    base.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with pytest.raises(ValueError, match=r"bitsandbytes-quantized \(NF4 / int8\).*bf16 or natively"):
+        load_serving_adapter(base, trained["exported"])
+    assert not hasattr(base, "peft_config")  # refused before any adapter went in
 
 
 def test_experts_of_different_ranks_are_refused_on_reading(trained, tmp_path):

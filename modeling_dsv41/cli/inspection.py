@@ -337,9 +337,9 @@ def format_full_training_plan(
     """The per-device table ``dsv41 inspect --devices NODESxGPUSxSIZE --train full`` prints: full fine-tuning with the
     mixed optimizer on the expert-parallel mesh, in both precisions, per-device totals by EP size, and the smallest
     number of 8×80 GiB and 8×141 GiB nodes that fits."""
-    from ..training.full_planning import PRECISIONS, _totals, ep_sizes, plan_full_training, smallest_fit
+    from ..training.full_planning import PRECISIONS, ep_sizes, model_totals, plan_full_training, smallest_fit
 
-    totals = {precision: _totals(model, precision) for precision in PRECISIONS}
+    totals = {precision: model_totals(model, precision) for precision in PRECISIONS}
 
     def plan(precision: str, ep: int, nodes: int = nodes, per_node: int = per_node, capacity: int = capacity):
         return plan_full_training(

@@ -15,8 +15,10 @@ take no delta).
 
 Merging: ``merge_and_unload()`` cannot fold a delta into FP8 / FP4 storage without rounding it away (most LoRA
 deltas are far below one quantization step). An adapted module is merged into a dequantized copy instead: an FP8
-Linear becomes a bf16 ``nn.Linear``, the FP4 experts bf16 ``DeepseekV41Experts``, each holding dequantized base +
-delta; the modules without adapters stay quantized. In-place merging (``merge_adapter()``) is refused.
+Linear becomes an ``nn.Linear``, the FP4 experts ``DeepseekV41Experts``, each holding dequantized base +
+delta, in the model's compute dtype (the ``dtype`` it was loaded in: bf16 by default, fp32 with
+``dtype=torch.float32``); the modules without adapters stay quantized. In-place merging (``merge_adapter()``) is
+refused.
 """
 
 from __future__ import annotations
@@ -34,13 +36,25 @@ from ..moe import DeepseekV41Experts
 from ..codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
 from .native_precision import FP4KernelExperts, WeightOnlyFP4Experts, fp4_experts_forward
 
-# what a merged module holds: the released model's compute dtype, as FineGrainedFP8Config(dequantize=True) loads it
-MERGED_DTYPE = torch.bfloat16
 _IN_PLACE_MERGE = (
     "merging a LoRA adapter in place into FP8 / FP4 weights would round its delta away (most of it is below one "
     "quantization step). Call merge_and_unload(): it merges each adapted module of a natively loaded model into a "
-    "dequantized bf16 copy."
+    "dequantized copy in the model's compute dtype."
 )
+
+
+def merged_dtype(base: nn.Module) -> torch.dtype:
+    """The dtype ``merge_and_unload()``'s copy of the quantized ``base`` holds: the model's compute dtype (the
+    ``dtype`` it was loaded in), which the module's inputs have, so that the merged model runs as the adapter did.
+    Natively loaded FP8 / FP4 modules carry it from the loader (``model_dtype``), bitsandbytes' experts in their
+    config."""
+    dtype = base.config.dtype if isinstance(base, BnbExperts) else getattr(base, "model_dtype", None)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(
+            f"cannot tell the compute dtype of the model around this {type(base).__name__} (got {dtype!r}): merging "
+            "needs a model loaded with from_pretrained, whose loader records it"
+        )
+    return dtype
 
 
 def _is_released_fp4(experts: nn.Module) -> bool:
@@ -133,8 +147,9 @@ class ParamWrapper(PeftParamWrapper):
     def unload_and_optionally_merge_module(
         self, merge: bool, safe_merge: bool, adapter_names: list[str] | None
     ) -> nn.Module:
-        """The FP4 experts (``merge=False``), or bf16 :class:`DeepseekV41Experts` holding every expert's dequantized
-        weights plus the deltas of this wrapper and those it wraps: computed as the adapted forward computes them."""
+        """The FP4 experts (``merge=False``), or :class:`DeepseekV41Experts` in the model's compute dtype
+        (:func:`merged_dtype`) holding every expert's dequantized weights plus the deltas of this wrapper and those it
+        wraps: computed as the adapted forward computes them."""
         experts = self.get_base_layer()
         if not merge:
             return experts
@@ -142,6 +157,7 @@ class ParamWrapper(PeftParamWrapper):
         while isinstance(layer, ParamWrapper):
             wrappers[layer.parameter_name] = layer
             layer = layer.base_layer
+        dtype = merged_dtype(experts)
         with torch.device("meta"):
             merged = DeepseekV41Experts(experts.config, experts.num_experts)
         for name in ("gate_up_proj", "down_proj"):
@@ -149,10 +165,10 @@ class ParamWrapper(PeftParamWrapper):
             if name in wrappers:
                 adapt = wrappers[name]._merged(check_adapters_to_merge(wrappers[name], adapter_names))
             shape = _logical_shape(experts, name)
-            weight = torch.empty(shape, dtype=MERGED_DTYPE, device=getattr(experts, name).device)
+            weight = torch.empty(shape, dtype=dtype, device=getattr(experts, name).device)
             with torch.no_grad():
                 for expert in range(shape[0]):
-                    dequantized = _dequantized_expert(experts, name, expert)
+                    dequantized = _dequantized_expert(experts, name, expert, dtype)
                     weight[expert] = dequantized if adapt is None else adapt(expert, dequantized)
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError(f"NaNs or infinities in the merged {name}: the adapter seems to be broken")
@@ -168,17 +184,18 @@ def _logical_shape(experts: nn.Module, name: str) -> tuple[int, int, int]:
     return num_experts, rows, 2 * packed_columns
 
 
-def _dequantized_expert(experts: nn.Module, name: str, expert: int) -> torch.Tensor:
-    """Expert ``expert``'s weight ``name`` [out, in] of released FP4 or bitsandbytes ``experts``, in the merged dtype."""
+def _dequantized_expert(experts: nn.Module, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``expert``'s weight ``name`` [out, in] of released FP4 or bitsandbytes ``experts``, in ``dtype``."""
     if isinstance(experts, BnbExperts):
-        return experts.dequantize(name, expert, dtype=MERGED_DTYPE)
+        return experts.dequantize(name, expert, dtype=dtype)
     packed, scales = getattr(experts, name), getattr(experts, f"{name}_scale_inv")
-    return dequantize_released_weight(packed[expert], scales[expert], 2 * packed.shape[-1], MERGED_DTYPE)
+    return dequantize_released_weight(packed[expert], scales[expert], 2 * packed.shape[-1], dtype)
 
 
 class FP8LoraLinear(LoraLinear):
-    """PEFT's ``lora.Linear`` on a released FP8 Linear, whose ``merge_and_unload`` gives a bf16 ``nn.Linear`` (the
-    dequantized weight plus the delta, summed in fp32) instead of adding the delta to the FP8 bytes."""
+    """PEFT's ``lora.Linear`` on a released FP8 Linear, whose ``merge_and_unload`` gives an ``nn.Linear`` in the
+    model's compute dtype (:func:`merged_dtype`; the dequantized weight plus the delta, summed in fp32) instead of
+    adding the delta to the FP8 bytes."""
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise ValueError(_IN_PLACE_MERGE)
@@ -189,6 +206,7 @@ class FP8LoraLinear(LoraLinear):
         base = self.get_base_layer()
         if not merge:
             return base
+        dtype = merged_dtype(base)
         with torch.no_grad():
             weight = dequantize_released_weight(base.weight, base.weight_scale_inv, base.in_features, torch.float32)
             for name in check_adapters_to_merge(self, adapter_names):
@@ -197,9 +215,9 @@ class FP8LoraLinear(LoraLinear):
             if safe_merge and not torch.isfinite(weight).all():
                 raise ValueError("NaNs or infinities in a merged Linear: the adapter seems to be broken")
             merged = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
-            merged.weight = nn.Parameter(weight.to(MERGED_DTYPE), requires_grad=False)
+            merged.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
             if base.bias is not None:
-                merged.bias = nn.Parameter(base.bias.detach().to(MERGED_DTYPE), requires_grad=False)
+                merged.bias = nn.Parameter(base.bias.detach().to(dtype), requires_grad=False)
         return merged
 
 
@@ -231,4 +249,4 @@ def install_peft_dispatch() -> None:
     LoraModel._create_new_module = staticmethod(_create_new_module)
 
 
-__all__ = ["FP8LoraLinear", "MERGED_DTYPE", "ParamWrapper", "install_peft_dispatch"]
+__all__ = ["FP8LoraLinear", "ParamWrapper", "install_peft_dispatch", "merged_dtype"]

@@ -111,6 +111,27 @@ def released_quantization_config(model: nn.Module, **kwargs) -> DeepseekV41FP8Co
     return DeepseekV41FP8Config(modules_to_not_convert=modules_kept_in_high_precision(model), **kwargs)
 
 
+def saved_quantization_config(model: nn.Module):
+    """The ``quantization_config`` a save of the natively loaded ``model`` writes: its own, where ``model`` holds no
+    unquantized copy of a module the release stores FP8 / FP4; else a copy whose ``modules_to_not_convert`` also names
+    those modules (merged by ``merge_and_unload()``: plain ``nn.Linear`` / :class:`DeepseekV41Experts`), so that they
+    load back as they were saved rather than as FP8 / FP4 modules missing their scales."""
+    config = model.config.quantization_config
+    merged = [
+        re.escape(name)
+        for name, module in model.named_modules()
+        if (type(module) is nn.Linear and _NATIVE_FP8_LINEAR.search(name)) or type(module) is DeepseekV41Experts
+    ]
+    if not merged:
+        return config
+    config = copy.deepcopy(config)
+    if isinstance(config, dict):
+        config["modules_to_not_convert"] = [*(config.get("modules_to_not_convert") or []), *merged]
+    else:
+        config.modules_to_not_convert = [*(config.modules_to_not_convert or []), *merged]
+    return config
+
+
 def _tuner_layers(model: nn.Module) -> list[nn.Module]:
     """The adapter layers PEFT put in ``model``."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -466,9 +487,12 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         super()._process_model_after_weight_loading(model, **kwargs)
-        for module in model.modules():  # frozen: the loader hands them over as parameters that require a gradient
+        for module in model.modules():
             if isinstance(module, (FP8Linear, FP8Experts)):
+                # frozen: the loader hands them over as parameters that require a gradient
                 module.requires_grad_(False)
+                # the dtype of their inputs and outputs (the load's `dtype`): what a merged copy of them holds
+                module.model_dtype = model.config.dtype
         self._model = weakref.ref(model)  # for `is_trainable`, which transformers asks without the model
 
     @property
@@ -496,4 +520,5 @@ __all__ = [
     "frozen_quantized_linear",
     "modules_kept_in_high_precision",
     "released_quantization_config",
+    "saved_quantization_config",
 ]

@@ -26,6 +26,7 @@ from configuration.remote_code import (
 from ..pipeline import maybe_distribute_model
 from ..placement import engram_device_map, hook_split_layers, place_loaded_engram_tables, requested_table_placement
 from .conversions import NOT_LOADED_WITHOUT_DSPARK, in_our_layout
+from .native_precision import DeepseekV41FP8Quantizer, saved_quantization_config
 from .loading import finish_checkpoint_load, loads_natively, prepare_checkpoint_load, released_storage_loading
 from .reading import hub_arguments
 
@@ -135,11 +136,17 @@ class ReleasedCheckpointMixin:
         push = pop_push_arguments(save_directory, kwargs) if push_to_hub else None
         # a model built from a config that describes quantized storage (the release's) holds plain weights
         stored = None if quantized else self.config.__dict__.pop("quantization_config", None)
+        native = isinstance(getattr(self, "hf_quantizer", None), DeepseekV41FP8Quantizer)
+        loaded_quantization = self.config.quantization_config if native else None
+        if native:  # modules merge_and_unload() made unquantized copies of load back as saved
+            self.config.quantization_config = saved_quantization_config(self)
         try:
             super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
         finally:
             if stored is not None:
                 self.config.quantization_config = stored
+            if native:
+                self.config.quantization_config = loaded_quantization
         if not kwargs.get("is_main_process", True):
             return
         if is_project_class(type(self)):  # (remote code running as such is saved by transformers itself)

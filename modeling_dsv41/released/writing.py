@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +38,12 @@ _RELEASED_QUANTIZERS = (
     (_RELEASED_FP4_ROWS, quantize_fp4_rows),
     (_RELEASED_FP8_ROWS, quantize_fp8_rows),
 )
+
+
+def released_quantizer(name: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """The quantizer (:mod:`~modeling_dsv41.codec`: weight → stored bytes, scale) the release stores the tensor of
+    released name ``name`` with, or None where it stores it as it is."""
+    return next((quantize for pattern, quantize in _RELEASED_QUANTIZERS if pattern.match(name)), None)
 
 
 def _reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -77,7 +84,7 @@ def released_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state.pop("engram_hasher.token_map", None)
     out = {}
     for name, tensor in state.items():
-        quantize = next((q for pattern, q in _RELEASED_QUANTIZERS if pattern.match(name)), None)
+        quantize = released_quantizer(name)
         stored = name.endswith(_WEIGHT) and name[: -len(_WEIGHT)] + _SCALE in state
         if quantize is None or stored:
             out[name] = tensor
@@ -125,4 +132,4 @@ def save_released_checkpoint(
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-__all__ = ["released_layout_state_dict", "released_state_dict", "save_released_checkpoint"]
+__all__ = ["released_layout_state_dict", "released_quantizer", "released_state_dict", "save_released_checkpoint"]

@@ -2,8 +2,9 @@
 (``dsv41 export --format vllm-lora``, docs/serving.md).
 
 vLLM strips ``base_model.model.`` from an adapter's keys and finds each module by the release's checkpoint names:
-``layers.{i}.attn.wq_a``, ``embed``, ``head``, and every routed expert as its own ``layers.{L}.ffn.experts.{e}.w1`` /
-``w3`` / ``w2`` with the factors of an ``[out, in]`` matrix. Inside our backbone the module names already are the
+``layers.{i}.attn.wq_a``, and every routed expert as its own ``layers.{L}.ffn.experts.{e}.w1`` /
+``w3`` / ``w2`` with the factors of an ``[out, in]`` matrix. It takes no LoRA on the token embedding or the LM head,
+so an adapter of those is refused. Inside our backbone the module names already are the
 release's (docs/design.md §3) but the experts are fused: PEFT adapts ``gate_up_proj`` [E, 2·I, D] and ``down_proj``
 [E, D, I] (``target_parameters``) with one factor pair per tensor, lora_A [r·E, in] whose expert e is
 ``A.view(E, r, in)[e]`` and lora_B [out, r·E] whose expert e is ``B.view(out, r, E)[..., e]`` (PEFT's
@@ -50,6 +51,9 @@ _SKIPPED_PREFIX = "mtp."  # vLLM's lora_skip_prefixes: the DSpark draft head
 # compressor's wkv + wgate, w1 + w3) into one LoRA slot, of one rank
 _PACKED = ("wq_a", "wkv", "wgate", "w1", "w3")
 _EXPERT_KEY = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])$")
+# ours → vLLM's: modules vLLM's DeepSeek-V4 model takes no LoRA on (no `embedding_modules`, and its VocabParallelEmbedding
+# / ParallelLMHead are not the Linear layers it adapts; its weights mapper renames only `embed.weight` / `head.weight`)
+_UNSERVED = {"model.embed": "model.embed_tokens", "lm_head": "lm_head"}
 
 
 @dataclass
@@ -62,7 +66,6 @@ class _Factors:
     lora_b: torch.Tensor
     rank: int
     scaling: float
-    embedding: bool = False
     parameter: str | None = None
 
 
@@ -78,7 +81,8 @@ def export_serving_adapter(
     ``base``: the config the adapter was trained on, checked against every factor's shape; by default the
     ``PeftModel``'s own, or the ``config.json`` in the adapter's ``base_model_name_or_path`` folder. Returns the
     counts of tensors and modules written and the modules left out. Raises ValueError for what vLLM cannot serve
-    the same way (DoRA, ``modules_to_save``, LoRA bias, ranks that differ inside one of vLLM's slots), a bitsandbytes
+    the same way (DoRA, ``modules_to_save``, LoRA bias, ranks that differ inside one of vLLM's slots, the embedding
+    or the LM head adapted), a bitsandbytes
     base, a non-LoRA adapter, or an adapter of another model.
     """
     out = Path(out_dir)
@@ -108,6 +112,14 @@ def export_serving_adapter(
             len(skipped),
         )
     factors = [f for f in factors if not f.name.startswith(_SKIPPED_PREFIX)]
+    unserved = sorted(f.name for f in factors if f.name in _UNSERVED)
+    if unserved:
+        raise ValueError(
+            f"{source} adapts {' and '.join(unserved)}: vLLM's DeepSeek-V4 LoRA serves no adapter on the token "
+            f"embedding or the LM head ({', '.join(_UNSERVED[n] for n in unserved)} there take no LoRA). Train the "
+            "adapter without them (target the attention and the experts), or merge it (merge_and_unload) and serve "
+            "the merged model"
+        )
     if not factors:
         raise ValueError(f"{source} adapts only the DSpark draft head (mtp.*), which vLLM skips: nothing to export")
     _check_slot_ranks(factors, source)
@@ -144,7 +156,19 @@ def load_serving_adapter(
 ) -> PeftModel:
     """``model`` with the adapter of a folder :func:`export_serving_adapter` wrote (or any adapter in that layout),
     as a PEFT LoRA in our layout: the experts' factors fused back into ``target_parameters`` adapters. It computes
-    what the exported adapter did (the same factors; a folded scale makes the B factors differ by one rounding)."""
+    what the exported adapter did (the same factors; a folded scale makes the B factors differ by one rounding).
+    Raises for a model that is not ours or is bitsandbytes-quantized, and for an adapter of another base."""
+    if not isinstance(model, DeepseekV41ForCausalLM):
+        raise TypeError(
+            f"load_serving_adapter takes a DeepseekV41ForCausalLM (the base the adapter was exported from), got "
+            f"{type(model).__name__}"
+        )
+    if _quant_method(model.config) == "bitsandbytes":
+        raise ValueError(
+            "the model is bitsandbytes-quantized (NF4 / int8): an adapter in the serving layout adapts the release's "
+            "FP8 / FP4 (or bf16) weights, not NF4 / int8 ones. Load the base in bf16 or natively (from_pretrained "
+            "of the released folder) and the adapter onto it"
+        )
     folder = Path(adapter_dir)
     serving = _read_json(folder / CONFIG_FILE)
     marker = serving.get(FORMAT_FIELD) or {}
@@ -340,7 +364,6 @@ def _factors(tree: nn.Module, state: dict[str, torch.Tensor], adapter_name: str,
                 *pair,
                 module.r[adapter_name],
                 module.scaling[adapter_name],
-                embedding,
                 parameter,
             )
         )
@@ -390,8 +413,6 @@ def _serving_tensors(f: _Factors, rescale: float, intermediate: int) -> dict[str
     the fused experts split into each expert's ``w1`` / ``w3`` (gate_up) or ``w2`` (down)."""
     lora_b = f.lora_b if rescale == 1 else (f.lora_b.float() * rescale).to(f.lora_b.dtype)
     name = _PEFT_PREFIX + _release_name(f.name)
-    if f.embedding:
-        return {f"{name}.lora_embedding_A": f.lora_a.contiguous(), f"{name}.lora_embedding_B": lora_b.contiguous()}
     if f.parameter is None:
         return {f"{name}.lora_A.weight": f.lora_a.contiguous(), f"{name}.lora_B.weight": lora_b.contiguous()}
     experts = f.lora_a.shape[0] // f.rank

@@ -39,7 +39,7 @@ from ..codec import dequantize_released_weight, quantize_fp4_rows, quantize_fp8_
 from ..moe import routed_experts_forward
 from ..released.native_lora import FP8LoraLinear, ParamWrapper
 from ..released.native_precision import DeepseekV41FP8Quantizer
-from ..released.writing import _RELEASED_QUANTIZERS
+from ..released.writing import released_quantizer
 
 DEFAULT_MIN_KEPT = 0.9
 INTO = ("released", "bf16")
@@ -172,7 +172,7 @@ def _release_quantizer(name: str):
     """The quantizer :func:`~..released.writing.save_released_checkpoint` applies to our Linear ``name``'s weight (a
     Linear a native load dequantized, such as the Engram ``wkv``), or None where the release stores it as it is."""
     released = "head" if name == "lm_head" else name.removeprefix("model.")
-    return next((q for pattern, q in _RELEASED_QUANTIZERS if pattern.match(f"{released}.weight")), None)
+    return released_quantizer(f"{released}.weight")
 
 
 def _plain_site(name: str, layer: PeftLoraLinear, into: str) -> _Site:

@@ -27,8 +27,8 @@ from torch import nn
 
 from configuration import DeepseekV41Config
 from configuration.configuration_dsv41 import (
-    _REFERENCE_TEXT_KEYS,
-    _REFERENCE_VISION_KEYS,
+    REFERENCE_TEXT_KEYS,
+    REFERENCE_VISION_KEYS,
     released_quantization_dict,
 )
 
@@ -175,7 +175,7 @@ def reference_config_dict(config: DeepseekV41Config) -> dict[str, Any]:
     released storage (``dtype="fp8"``, ``expert_dtype="fp4"``). The inverse of ``from_reference_dict``, checked."""
     text, vision = config.text_config, config.vision_config
     flat: dict[str, Any] = {"dtype": "fp8", "expert_dtype": "fp4"}
-    flat |= {ref: getattr(text, ours) for ref, ours in _REFERENCE_TEXT_KEYS.items()}
+    flat |= {ref: getattr(text, ours) for ref, ours in REFERENCE_TEXT_KEYS.items()}
     yarn = text.compress_rope_scaling
     if yarn.get("rope_type") == "yarn":
         flat |= {
@@ -187,7 +187,7 @@ def reference_config_dict(config: DeepseekV41Config) -> dict[str, Any]:
     else:
         flat["original_seq_len"] = 0  # the reference's "no YaRN"
     if vision is not None:
-        flat |= {ref: getattr(vision, ours) for ref, ours in _REFERENCE_VISION_KEYS.items()}
+        flat |= {ref: getattr(vision, ours) for ref, ours in REFERENCE_VISION_KEYS.items()}
         flat["image_token_id"] = config.image_token_id
     else:
         flat["vision_n_layers"] = 0

@@ -84,7 +84,7 @@ def _state_buffers(kind: str) -> int:
 
 
 @dataclass
-class _Totals:
+class ModelTotals:
     """What a plan needs from the model, summed once per precision (bytes unless said otherwise)."""
 
     trainable_parameters: int = 0
@@ -99,7 +99,9 @@ class _Totals:
     layers: dict[str, list[float]] = field(default_factory=dict)
 
 
-def _totals(model: nn.Module, precision: str) -> _Totals:
+def model_totals(model: nn.Module, precision: str) -> ModelTotals:
+    """``model``'s sums a full-training plan needs in ``precision`` (one of :data:`PRECISIONS`): computed once and
+    passed to :func:`plan_full_training` for every mesh tried."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     master = precision == "fp32 master"
@@ -107,7 +109,7 @@ def _totals(model: nn.Module, precision: str) -> _Totals:
     kept = {id(p) for p in _kept_fp32(model)}
     replicated = {id(p) for p in _split_fp32(model)[1]} if master else set()
     unit_names = sorted(_fsdp_units(model), key=len, reverse=True)
-    totals = _Totals()
+    totals = ModelTotals()
     for name, p in model.named_parameters():
         n = p.numel()
         if is_engram_table_tensor(name):
@@ -150,7 +152,7 @@ def plan_full_training(
     precision: str = "fp32 master",
     seq_len: int = 4096,
     batch_size: int = 1,
-    totals: _Totals | None = None,
+    totals: ModelTotals | None = None,
 ) -> FullTrainingPlan:
     """Plan full fine-tuning of ``model`` (the causal LM on the meta device, in bf16 with its fp32-kept modules
     fp32) on ``nodes`` nodes of ``gpus_per_node`` devices of ``capacity`` bytes, experts split over ``ep_size``
@@ -162,7 +164,7 @@ def plan_full_training(
         raise ValueError(
             f"ep_size={ep_size} must divide the {world} devices and the {config.n_routed_experts} experts"
         )
-    totals = totals or _totals(model, precision)
+    totals = totals or model_totals(model, precision)
     plan.trainable_parameters = totals.trainable_parameters
     layer_cost = {name: (b[0], b[1] / ep_size, b[2] + b[3] / ep_size) for name, b in totals.layers.items()}
     plan.largest_layer, (gathered, experts, gradients) = max(layer_cost.items(), key=lambda item: sum(item[1]))
@@ -203,7 +205,7 @@ def smallest_fit(
 ) -> FullTrainingPlan | None:
     """The plan on the fewest nodes that fits, and on those nodes the smallest EP size that fits (the fewest ranks
     each all-to-all spans); None if even ``max_nodes`` nodes are not enough."""
-    totals = _totals(model, precision)
+    totals = model_totals(model, precision)
     for nodes in range(1, max_nodes + 1):
         for ep in ep_sizes(model, nodes * gpus_per_node):
             plan = plan_full_training(
@@ -221,4 +223,13 @@ def default_ep_size(model: nn.Module, nodes: int, gpus_per_node: int) -> int:
     return max(sizes) if sizes else 1
 
 
-__all__ = ["PRECISIONS", "FullTrainingPlan", "default_ep_size", "ep_sizes", "plan_full_training", "smallest_fit"]
+__all__ = [
+    "PRECISIONS",
+    "FullTrainingPlan",
+    "ModelTotals",
+    "default_ep_size",
+    "ep_sizes",
+    "model_totals",
+    "plan_full_training",
+    "smallest_fit",
+]

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import processing  # noqa: F401  registers the processor
     from modeling_dsv41 import DeepseekV41ForCausalLM
-    from modeling_dsv41.cli.demo import caption_exact_match
+    from modeling_dsv41.cli.demo_measure import caption_exact_match
     from modeling_dsv41.cli.demo_data import PROMPT, ShapesDataset
 
     torch.set_num_threads(args.threads)

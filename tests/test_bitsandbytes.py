@@ -1,6 +1,7 @@
 """bitsandbytes 8-bit and 4-bit (NF4 / FP4, double quantization) loading through BitsAndBytesConfig, the routed
-experts quantized too (modeling_dsv41/bnb_experts.py), QLoRA on them on CPU, and what the inspector says they hold
-(bitsandbytes is in the ``test`` extra as well as ``quant``, so these tests run in CI rather than skip)."""
+experts quantized too (modeling_dsv41/bnb_experts.py, loaded by modeling_dsv41/bnb_quantizer.py), QLoRA on them on
+CPU, and what the inspector says they hold (bitsandbytes is in the ``test`` extra as well as ``quant``, so these
+tests run in CI rather than skip)."""
 
 import collections
 import os
@@ -343,7 +344,7 @@ def test_4bit_linears_repacked_for_cpu_inference_give_the_same_gradients_after(c
 
 @pytest.mark.parametrize("fmt", ["nf4-double", "int8"])
 def test_quantized_model_logits_and_log_line(checkpoint, fmt, caplog):
-    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"):
+    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_quantizer"):
         model = _load(checkpoint, FORMATS[fmt])
     line = caplog.text
     assert "bitsandbytes" in line and "kept in high precision" in line and "lm_head" in line
@@ -358,7 +359,7 @@ def test_quantized_model_logits_and_log_line(checkpoint, fmt, caplog):
 
 def test_skipped_experts_stay_in_high_precision_and_are_logged(checkpoint, caplog):
     options = dict(NF4, llm_int8_skip_modules=["model.layers.1.ffn.experts"])
-    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"):
+    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_quantizer"):
         model = _load(checkpoint, options)
     assert type(model.model.layers[0].ffn.experts) is Bnb4bitExperts
     assert model.model.layers[1].ffn.experts.gate_up_proj.dtype == torch.bfloat16
@@ -367,7 +368,7 @@ def test_skipped_experts_stay_in_high_precision_and_are_logged(checkpoint, caplo
 
 
 def test_an_experts_implementation_the_quantized_experts_do_not_run_is_logged(checkpoint, caplog):
-    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"):
+    with caplog.at_level("WARNING", logger="modeling_dsv41.bnb_quantizer"):
         model = _load(checkpoint, FORMATS["nf4"], experts_implementation="batched_mm")
     assert "the quantized experts compute eagerly" in caplog.text and "'batched_mm'" in caplog.text
     assert torch.isfinite(_logits(model, torch.randint(0, 500, (1, 8)))).all()
@@ -564,7 +565,7 @@ def test_the_dspark_heads_experts_are_quantized_too(tmp_path):
 def test_saving_the_quantized_model_is_refused_saying_what_to_do(checkpoint, tmp_path, caplog):
     model = _load(checkpoint, FORMATS["nf4"])
     with (
-        caplog.at_level("WARNING", logger="modeling_dsv41.bnb_experts"),
+        caplog.at_level("WARNING", logger="modeling_dsv41.bnb_quantizer"),
         pytest.raises(ValueError, match="not serializable"),
     ):
         model.save_pretrained(tmp_path)

@@ -25,7 +25,6 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 PRESETS = ("deepseek-v4.1-flash", "tiny")
 
@@ -264,7 +263,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from .. import register
-    from .demo import DemoInterrupted, DemoSettings, choose_threads, run_demo
+    from .demo import DemoInterrupted, DemoSettings, run_demo
+    from .demo_report import choose_threads, format_demo_summary
 
     register()  # the export writes the Auto classes registered for the model into config.json
 
@@ -290,77 +290,6 @@ def _run_demo(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)  # as it was for the caller (the tests run the command in-process)
     print(format_demo_summary(report, time.perf_counter() - start))
     return 0
-
-
-# `report["timings_s"]` keys → the stage names the summary prints
-STAGE_NAMES = {
-    "build_and_baseline_s": "build + baseline",
-    "train_s": "fine-tuning",
-    "lora_s": "LoRA",
-    "dspark_s": "DSpark head",
-    "export_s": "export",
-    "reload_s": "reload check",
-}
-
-
-def _cell(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
-    settings = report["settings"]
-    eval_losses = [loss for _, loss in report["loss_curves"]["eval"]]
-    rows = [
-        ("caption exact match", report["before"]["exact_match"], report["after"]["exact_match"]),
-        ("eval loss (caption tokens)", *((eval_losses[0], eval_losses[-1]) if eval_losses else (None, None))),
-    ]
-    lines = [
-        "",
-        f"DeepSeek-V4.1 demo — {report['num_parameters']:,} parameters, {settings['steps']} training steps, "
-        f"{settings['num_eval']} held-out images",
-        f"{'':<28}{'untrained':>11}{'fine-tuned':>12}",
-        *(f"{name:<28}{_cell(a):>11}{_cell(b):>12}" for name, a, b in rows),
-        f"(a caption guesser scores {report['chance_exact_match']:.3f})",
-    ]
-    if report["lora"]:
-        lora = report["lora"]
-        before, after = lora["before"]["exact_match"], lora["after"]["exact_match"]
-        lines += [
-            "",
-            f"LoRA ({lora['trainable_parameters']:,} trainable parameters), "
-            f"new wording {report['samples'][0]['truth']!r}:",
-            f"{'':<28}{'fine-tuned':>11}{'+ LoRA':>12}",
-            f"{'caption exact match':<28}{_cell(before):>11}{_cell(after):>12}",
-        ]
-    dspark = report["dspark"]
-    lines += [
-        "",
-        f"DSpark speculative decoding (draft head trained {dspark['train_steps']} steps on the backbone's own "
-        f"predictions), greedy captions of {dspark['images']} held-out images in one batch:",
-        f"  plain {dspark['plain_tokens_per_s']:.1f} tokens/s, DSpark {dspark['dspark_tokens_per_s']:.1f} tokens/s "
-        f"({dspark['speedup']:.2f}x), {dspark['mean_accepted_length']:.2f} tokens per verification, captions "
-        f"{'identical' if dspark['captions_identical'] else 'DIFFER'}",
-    ]
-    lines += ["", f"{'image':<16}{'truth':<34}{'generated':<34}reloaded"]
-    for sample in report["samples"]:
-        lines.append(
-            f"{Path(sample['image']).name:<16}{sample['truth']:<34}{sample['in_process']:<34}"
-            f"{'same' if sample['reloaded'] == sample['in_process'] else sample['reloaded']}"
-        )
-    same = report["reloaded_generations_equal"]
-    lines += [
-        "",
-        f"Reloaded with AutoModelForCausalLM.from_pretrained(trust_remote_code=True) in a fresh process: "
-        f"generations {'equal' if same else 'DIFFER'}",
-        f"Hub-ready folder: {report['export_dir']}",
-        f"Also written: {Path(settings['output']) / 'loss.png'}, {Path(settings['output']) / 'report.json'}",
-        f"Time {seconds / 60:.1f} min (CPU time {report['cpu_time_s'] / 60:.1f} min), peak memory "
-        f"{report['peak_memory_bytes'] / 2**20:.0f} MiB, {report['threads']} thread{'s' * (report['threads'] != 1)} "
-        f"on {report['cpu']}",
-        "Wall time per stage: "
-        + ", ".join(f"{STAGE_NAMES.get(key, key)} {value:.1f} s" for key, value in report["timings_s"].items()),
-    ]
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------

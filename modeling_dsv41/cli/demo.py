@@ -15,7 +15,8 @@
    (``trust_remote_code=True``), caption sample images there and check they match the in-process captions.
 6. Write ``loss.png`` (training and eval loss) and ``report.json``.
 
-Ctrl-C during training saves a checkpoint; running again with the same output folder resumes from it.
+Ctrl-C during training saves a checkpoint; running again with the same output folder resumes from it. What is
+measured is :mod:`.demo_measure`'s, what is reported :mod:`.demo_report`'s.
 """
 
 from __future__ import annotations
@@ -23,19 +24,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from PIL import Image
 from transformers import GenerationConfig, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
@@ -45,11 +46,9 @@ from processing import IMAGE_TOKEN, DeepseekV41ImageProcessor, DeepseekV41Proces
 
 from . import demo_reload
 from .demo_data import CAPTIONS, IMAGE_SIZE, PROMPT, ShapesDataset, build_demo_tokenizer
-
-# choose_threads is not used here: the `dsv41 demo` command imports it from this module with the rest of the demo
-from .demo_report import choose_threads, cpu_name, cpu_seconds, loss_curves, peak_memory_bytes, plot_losses
+from .demo_measure import caption_exact_match, dspark_speed
+from .demo_report import card_results, loss_curves, write_report
 from ..engram import build_compressed_token_map
-from ..generation.cache import DeepseekV41Cache
 from ..hub.export import export_for_hub
 from ..modeling_dsv41 import DeepseekV41ForCausalLM
 from ..training.trainer import DeepseekV41Trainer, DeepseekV41TrainingArguments, last_complete_checkpoint
@@ -69,7 +68,6 @@ DEMO_DSPARK = {
     "dspark_target_layer_ids": [3, 4, 5],
     "dspark_markov_rank": 32,
 }
-DSPARK_TIMING_REPS = 2  # each decoding timed this many times, alternating; the fastest counts (least disturbed)
 MIN_FREE_BYTES = 200 * 2**20  # checkpoints, the export and the samples take ≈ 30 MB; keep a margin
 
 
@@ -176,19 +174,6 @@ class CaptionCollator:
         after_prompt = (is_marker.flip(1).cumsum(1).flip(1) == 0) & (is_marker.cumsum(1) > 0)
         labels = ids.masked_fill(~after_prompt | (batch["attention_mask"] == 0), -100)
         return {**batch, "labels": labels}
-
-
-def caption_exact_match(
-    model: Any, processor: Any, dataset: ShapesDataset, batch_size: int = 72
-) -> tuple[float, list[str]]:
-    """Share of ``dataset`` images whose greedy caption equals the true one, and the captions."""
-    model.eval()
-    predictions = []
-    for start in range(0, len(dataset), batch_size):
-        samples = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-        predictions += demo_reload.caption_images(model, processor, [s.image for s in samples], PROMPT)
-    truth = [dataset[i].caption for i in range(len(dataset))]
-    return sum(p == t for p, t in zip(predictions, truth)) / len(truth), predictions
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -330,66 +315,6 @@ def fine_tune(
     return trainer
 
 
-def _decoded_tokens(new: torch.Tensor, eos_token_id: int) -> int:
-    """Tokens generated in new [B, N]: each row's up to its first EOS (included), or all N."""
-    is_eos = new == eos_token_id
-    ended = is_eos.any(dim=1)
-    return int(torch.where(ended, is_eos.long().argmax(dim=1) + 1, new.shape[1]).sum())
-
-
-@torch.no_grad()
-def dspark_speed(model: DeepseekV41ForCausalLM, processor: DeepseekV41Processor, images: list) -> dict[str, Any]:
-    """Greedy captions of ``images`` in one batch (one ``generate`` call, as a batch is captioned), by plain cached
-    decoding and by DSpark speculative decoding (every row advancing by its own accepted length), timed in
-    alternation (the fastest of :data:`DSPARK_TIMING_REPS` each): tokens/s of both, their ratio, the mean accepted
-    length (tokens a row decodes per verification forward after the prefill's) and whether the tokens are
-    identical."""
-    model.eval()
-    greedy = dict(max_new_tokens=demo_reload.MAX_NEW_TOKENS, do_sample=False)
-    inputs = demo_reload.caption_inputs(processor, images, PROMPT)
-    seconds: dict[bool, list[float]] = {False: [], True: []}
-    outputs = {}
-    for _ in range(DSPARK_TIMING_REPS):
-        for use_mtp in (False, True):
-            start = time.perf_counter()
-            outputs[use_mtp] = model.generate(**inputs, use_mtp=use_mtp, **greedy)
-            seconds[use_mtp].append(time.perf_counter() - start)
-    prompt_len = inputs["input_ids"].shape[1]
-    tokens = _decoded_tokens(outputs[False][:, prompt_len:], model.generation_config.eos_token_id)
-    plain_rate, spec_rate = tokens / min(seconds[False]), tokens / min(seconds[True])
-    return {
-        "images": len(images),
-        "tokens": tokens,
-        "plain_tokens_per_s": plain_rate,
-        "dspark_tokens_per_s": spec_rate,
-        "speedup": spec_rate / plain_rate,
-        "mean_accepted_length": (tokens - len(images)) / max(_row_verifications(model, inputs, greedy), 1),
-        "captions_identical": bool(torch.equal(outputs[True], outputs[False])),
-    }
-
-
-def _row_verifications(model: DeepseekV41ForCausalLM, inputs: dict, greedy: dict) -> int:
-    """Verification forwards summed over the rows in them that kept tokens (a row that is done leaves the batch):
-    from each forward's width and what the decode cache's per-row rollback after it removed."""
-    cache, widths, rows = DeepseekV41Cache(model.config), [], []
-    crop_rows = cache.crop_rows
-
-    def count_rows(tokens: torch.Tensor) -> None:
-        rows.append(int((widths[-1] - tokens > 0).sum()))
-        crop_rows(tokens)
-
-    cache.crop_rows = count_rows
-    hook = model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]) if "input_ids" in kwargs else None,
-        with_kwargs=True,
-    )
-    try:
-        model.generate(**inputs, use_mtp=True, cache=cache, **greedy)
-    finally:
-        hook.remove()
-    return sum(rows)
-
-
 def train_draft_head(
     model: DeepseekV41ForCausalLM, processor: DeepseekV41Processor, settings: DemoSettings, style: str, print_fn=print
 ) -> dict[str, Any]:
@@ -463,125 +388,88 @@ def _load_or_start_run(settings: DemoSettings) -> dict[str, Any]:
     return {"settings": settings.run_key()}
 
 
-def _measure_once(run: dict[str, Any], key: str, measure, output: Path) -> dict[str, Any]:
+def _measure_once(
+    run: dict[str, Any], key: str, measure: Callable[[], dict[str, Any]], output: Path
+) -> dict[str, Any]:
     """``run[key]``, measuring (and recording in ``run.json``) the first time only: a resumed run keeps the numbers
     of the weights it started from."""
     if key not in run:
-        accuracy, predictions = measure()
-        run[key] = {"exact_match": accuracy, "examples": predictions[:4]}
+        run[key] = measure()
         (output / "run.json").write_text(json.dumps(run, indent=2))
     return run[key]
 
 
-def _results_for_card(report: dict[str, Any], num_eval: int) -> dict[str, dict[str, str]]:
-    def score(entry: dict[str, Any]) -> str:
-        return f"{entry['exact_match']:.3f} ({round(entry['exact_match'] * num_eval)}/{num_eval})"
-
-    results = {
-        f"shape captions ({num_eval} held-out images)": {
-            "caption exact match, untrained": score(report["before"]),
-            "caption exact match, fine-tuned": score(report["after"]),
-        }
-    }
-    if report["lora"]:
-        results[f"sentence captions ({num_eval} held-out images)"] = {
-            "caption exact match, fine-tuned": score(report["lora"]["before"]),
-            "caption exact match, + LoRA": score(report["lora"]["after"]),
-        }
-    dspark = report["dspark"]
-    results[
-        f"DSpark speculative decoding (greedy captions of {dspark['images']} held-out images in one batch, CPU)"
-    ] = {
-        "tokens/s, plain decoding": f"{dspark['plain_tokens_per_s']:.1f}",
-        "tokens/s, DSpark (use_mtp=True)": f"{dspark['dspark_tokens_per_s']:.1f}",
-        "speedup": f"{dspark['speedup']:.2f}x",
-        "mean accepted length (tokens per verification)": f"{dspark['mean_accepted_length']:.2f}",
-        "captions identical to plain decoding": "yes" if dspark["captions_identical"] else "NO",
-    }
-    return results
+@contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    """Record the wall time of the ``with`` block in ``timings[key]``."""
+    start = time.perf_counter()
+    yield
+    timings[key] = time.perf_counter() - start
 
 
-def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
-    """The whole demo; returns (and writes to ``report.json``) what it measured. See the module docstring."""
-    settings.validate()
-    output = settings.output
-    _check_output_folder(output)
-    run = _load_or_start_run(settings)
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
+def _scores(model: Any, processor: DeepseekV41Processor, dataset: ShapesDataset) -> dict[str, Any]:
+    """Caption exact match on ``dataset`` and the first captions, as the report holds them."""
+    accuracy, predictions = caption_exact_match(model, processor, dataset)
+    return {"exact_match": accuracy, "examples": predictions[:4]}
 
+
+def _build(settings: DemoSettings, print_fn=print) -> tuple[DeepseekV41ForCausalLM, DeepseekV41Processor]:
+    """The demo model (its draft head frozen: the caption loss never reaches it, it trains in its own stage) and
+    processor."""
     tokenizer = build_demo_tokenizer()
     config = demo_config(tokenizer)
     model = build_demo_model(config, tokenizer, settings.seed)
-    processor = build_demo_processor(config, tokenizer)
-    eval_short = ShapesDataset("eval", settings.num_eval, settings.seed)
     print_fn(
         f"Built DeepSeek-V4.1 (tiny, vision + Engram + DSpark head): {model.num_parameters():,} parameters, "
         f"{config.text_config.num_hidden_layers} layers, {config.text_config.n_routed_experts} experts"
     )
-    model.mtp.requires_grad_(False)  # the caption loss never reaches the draft head: it trains in its own stage
-    before = _measure_once(run, "before", lambda: caption_exact_match(model, processor, eval_short), output)
-    print_fn(
-        f"Untrained caption exact match: {before['exact_match']:.3f} "
-        f"(a caption guesser scores {1 / len(CAPTIONS):.3f})"
-    )
-    timings["build_and_baseline_s"] = time.perf_counter() - clock
+    model.mtp.requires_grad_(False)
+    return model, build_demo_processor(config, tokenizer)
 
-    clock = time.perf_counter()
+
+def _lora_stage(
+    model: DeepseekV41ForCausalLM,
+    processor: DeepseekV41Processor,
+    settings: DemoSettings,
+    run: dict[str, Any],
+    curves: dict[str, list],
+    print_fn=print,
+) -> tuple[DeepseekV41ForCausalLM, dict[str, Any]]:
+    """Teach the fine-tuned model the sentence wording through a LoRA adapter (saved, then merged); its loss curves
+    join ``curves``. Returns the merged model and the stage's report."""
+    eval_sentence = ShapesDataset("eval", settings.num_eval, settings.seed, "sentence")
+    before = _measure_once(run, "lora_before", lambda: _scores(model, processor, eval_sentence), settings.output)
+    adapted = attach_lora(model)
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    print_fn(f"LoRA: {trainable:,} trainable parameters teach the wording {eval_sentence[0].caption!r}")
     trainer = fine_tune(
-        model, processor, settings, stage="full", style="short", steps=settings.steps, print_fn=print_fn
+        adapted, processor, settings, stage="lora", style="sentence", steps=settings.steps, print_fn=print_fn
     )
-    curves = loss_curves(trainer.state.log_history)
-    accuracy, predictions = caption_exact_match(model, processor, eval_short)
-    after = {"exact_match": accuracy, "examples": predictions[:4]}
-    print_fn(f"Fine-tuned caption exact match: {accuracy:.3f}")
-    timings["train_s"] = time.perf_counter() - clock
+    curves.update(loss_curves(trainer.state.log_history, prefix="LoRA ", offset=settings.steps))
+    adapter_dir = settings.output / "lora-adapter"
+    adapted.save_pretrained(adapter_dir)
+    merged = adapted.merge_and_unload()
+    after = _scores(merged, processor, eval_sentence)
+    print_fn(f"After LoRA, sentence caption exact match: {after['exact_match']:.3f}")
+    return merged, {
+        "before": before,
+        "after": after,
+        "trainable_parameters": trainable,
+        "adapter_dir": str(adapter_dir),
+    }
 
-    lora = None
-    if settings.lora:
-        clock = time.perf_counter()
-        eval_sentence = ShapesDataset("eval", settings.num_eval, settings.seed, "sentence")
-        lora_before = _measure_once(
-            run, "lora_before", lambda: caption_exact_match(model, processor, eval_sentence), output
-        )
-        adapted = attach_lora(model)
-        trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
-        print_fn(f"LoRA: {trainable:,} trainable parameters teach the wording {eval_sentence[0].caption!r}")
-        lora_trainer = fine_tune(
-            adapted, processor, settings, stage="lora", style="sentence", steps=settings.steps, print_fn=print_fn
-        )
-        curves.update(loss_curves(lora_trainer.state.log_history, prefix="LoRA ", offset=settings.steps))
-        adapted.save_pretrained(output / "lora-adapter")
-        model = adapted.merge_and_unload()
-        accuracy, predictions = caption_exact_match(model, processor, eval_sentence)
-        lora = {
-            "before": lora_before,
-            "after": {"exact_match": accuracy, "examples": predictions[:4]},
-            "trainable_parameters": trainable,
-            "adapter_dir": str(output / "lora-adapter"),
-        }
-        print_fn(f"After LoRA, sentence caption exact match: {accuracy:.3f}")
-        timings["lora_s"] = time.perf_counter() - clock
 
-    clock = time.perf_counter()
-    dspark = train_draft_head(model, processor, settings, "sentence" if settings.lora else "short", print_fn)
-    timings["dspark_s"] = time.perf_counter() - clock
-
-    clock = time.perf_counter()
-    report = {"before": before, "after": after, "lora": lora, "dspark": dspark}
-    export_dir = export_for_hub(
-        model,
-        output / "model",
-        processor,
-        repo_id="dsv41-demo",
-        card_data={"model_name": "dsv41-demo", "tags": ["demo"]},
-        results=_results_for_card(report, settings.num_eval),
-    )
-    timings["export_s"] = time.perf_counter() - clock
-
-    clock = time.perf_counter()
-    final_eval = ShapesDataset("eval", settings.num_eval, settings.seed, "sentence" if settings.lora else "short")
-    sample_dir = output / "samples"
+def _reload_check(
+    model: DeepseekV41ForCausalLM,
+    processor: DeepseekV41Processor,
+    export_dir: Path,
+    settings: DemoSettings,
+    style: str,
+) -> dict[str, Any]:
+    """Sample images saved to ``<output>/samples``, captioned in process and by the exported folder reloaded in a
+    fresh interpreter (:func:`reload_and_caption`)."""
+    final_eval = ShapesDataset("eval", settings.num_eval, settings.seed, style)
+    sample_dir = settings.output / "samples"
     sample_dir.mkdir(exist_ok=True)
     sample_paths = []
     for i in range(min(NUM_SAMPLE_IMAGES, len(final_eval))):
@@ -590,38 +478,66 @@ def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
         sample_paths.append(path)
     in_process = demo_reload.caption_images(model, processor, [Image.open(p) for p in sample_paths], PROMPT)
     reloaded = reload_and_caption(export_dir, sample_paths)
-    timings["reload_s"] = time.perf_counter() - clock
+    return {
+        "samples": [
+            {"image": str(p), "truth": final_eval[i].caption, "in_process": a, "reloaded": b}
+            for i, (p, a, b) in enumerate(zip(sample_paths, in_process, reloaded["captions"]))
+        ],
+        "reloaded_model_class": reloaded["model_class"],
+        "reloaded_generations_equal": in_process == reloaded["captions"],
+    }
 
-    plot_losses(curves, output / "loss.png")
-    report.update(
-        {
-            "settings": {**settings.run_key(), "output": str(output)},
-            "versions": {
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-            },
-            "threads": torch.get_num_threads(),
-            "cpu": cpu_name(),
-            "num_parameters": model.num_parameters(),
-            "chance_exact_match": 1 / len(CAPTIONS),
-            "final_train_loss": curves["train"][-1][1] if curves["train"] else None,
-            "final_eval_loss": curves["eval"][-1][1] if curves["eval"] else None,
-            "loss_curves": curves,
-            "samples": [
-                {"image": str(p), "truth": final_eval[i].caption, "in_process": a, "reloaded": b}
-                for i, (p, a, b) in enumerate(zip(sample_paths, in_process, reloaded["captions"]))
-            ],
-            "reloaded_model_class": reloaded["model_class"],
-            "reloaded_generations_equal": in_process == reloaded["captions"],
-            "export_dir": str(export_dir),
-            "timings_s": timings,
-            "cpu_time_s": cpu_seconds(),
-            "peak_memory_bytes": peak_memory_bytes(),
-        }
-    )
-    (output / "report.json").write_text(json.dumps(report, indent=2))
-    return report
+
+def run_demo(settings: DemoSettings, print_fn=print) -> dict[str, Any]:
+    """The whole demo; returns (and writes to ``report.json``) what it measured. See the module docstring."""
+    settings.validate()
+    output = settings.output
+    _check_output_folder(output)
+    run = _load_or_start_run(settings)
+    style = "sentence" if settings.lora else "short"  # the wording the final model captions in
+    timings: dict[str, float] = {}
+
+    with _timed(timings, "build_and_baseline_s"):
+        model, processor = _build(settings, print_fn)
+        eval_short = ShapesDataset("eval", settings.num_eval, settings.seed)
+        before = _measure_once(run, "before", lambda: _scores(model, processor, eval_short), output)
+        print_fn(
+            f"Untrained caption exact match: {before['exact_match']:.3f} "
+            f"(a caption guesser scores {1 / len(CAPTIONS):.3f})"
+        )
+    with _timed(timings, "train_s"):
+        trainer = fine_tune(
+            model, processor, settings, stage="full", style="short", steps=settings.steps, print_fn=print_fn
+        )
+        curves = loss_curves(trainer.state.log_history)
+        after = _scores(model, processor, eval_short)
+        print_fn(f"Fine-tuned caption exact match: {after['exact_match']:.3f}")
+    lora = None
+    if settings.lora:
+        with _timed(timings, "lora_s"):
+            model, lora = _lora_stage(model, processor, settings, run, curves, print_fn)
+    with _timed(timings, "dspark_s"):
+        dspark = train_draft_head(model, processor, settings, style, print_fn)
+    report = {"before": before, "after": after, "lora": lora, "dspark": dspark}
+    with _timed(timings, "export_s"):
+        card = {"model_name": "dsv41-demo", "tags": ["demo"]}
+        results = card_results(report, settings.num_eval)
+        export_dir = export_for_hub(
+            model, output / "model", processor, repo_id="dsv41-demo", card_data=card, results=results
+        )
+    with _timed(timings, "reload_s"):
+        reload_check = _reload_check(model, processor, export_dir, settings, style)
+
+    report |= {
+        "settings": {**settings.run_key(), "output": str(output)},
+        "num_parameters": model.num_parameters(),
+        "chance_exact_match": 1 / len(CAPTIONS),
+        "loss_curves": curves,
+        **reload_check,
+        "export_dir": str(export_dir),
+        "timings_s": timings,
+    }
+    return write_report(report, output)
 
 
 __all__ = [
@@ -634,10 +550,7 @@ __all__ = [
     "attach_lora",
     "build_demo_model",
     "build_demo_processor",
-    "caption_exact_match",
-    "choose_threads",
     "demo_config",
-    "dspark_speed",
     "fine_tune",
     "reload_and_caption",
     "run_demo",

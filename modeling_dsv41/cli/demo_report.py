@@ -1,13 +1,15 @@
-"""What a demo run reports beside its scores: the loss curves and their chart, and the machine its timings were
-measured on (CPU model, CPU time, peak memory), with the thread count chosen from how busy its cores are.
+"""What a demo run reports: the loss curves and their chart, the machine its timings were measured on (CPU model,
+CPU time, peak memory, with the thread count chosen from how busy its cores are), the model card's results table,
+``report.json`` and the summary ``dsv41 demo`` prints.
 
 Apart from :mod:`.demo` so that the demo reads as its stages (build, measure, train, export, reload) and this
-generic plotting and CPU sampling (PIL, ``/proc``, ``resource``) does not sit between them; it imports nothing from
-the project.
+formatting, plotting and CPU sampling (PIL, ``/proc``, ``resource``) does not sit between them; it imports nothing
+from the project and reads the report as plain data.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from PIL import Image, ImageDraw
 
 
@@ -163,13 +166,148 @@ def choose_threads(print_fn: Callable[[str], Any] = print) -> int:
     return threads
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def card_results(report: dict[str, Any], num_eval: int) -> dict[str, dict[str, str]]:
+    """The model card's results table: the scores and DSpark figures of ``report`` (``before``, ``after``,
+    ``lora``, ``dspark``), measured on ``num_eval`` held-out images."""
+
+    def score(entry: dict[str, Any]) -> str:
+        return f"{entry['exact_match']:.3f} ({round(entry['exact_match'] * num_eval)}/{num_eval})"
+
+    results = {
+        f"shape captions ({num_eval} held-out images)": {
+            "caption exact match, untrained": score(report["before"]),
+            "caption exact match, fine-tuned": score(report["after"]),
+        }
+    }
+    if report["lora"]:
+        results[f"sentence captions ({num_eval} held-out images)"] = {
+            "caption exact match, fine-tuned": score(report["lora"]["before"]),
+            "caption exact match, + LoRA": score(report["lora"]["after"]),
+        }
+    dspark = report["dspark"]
+    results[
+        f"DSpark speculative decoding (greedy captions of {dspark['images']} held-out images in one batch, CPU)"
+    ] = {
+        "tokens/s, plain decoding": f"{dspark['plain_tokens_per_s']:.1f}",
+        "tokens/s, DSpark (use_mtp=True)": f"{dspark['dspark_tokens_per_s']:.1f}",
+        "speedup": f"{dspark['speedup']:.2f}x",
+        "mean accepted length (tokens per verification)": f"{dspark['mean_accepted_length']:.2f}",
+        "captions identical to plain decoding": "yes" if dspark["captions_identical"] else "NO",
+    }
+    return results
+
+
+def write_report(report: dict[str, Any], output: Path) -> dict[str, Any]:
+    """``report`` (holding ``loss_curves``) with the final losses and the machine's facts added, written to
+    ``<output>/report.json``, its loss chart to ``<output>/loss.png``; returns it."""
+    curves = report["loss_curves"]
+    plot_losses(curves, output / "loss.png")
+    report = {
+        **report,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "final_train_loss": curves["train"][-1][1] if curves["train"] else None,
+        "final_eval_loss": curves["eval"][-1][1] if curves["eval"] else None,
+        "cpu_time_s": cpu_seconds(),
+        "peak_memory_bytes": peak_memory_bytes(),
+    }
+    (output / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+# `report["timings_s"]` keys → the stage names the summary prints
+STAGE_NAMES = {
+    "build_and_baseline_s": "build + baseline",
+    "train_s": "fine-tuning",
+    "lora_s": "LoRA",
+    "dspark_s": "DSpark head",
+    "export_s": "export",
+    "reload_s": "reload check",
+}
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def format_demo_summary(report: dict[str, Any], seconds: float) -> str:
+    """What ``dsv41 demo`` prints at the end: the scores before and after each stage, the DSpark figures, the sample
+    captions in process and reloaded, where the outputs are, and the run's time, memory and machine."""
+    settings = report["settings"]
+    eval_losses = [loss for _, loss in report["loss_curves"]["eval"]]
+    rows = [
+        ("caption exact match", report["before"]["exact_match"], report["after"]["exact_match"]),
+        ("eval loss (caption tokens)", *((eval_losses[0], eval_losses[-1]) if eval_losses else (None, None))),
+    ]
+    lines = [
+        "",
+        f"DeepSeek-V4.1 demo — {report['num_parameters']:,} parameters, {settings['steps']} training steps, "
+        f"{settings['num_eval']} held-out images",
+        f"{'':<28}{'untrained':>11}{'fine-tuned':>12}",
+        *(f"{name:<28}{_cell(a):>11}{_cell(b):>12}" for name, a, b in rows),
+        f"(a caption guesser scores {report['chance_exact_match']:.3f})",
+    ]
+    if report["lora"]:
+        lora = report["lora"]
+        before, after = lora["before"]["exact_match"], lora["after"]["exact_match"]
+        lines += [
+            "",
+            f"LoRA ({lora['trainable_parameters']:,} trainable parameters), "
+            f"new wording {report['samples'][0]['truth']!r}:",
+            f"{'':<28}{'fine-tuned':>11}{'+ LoRA':>12}",
+            f"{'caption exact match':<28}{_cell(before):>11}{_cell(after):>12}",
+        ]
+    dspark = report["dspark"]
+    lines += [
+        "",
+        f"DSpark speculative decoding (draft head trained {dspark['train_steps']} steps on the backbone's own "
+        f"predictions), greedy captions of {dspark['images']} held-out images in one batch:",
+        f"  plain {dspark['plain_tokens_per_s']:.1f} tokens/s, DSpark {dspark['dspark_tokens_per_s']:.1f} tokens/s "
+        f"({dspark['speedup']:.2f}x), {dspark['mean_accepted_length']:.2f} tokens per verification, captions "
+        f"{'identical' if dspark['captions_identical'] else 'DIFFER'}",
+    ]
+    lines += ["", f"{'image':<16}{'truth':<34}{'generated':<34}reloaded"]
+    for sample in report["samples"]:
+        lines.append(
+            f"{Path(sample['image']).name:<16}{sample['truth']:<34}{sample['in_process']:<34}"
+            f"{'same' if sample['reloaded'] == sample['in_process'] else sample['reloaded']}"
+        )
+    same = report["reloaded_generations_equal"]
+    lines += [
+        "",
+        f"Reloaded with AutoModelForCausalLM.from_pretrained(trust_remote_code=True) in a fresh process: "
+        f"generations {'equal' if same else 'DIFFER'}",
+        f"Hub-ready folder: {report['export_dir']}",
+        f"Also written: {Path(settings['output']) / 'loss.png'}, {Path(settings['output']) / 'report.json'}",
+        f"Time {seconds / 60:.1f} min (CPU time {report['cpu_time_s'] / 60:.1f} min), peak memory "
+        f"{report['peak_memory_bytes'] / 2**20:.0f} MiB, {report['threads']} thread{'s' * (report['threads'] != 1)} "
+        f"on {report['cpu']}",
+        "Wall time per stage: "
+        + ", ".join(f"{STAGE_NAMES.get(key, key)} {value:.1f} s" for key, value in report["timings_s"].items()),
+    ]
+    return "\n".join(lines)
+
+
 __all__ = [
     "busy_cores",
+    "card_results",
     "choose_threads",
     "cpu_name",
     "cpu_seconds",
+    "format_demo_summary",
     "loss_curves",
     "peak_memory_bytes",
     "plot_losses",
     "round_ticks",
+    "write_report",
 ]

@@ -170,8 +170,8 @@ BITSANDBYTES_PATHS: dict[str, dict] = {
 def storage_costs(config: DeepseekV41Config) -> dict[str, dict[str, float]]:
     """Bytes of every parameter (by name) on each load path: bf16, native (the released FP8 / FP4 storage as native
     loading holds it), and the bitsandbytes loads of :data:`BITSANDBYTES_PATHS` (the experts quantized too, the modules
-    ``from_pretrained`` skips kept; :func:`~modeling_dsv41.bnb_experts.quantized_storage_bytes`)."""
-    from ..bnb_experts import DeepseekV41BitsAndBytesConfig, quantized_storage_bytes
+    ``from_pretrained`` skips kept; :func:`~modeling_dsv41.bnb_quantizer.quantized_storage_bytes`)."""
+    from ..bnb_quantizer import DeepseekV41BitsAndBytesConfig, quantized_storage_bytes
     from ..placement import native_held_bytes
     from ..released.loading import high_precision_modules
 

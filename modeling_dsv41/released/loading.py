@@ -21,7 +21,7 @@ ViT patch embedding) and, for 4-bit, those whose shape bnb's CPU kernels cannot 
 out-features of 32) join ``llm_int8_skip_modules``. Norms, gates, mHC and the Engram gate parameters are not Linears,
 and the block-diagonal ``wo_a`` is not one either: bnb leaves them alone. The fused routed experts (3-D parameters,
 which transformers' bnb integration leaves alone) are quantized too, one state per expert
-(:mod:`~modeling_dsv41.bnb_experts`: the config becomes a ``DeepseekV41BitsAndBytesConfig``, whose quantizers are
+(:mod:`~modeling_dsv41.bnb_quantizer`: the config becomes a ``DeepseekV41BitsAndBytesConfig``, whose quantizers are
 transformers' extended to them); QLoRA adapts them through PEFT's ``target_parameters``. A log line at load says what
 stays in high precision. A folder in the released storage refuses a bitsandbytes config (its FP8 / FP4 weights load
 natively), and so does a tensor- or expert-parallel load (the plans do not split the experts' block states).
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from transformers import BitsAndBytesConfig, FineGrainedFP8Config, PreTrainedConfig
 
-from ..bnb_experts import DeepseekV41BitsAndBytesConfig
+from ..bnb_quantizer import DeepseekV41BitsAndBytesConfig
 from ..parallel import check_parallel_load, requested_parallelism
 from ..placement import meta_instance
 from ..validation import check_safetensors_folder

@@ -385,11 +385,10 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         of the decode state; their Engram n-gram hash ids; the rotary tables of their positions), and what to hand
         back beside the stream."""
         hidden = stream.hidden_states
-        step = (
-            None
-            if cache is None
-            else cache.step(new_tokens_per_row(attention_mask, hidden, prefill), hidden.shape[1], self.compress_rotary)
-        )
+        step = None
+        if cache is not None:
+            new_tokens = new_tokens_per_row(attention_mask, hidden, prefill)
+            step = cache.step(new_tokens, hidden.shape[1], self.compress_rotary)
         image_mask = image_positions(image_token_types)
         hash_ids = self._engram_hash_ids(input_ids, image_mask, attention_mask if prefill else None, cache, step)
         positions = torch.arange(hidden.shape[1], device=hidden.device) if prefill else step.positions

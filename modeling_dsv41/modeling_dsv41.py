@@ -19,7 +19,6 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from configuration.configuration_dsv41 import DeepseekV41Config
-from processing.image_tokens import ImageTokenType
 
 from .attention import DeepseekV41Attention, DeepseekV41Indexer
 from .decoder_layer import DeepseekV41DecoderLayer, DeepseekV41DecoderLayerOutput, DeepseekV41LayerInputs
@@ -28,6 +27,7 @@ from .generation.cache import DeepseekV41Cache, DeepseekV41StaticCache
 from .generation.generate import DeepseekV41GenerationMixin
 from .engram import DeepseekV41Engram, DeepseekV41NgramHasher
 from .hyper_connections import DeepseekV41HyperConnectedBlock, DeepseekV41HyperConnection
+from .layer_cache import CacheStep
 from .linear import DeepseekV41Fp32Linear, DeepseekV41GroupedLinear
 from .moe import DeepseekV41Experts, DeepseekV41Gate
 from .norms import DeepseekV41RMSNorm
@@ -52,6 +52,7 @@ from .vision import (
     DeepseekV41Aligner,
     DeepseekV41VisionTransformer,
     encode_images,
+    image_positions,
     image_token_grids,
     merge_image_embeddings,
 )
@@ -213,45 +214,52 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             self.vision, self.aligner, pixel_values, image_grid_hw, output_hidden_states, output_attentions
         )
 
-    def _embed_inputs(
+    def _input_stream(
         self,
-        input_ids,
-        inputs_embeds,
-        pixel_values,
-        image_grid_hw,
-        image_token_types,
-        output_hidden_states,
-        output_attentions,
-    ) -> tuple[torch.Tensor, BaseModelOutputWithPooling | None]:
-        """The LM input [B, S, D] (images merged into their spans) and what the image encoder returned."""
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.Tensor | None,
+        pixel_values: torch.Tensor | None,
+        image_grid_hw: torch.LongTensor | None,
+        image_token_types: torch.LongTensor | None,
+        output_hidden_states: bool,
+        output_attentions: bool,
+    ) -> tuple[ResidualStream, torch.Tensor | None, BaseModelOutputWithPooling | None]:
+        """The stream entering this stage's first layer: ``hc_mult`` copies of the LM input [B, S, D] (images merged
+        into their spans), or what the previous pipeline stage handed on; with the LM input and what the image
+        encoder returned (None where not computed here)."""
+        stream = stream_from_previous_stage(self._pp_stage, self._stage_layers()[0].hc_attn_fn.device)
+        if stream is not None:
+            return stream, None, None
         if inputs_embeds is None:
             if input_ids is None:
                 raise ValueError("pass input_ids or inputs_embeds")
             inputs_embeds = self.embed(input_ids)
-        if pixel_values is None:
-            return inputs_embeds, None
-        if not self.config.has_vision:
-            raise ValueError("images were passed but this DeepSeek-V4.1 config has no vision_config")
-        if image_grid_hw is None or image_token_types is None:
-            raise ValueError("pixel_values need image_grid_hw and image_token_types (as the processor returns them)")
-        grids = image_token_grids(image_grid_hw, self.config.vision_config)
-        image_outputs = self.get_image_features(
-            pixel_values,
-            image_grid_hw,
-            output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
-            return_dict=True,
-        )
-        merged = merge_image_embeddings(
-            inputs_embeds,
-            image_token_types,
-            image_outputs.pooler_output,
-            self.image_start,
-            self.image_newline,
-            self.image_end,
-            grids,
-        )
-        return merged, image_outputs
+        image_outputs = None
+        if pixel_values is not None:
+            if not self.config.has_vision:
+                raise ValueError("images were passed but this DeepSeek-V4.1 config has no vision_config")
+            if image_grid_hw is None or image_token_types is None:
+                raise ValueError(
+                    "pixel_values need image_grid_hw and image_token_types (as the processor returns them)"
+                )
+            grids = image_token_grids(image_grid_hw, self.config.vision_config)
+            image_outputs = self.get_image_features(
+                pixel_values,
+                image_grid_hw,
+                output_hidden_states=output_hidden_states,
+                output_attentions=output_attentions,
+                return_dict=True,
+            )
+            inputs_embeds = merge_image_embeddings(
+                inputs_embeds,
+                image_token_types,
+                image_outputs.pooler_output,
+                self.image_start,
+                self.image_newline,
+                self.image_end,
+                grids,
+            )
+        return ResidualStream.from_embeddings(inputs_embeds, self.text_config.hc_mult), inputs_embeds, image_outputs
 
     def _stage_layers(self) -> list[DeepseekV41DecoderLayer]:
         """The decoder layers this model runs: all of them, or its pipeline stage's."""
@@ -282,77 +290,58 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         output_dspark_hidden_states: bool = False,
         **kwargs,
     ) -> DeepseekV41ModelOutputWithPast:
-        """Full-sequence forward from position 0, or the next tokens of a cached sequence.
+        """Full-sequence forward from position 0, or the next tokens of a cached sequence (docs/design.md §3).
 
         Args:
-            input_ids: [B, S]. Needed for Engram hashing even when ``inputs_embeds`` is given (then the two are
-                used together: embeddings for the stream, ids for the n-gram hashes).
-            attention_mask: [B, S] 1 for real tokens. Right padding never reaches a real token (attention is
-                causal); left-padded rows are aligned to start at position 0 so every row computes exactly
-                what it computes alone.
-            pixel_values / image_grid_hw / image_token_types: as :class:`DeepseekV41Processor` returns them;
-                ``image_token_types`` alone (without pixels) still selects ``bias_vl`` and shuts Engram on the
-                image span, for callers who merge image embeddings into ``inputs_embeds`` themselves.
-            cache: a :class:`DeepseekV41Cache` (``past_key_values`` is accepted as its deprecated name). While
-                empty, this call is the prefill: the full forward runs and records the decode state. Afterwards
-                the inputs hold only the new tokens, all real (only the prefill may be padded); an
-                ``attention_mask`` then covers the cached columns too.
-            use_cache: return a cache (a new one unless ``cache`` is given). Defaults to ``config.use_cache`` in
-                eval mode and to False in training mode or once the decoder layers are compiled
-                (:func:`~modeling_dsv41.training.compilation.compile_blocks`: they take the static cache only);
-                always off under gradient checkpointing in training.
-            output_hidden_states / output_attentions / output_router_logits / output_dspark_hidden_states: see
-                :class:`DeepseekV41ModelOutputWithPast`.
+            input_ids: [B, S]; the Engram n-gram hashes read them even when ``inputs_embeds`` feeds the stream.
+            image_token_types: [B, S] as the processor returns them, with or without ``pixel_values``.
+            cache: a :class:`DeepseekV41Cache` (formerly ``past_key_values``): the prefill while empty, then only
+                the new tokens, all real. ``use_cache`` defaults to ``config.use_cache`` in eval mode.
+            output_dspark_hidden_states: see :class:`DeepseekV41ModelOutputWithPast`.
         """
+        # the inputs: checked, and a prefill's left-padded rows aligned to start at position 0
+        dspark_targets = self._dspark_targets(output_dspark_hidden_states)
         output_hidden_states = _flag(output_hidden_states, self.config, "output_hidden_states")
         output_attentions = _flag(output_attentions, self.config, "output_attentions")
-        if output_dspark_hidden_states and not self.text_config.has_dspark:
-            raise ValueError(
-                "output_dspark_hidden_states needs a config with the DSpark draft head (dspark_block_size > 0)"
-            )
         cache = self._resolve_cache(cache, use_cache)
         self._check_inputs(
             input_ids, inputs_embeds, attention_mask, pixel_values, image_grid_hw, image_token_types, cache
         )
         prefill = cache is None or cache.is_empty  # else the new tokens of every cached row, at its next positions
-
-        # A prefill aligns left-padded rows so that positions count from each row's first real token.
         shift = prefill_alignment(attention_mask, output_hidden_states or output_attentions) if prefill else None
         input_ids, inputs_embeds, image_token_types, attention_mask = align_rows(
             shift, input_ids, inputs_embeds, image_token_types, attention_mask
         )
-        # The stream entering this stage's first layer: the embeddings (images merged), or what the previous pipeline
-        # stage handed on.
-        stream = stream_from_previous_stage(self._pp_stage, self._stage_layers()[0].hc_attn_fn.device)
-        embeds = image_outputs = None
-        if stream is None:
-            embeds, image_outputs = self._embed_inputs(
-                input_ids,
-                inputs_embeds,
-                pixel_values,
-                image_grid_hw,
-                image_token_types,
-                output_hidden_states,
-                output_attentions,
-            )
-            stream = ResidualStream.from_embeddings(embeds, self.text_config.hc_mult)
-        image_mask = None if image_token_types is None else image_token_types != ImageTokenType.TEXT.value
-
-        # The layers, at the tokens' cache rows, n-gram hashes and rotary positions.
-        dspark_targets = tuple(self.text_config.dspark_target_layer_ids) if output_dspark_hidden_states else ()
+        # embed → residual stream → this stage's layers, at the tokens' cache rows, n-gram hashes and positions
+        stream, embeds, image_outputs = self._input_stream(
+            input_ids,
+            inputs_embeds,
+            pixel_values,
+            image_grid_hw,
+            image_token_types,
+            output_hidden_states,
+            output_attentions,
+        )
         inputs = self._layer_inputs(
-            stream, input_ids, attention_mask, image_mask, cache, prefill, output_attentions, dspark_targets
+            stream, input_ids, attention_mask, image_token_types, cache, prefill, output_attentions, dspark_targets
         )
         collected = CollectedOutputs.asked(embeds, output_hidden_states, output_attentions)
         stream = self._run_layers(stream, inputs, collected)
-        if cache is not None:
-            cache.finish_step(inputs.step, stream.hidden_states.shape[1])
-
-        # The outputs, or the stream for the next pipeline stage.
+        # collapse → norm → the outputs in the caller's row layout, or the stream handed on to the next stage
         if hand_on_to_next_stage(self._pp_stage, stream):
             return DeepseekV41ModelOutputWithPast(cache=cache, image_outputs=image_outputs)
         last_hidden_state = self.norm(DeepseekV41HyperConnection.collapse(stream.hidden_states, stream.pre_mix))
         return in_caller_layout(collected.outputs(last_hidden_state, cache, image_outputs), shift)
+
+    def _dspark_targets(self, output_dspark_hidden_states: bool) -> tuple[int, ...]:
+        """The layers whose stream the DSpark head reads, when its inputs are asked for (else none)."""
+        if not output_dspark_hidden_states:
+            return ()
+        if not self.text_config.has_dspark:
+            raise ValueError(
+                "output_dspark_hidden_states needs a config with the DSpark draft head (dspark_block_size > 0)"
+            )
+        return tuple(self.text_config.dspark_target_layer_ids)
 
     def _check_inputs(
         self,
@@ -386,7 +375,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         stream: ResidualStream,
         input_ids: torch.LongTensor | None,
         attention_mask: torch.Tensor | None,
-        image_mask: torch.Tensor | None,
+        image_token_types: torch.LongTensor | None,
         cache: DeepseekV41Cache | None,
         prefill: bool,
         output_attentions: bool,
@@ -395,16 +384,14 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         """What every layer reads beside the stream: where this call's tokens sit (their cache step, i.e. their rows
         of the decode state; their Engram n-gram hash ids; the rotary tables of their positions), and what to hand
         back beside the stream."""
-        seq_len = stream.hidden_states.shape[1]
+        hidden = stream.hidden_states
         step = None
         if cache is not None:
-            new_tokens = new_tokens_per_row(attention_mask, stream.hidden_states, prefill)
-            step = cache.step(new_tokens, seq_len, self.compress_rotary)
-        hash_ids = None
-        if self.engram_hasher is not None:
-            real = attention_mask if prefill else None  # a later call's tokens are all real
-            hash_ids = self.engram_hasher.hash_ids(input_ids, image_mask, real, cache, step)
-        positions = torch.arange(seq_len, device=stream.hidden_states.device) if prefill else step.positions
+            new_tokens = new_tokens_per_row(attention_mask, hidden, prefill)
+            step = cache.step(new_tokens, hidden.shape[1], self.compress_rotary)
+        image_mask = image_positions(image_token_types)
+        hash_ids = self._engram_hash_ids(input_ids, image_mask, attention_mask if prefill else None, cache, step)
+        positions = torch.arange(hidden.shape[1], device=hidden.device) if prefill else step.positions
         return DeepseekV41LayerInputs(
             rotations={False: self.window_rotary(positions), True: self.compress_rotary(positions)},
             image_mask=image_mask,
@@ -416,11 +403,25 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             dspark_targets=dspark_targets,
         )
 
+    def _engram_hash_ids(
+        self,
+        input_ids: torch.LongTensor | None,
+        image_mask: torch.Tensor | None,
+        real: torch.Tensor | None,
+        cache: DeepseekV41Cache | None,
+        step: CacheStep | None,
+    ) -> torch.LongTensor | None:
+        """The Engram n-gram hash ids [B, S, n_layers, n_cols] of this call's tokens (None without Engram layers);
+        ``real`` marks a prefill's real tokens (None: a later call's tokens are all real)."""
+        if self.engram_hasher is None:
+            return None
+        return self.engram_hasher.hash_ids(input_ids, image_mask, real, cache, step)
+
     def _run_layers(
         self, stream: ResidualStream, inputs: DeepseekV41LayerInputs, collected: CollectedOutputs
     ) -> ResidualStream:
         """This stage's decoder layers on ``stream`` → the stream the last one hands up; what each layer returns
-        beside it goes to ``collected``."""
+        beside it goes to ``collected``, and the cache step (if any) is finished."""
         engram_rows = self.gather_engram_rows(inputs.engram_hash_ids)
         for layer in self._stage_layers():
             # named again: reentrant gradient checkpointing hands the layer's output back as a plain tuple
@@ -429,6 +430,8 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
             )
             stream = out.stream
             collected.add(out)
+        if inputs.cache is not None:
+            inputs.cache.finish_step(inputs.step, stream.hidden_states.shape[1])
         return stream
 
     def _resolve_cache(self, cache: DeepseekV41Cache | None, use_cache: bool | None) -> DeepseekV41Cache | None:
@@ -511,6 +514,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
     ) -> DeepseekV41CausalLMOutputWithPast:
         """As :meth:`DeepseekV41Model.forward`, plus ``labels`` ([B, S], -100 ignored; shifted inside, as in every
         transformers causal LM) and ``logits_to_keep`` (an int keeps the last N positions, a tensor indexes)."""
+        output_router_logits = _flag(output_router_logits, self.config, "output_router_logits")
         check_pipeline_call(
             self._pp_stage,
             input_ids if input_ids is not None else inputs_embeds,
@@ -518,7 +522,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
             self.training,
             output_hidden_states=_flag(output_hidden_states, self.config, "output_hidden_states"),
             output_attentions=_flag(output_attentions, self.config, "output_attentions"),
-            output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
+            output_router_logits=output_router_logits,
         )
         outputs = self.model(
             input_ids=input_ids,
@@ -529,32 +533,27 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, DeepseekV41GenerationMi
             image_token_types=image_token_types,
             output_hidden_states=output_hidden_states,
             output_attentions=output_attentions,
-            output_router_logits=_flag(output_router_logits, self.config, "output_router_logits"),
+            output_router_logits=output_router_logits,
             cache=cache,
             use_cache=use_cache,
             output_dspark_hidden_states=output_dspark_hidden_states,
             return_dict=True,
         )
-        hidden = outputs.last_hidden_state  # None on all pipeline stages but the last
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = None if hidden is None else self.lm_head(hidden[:, keep])
         device = (input_ids if input_ids is not None else inputs_embeds).device
-        logits = logits_on_every_stage(self._pp_stage, logits, device)
+        logits = self._logits(outputs.last_hidden_state, logits_to_keep, device)
         loss = None
         if labels is not None:
-            vocab_size = self.config.get_text_config().vocab_size
-            loss = self.loss_function(logits, labels, vocab_size=vocab_size, **kwargs)
-        return DeepseekV41CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-            image_outputs=outputs.image_outputs,
-            attention_slots=outputs.attention_slots,
-            router_logits=outputs.router_logits,
-            dspark_hidden_states=outputs.dspark_hidden_states,
-        )
+            loss = self.loss_function(logits, labels, vocab_size=self.config.get_text_config().vocab_size, **kwargs)
+        return DeepseekV41CausalLMOutputWithPast.from_backbone(outputs, loss=loss, logits=logits)
+
+    def _logits(
+        self, hidden: torch.Tensor | None, logits_to_keep: int | torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """fp32 logits of the kept positions of ``hidden`` [B, S, D], on every pipeline stage (``hidden`` is None on
+        all but the last)."""
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = None if hidden is None else self.lm_head(hidden[:, keep])
+        return logits_on_every_stage(self._pp_stage, logits, device)
 
     def dspark_loss(
         self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **inputs

@@ -51,6 +51,23 @@ class DeepseekV41CausalLMOutputWithPast(MultimodalCausalLMOutputWithPast):
     router_logits: tuple[torch.FloatTensor, ...] | None = None
     dspark_hidden_states: torch.Tensor | None = None
 
+    @classmethod
+    def from_backbone(
+        cls, outputs: DeepseekV41ModelOutputWithPast, loss: torch.Tensor | None, logits: torch.Tensor
+    ) -> "DeepseekV41CausalLMOutputWithPast":
+        """``loss`` and ``logits`` with what the backbone returned beside its last hidden state."""
+        return cls(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            image_outputs=outputs.image_outputs,
+            attention_slots=outputs.attention_slots,
+            router_logits=outputs.router_logits,
+            dspark_hidden_states=outputs.dspark_hidden_states,
+        )
+
 
 @dataclass
 class CollectedOutputs:

@@ -281,6 +281,12 @@ def image_token_grids(image_grid_hw: torch.Tensor, config) -> list[tuple[int, in
     return grids
 
 
+def image_positions(image_token_types: torch.Tensor | None) -> torch.Tensor | None:
+    """Where the image spans sit [B, S] bool (every token that is not text), or None without token types: the
+    routers take ``bias_vl`` there and Engram adds nothing."""
+    return None if image_token_types is None else image_token_types != TEXT
+
+
 def _image_spans(image_token_types: torch.Tensor) -> list[tuple[int, int, int]]:
     """(batch row, start, end) of every image span, end inclusive, row-major over the batch. Raises
     unless the types are -1..3 and every row is text with well-formed start…end spans."""

@@ -538,6 +538,27 @@ def _packed_experts_held_out_train_as_sharded(rank: int, tmp: Path, folder: str,
             assert isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",), name
             mine = stored[name].chunk(world)[rank]
             assert torch.equal(param.to_local(), mine), name
+    # the launch's loading (examples/lora_released.py): built on the meta device, sharded, each rank reading its part
+    from peft import LoraConfig, get_peft_model
+
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.released.loading import empty_native_model
+    from modeling_dsv41.training.fsdp import load_sharded_weights
+
+    config = DeepseekV41Config.from_pretrained(folder)
+    config.text_config.engram_table_dtype = "fp8"
+    lora = LoraConfig(r=4, target_modules=FP8_TARGETS, target_parameters=EXPERT_TARGETS)
+    read = get_peft_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), lora)
+    _shard_as_torch("2.11.0", read, expert_parallel_size=world)
+    load_sharded_weights(read, folder)
+    loaded = dict(model.named_parameters())
+    for name, param in read.named_parameters():
+        if "lora_" not in name:  # PEFT's initialization differs (another seed, init_lora_weights)
+            local, expected = (t.to_local() if isinstance(t, DTensor) else t for t in (param, loaded[name]))
+            assert isinstance(param, DTensor) == isinstance(loaded[name], DTensor), name
+            assert torch.equal(_bits(local.detach()), _bits(expected.detach())), name
+    del read
 
     _sgd_steps(single, [parts] * STEPS)
     _sgd_steps(model, [[parts[rank]]] * STEPS)
@@ -563,7 +584,8 @@ def test_packed_experts_held_out_of_fsdp2_before_torch_2_12_train_as_sharded(rel
     """On a torch whose FSDP2 cannot shard integer tensors (before 2.12), ``shard_model`` keeps the packed FP4
     experts (and their scales) whole on each process, out of FSDP2, where each process holds its experts whole
     anyway: one process, or the backbone's experts split by expert over every process; the DSpark draft block's
-    experts are replicated. 3 SGD steps of LoRA then give one process's adapters, and on this torch the adapters of
+    experts are replicated. The model built on the meta device and read rank by rank holds the same bytes as the one
+    loaded whole, then sharded; 3 SGD steps of LoRA give one process's adapters, and on this torch the adapters of
     the path that shards them, bit for bit."""
     spawn(
         _packed_experts_held_out_train_as_sharded,

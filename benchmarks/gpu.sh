@@ -92,9 +92,10 @@ EOF
     # (the eager comparison with V4 is the step below the open issues')
     step 200 "$PYTHON" benchmarks/generate.py --size medium --device cuda --dtype bfloat16 --contexts 1024 \
         --batch 1 --steps 32 --compile --compile-mode reduce-overhead --compile-only
-    # issue 38: LoRA's loading, one GPU per process (one here): each process reading its shards vs whole then sharded.
-    # Needs torch >= 2.12 (FSDP2 of the packed FP4 experts): on the image's torch 2.11 shard_model refuses, saying so
-    step 60 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100 --processes 1
+    # issues 38, 48: LoRA's loading, one GPU per process (world size 1 here): each process reading its shards vs whole
+    # then sharded, then one LoRA step; loading and step memory (torch.cuda.max_memory_allocated). On the image's
+    # torch 2.11 shard_model keeps the packed FP4 experts whole, out of FSDP2 (one process holds them whole anyway)
+    step 90 "$PYTHON" benchmarks/loading.py --device cuda --shard-mb 100 --processes 1
     # issue 40: per-block compiled training step (gradient checkpointing) and compiled decode step vs eager (bf16)
     step 200 "$PYTHON" benchmarks/compile.py --device cuda --dtype bfloat16 --sizes medium --batch 4 --seq 2048 \
         --context 1024 --reps 3

@@ -35,7 +35,9 @@ way) and **sharded** (the model built on the meta device, sharded, then each pro
 ``load_sharded_weights``, as ``examples/lora_released.py`` loads). Per process: load seconds and the peak rise of its
 proportional set size (PSS, ``/proc/self/smaps_rollup``, sampled every 10 ms: a page the processes share is split
 among them) over its PSS before loading, against its shards of the stored weights plus its share of the Engram
-tables (memory-mapped in both).
+tables (memory-mapped in both); then one LoRA training step (AdamW, 1 x 256 tokens) on the model so loaded. On CUDA
+also ``torch.cuda.max_memory_allocated`` over the load and over the step (from torch 2.12 FSDP2 shards the packed
+FP4 experts; before, ``shard_model`` keeps them whole on each process, which one process does anyway).
 
     python benchmarks/loading.py [--device cpu|cuda] [--workdir DIR] [--shard-mb 100] [--threads 2] [--processes N]
 """
@@ -344,8 +346,22 @@ def _load_for_lora(rank: int, world: int, port: int, folder: str, device: str, r
         load_sharded_weights(model, folder, device=target)
         return model
 
+    def step(model) -> None:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        ids = torch.randint(3, config.text_config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(rank))
+        ids = ids.to(target)
+        model.train()(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def device_peak() -> float:
+        return torch.cuda.max_memory_allocated(target) if device == "cuda" else float("nan")
+
     for name, load in (("sharded", sharded), ("whole", whole)):
         gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(target)
         dist.barrier()
         baseline, peak, stop = _pss(), [0], threading.Event()
 
@@ -361,7 +377,13 @@ def _load_for_lora(rank: int, world: int, port: int, folder: str, device: str, r
         stop.set()
         sampler.join()
         peak[0] = max(peak[0], _pss())
-        results.put((name, rank, seconds, peak[0] - baseline, _pss() - baseline))
+        loaded = device_peak()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats(target)
+        start = time.perf_counter()
+        step(model)
+        step_seconds = time.perf_counter() - start
+        results.put((name, rank, seconds, peak[0] - baseline, _pss() - baseline, loaded, device_peak(), step_seconds))
         del model
     dist.barrier()
     dist.destroy_process_group()
@@ -371,6 +393,7 @@ def loading_on_processes(folder: Path, processes: int, device: str) -> None:
     """``--processes``: the per-process table of the module docstring."""
     import socket
 
+    import torch
     import torch.multiprocessing as mp
 
     weights, tables = _stored_bytes(folder)
@@ -399,10 +422,15 @@ def loading_on_processes(folder: Path, processes: int, device: str) -> None:
         f"{tables / mib:.1f} MiB; per process, shards + Engram share: {share / mib:.1f} MiB"
     )
     print(
-        f"{'load':8s} {'rank':>4s} {'seconds':>8s} {'peak PSS rise MiB':>18s} {'x share':>8s} {'held after MiB':>15s}"
+        f"{'load':8s} {'rank':>4s} {'seconds':>8s} {'peak PSS rise MiB':>18s} {'x share':>8s} {'held after MiB':>15s} "
+        f"{'device load MiB':>16s} {'device step MiB':>16s} {'step s':>7s}"
     )
-    for name, rank, seconds, peak, after in rows:
-        print(f"{name:8s} {rank:4d} {seconds:8.2f} {peak / mib:18.1f} {peak / share:8.2f} {after / mib:15.1f}")
+    for name, rank, seconds, peak, after, loaded, stepped, step_seconds in rows:
+        print(
+            f"{name:8s} {rank:4d} {seconds:8.2f} {peak / mib:18.1f} {peak / share:8.2f} {after / mib:15.1f} "
+            f"{loaded / mib:16.1f} {stepped / mib:16.1f} {step_seconds:7.2f}"
+        )
+    print(f"torch {torch.__version__}; device MiB: torch.cuda.max_memory_allocated over the load, then over the step")
 
 
 def _stored_bytes(folder: Path) -> tuple[int, int]:

@@ -461,3 +461,137 @@ def test_fsdp2_before_torch_2_12_refuses_integer_parameters_with_the_reason():
     _check_fsdp2_takes(packed, "3.0.1")
     del packed.experts
     _check_fsdp2_takes(packed, "2.4.1")  # floating parameters only (FP8 included): every FSDP2 shards them
+
+
+# a DSpark draft head of one block, its MoE with 2 FP4 experts of its own (data parallel: not split by expert)
+DSPARK = dict(
+    num_nextn_predict_layers=1,
+    dspark_block_size=3,
+    dspark_target_layer_ids=[0, 1],
+    dspark_markov_rank=16,
+    dspark_noise_token_id=7,
+    dspark_n_routed_experts=2,
+    dspark_n_activated_experts=1,
+)
+
+
+@pytest.fixture(scope="module")
+def released_with_dspark(tmp_path_factory) -> Path:
+    """The stand-in of :func:`released` with a DSpark draft block, in the released storage format."""
+    import modeling_dsv41  # noqa: F401
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.released.writing import save_released_checkpoint
+
+    torch.manual_seed(0)
+    model = DeepseekV41ForCausalLM(DeepseekV41Config(text_config={**QUANT_FORMAT_TEXT, **DSPARK})).to(torch.bfloat16)
+    folder = tmp_path_factory.mktemp("released_dspark")
+    save_released_checkpoint(model, folder, max_shard_bytes=1 << 20)
+    stub_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _shard_as_torch(version: str, model, **kwargs) -> None:
+    """``shard_model`` deciding as it does on torch ``version`` (the FSDP2 it calls is still this torch's)."""
+    from modeling_dsv41.training.fsdp import shard_model
+
+    running = torch.__version__
+    torch.__version__ = version
+    try:
+        shard_model(model, **kwargs)
+    finally:
+        torch.__version__ = running
+
+
+def _integer_parameters(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if not p.is_floating_point()}
+
+
+def _packed_experts_held_out_train_as_sharded(rank: int, tmp: Path, folder: str, world: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from modeling_dsv41.training.fsdp import FSDP2_INTEGER_PARAMETERS, _check_fsdp2_takes
+
+    ids = torch.randint(
+        3, QUANT_FORMAT_TEXT["vocab_size"], (2 * world, 16), generator=torch.Generator().manual_seed(2)
+    )
+    parts = list(ids.chunk(world))
+    single = lora_model(Path(folder), "fp8")
+    stored = {n: p.detach().clone() for n, p in _integer_parameters(single).items()}
+    assert any(".mtp." in n for n in stored) and any(".layers." in n for n in stored)
+    # one process, or experts split by expert over every process: nothing refused on the old torch
+    assert set(_integer_parameters(single).values()) <= _check_fsdp2_takes(single, "2.11.0", whole_on_each_rank=True)
+    if world > 1:  # FSDP2 alone on several processes would hold every layer's experts on each: refused, saying why
+        with pytest.raises(ValueError, match=r"torch 2\.11\.0's FSDP2 .* \(here \S*layers\.0\.ffn\.experts.*4 in all"):
+            _check_fsdp2_takes(single, "2.11.0")
+    model = lora_model(Path(folder), "fp8")
+    _shard_as_torch("2.11.0", model, expert_parallel_size=world)
+
+    integer = _integer_parameters(model)
+    assert integer.keys() == stored.keys()
+    for name, param in integer.items():
+        assert not param.requires_grad, name
+        if ".mtp." in name or world == 1:  # replicated: whole, as stored
+            assert not isinstance(param, DTensor), name
+            assert torch.equal(param, stored[name]), name
+        else:  # this rank's experts, whole: split by expert only, not by FSDP2
+            assert isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",), name
+            mine = stored[name].chunk(world)[rank]
+            assert torch.equal(param.to_local(), mine), name
+    # the launch's loading (examples/lora_released.py): built on the meta device, sharded, each rank reading its part
+    from peft import LoraConfig, get_peft_model
+
+    from configuration import DeepseekV41Config
+    from modeling_dsv41 import DeepseekV41ForCausalLM
+    from modeling_dsv41.released.loading import empty_native_model
+    from modeling_dsv41.training.fsdp import load_sharded_weights
+
+    config = DeepseekV41Config.from_pretrained(folder)
+    config.text_config.engram_table_dtype = "fp8"
+    lora = LoraConfig(r=4, target_modules=FP8_TARGETS, target_parameters=EXPERT_TARGETS)
+    read = get_peft_model(empty_native_model(DeepseekV41ForCausalLM, folder, config=config), lora)
+    _shard_as_torch("2.11.0", read, expert_parallel_size=world)
+    load_sharded_weights(read, folder)
+    loaded = dict(model.named_parameters())
+    for name, param in read.named_parameters():
+        if "lora_" not in name:  # PEFT's initialization differs (another seed, init_lora_weights)
+            local, expected = (t.to_local() if isinstance(t, DTensor) else t for t in (param, loaded[name]))
+            assert isinstance(param, DTensor) == isinstance(loaded[name], DTensor), name
+            assert torch.equal(_bits(local.detach()), _bits(expected.detach())), name
+    del read
+
+    _sgd_steps(single, [parts] * STEPS)
+    _sgd_steps(model, [[parts[rank]]] * STEPS)
+    ours, theirs = _adapters(model), _adapters(single)
+    assert ours.keys() == theirs.keys() and any(".mtp." in n and ".experts." in n for n in ours)
+    for name, param in ours.items():
+        full = param.full_tensor().detach()
+        # each rank's products are one process's for its part; only the mean over the parts is summed in another
+        # order (measured: bit-identical)
+        torch.testing.assert_close(full, theirs[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    if (major, minor) >= FSDP2_INTEGER_PARAMETERS:  # this torch's FSDP2 shards them: the same steps, bit for bit
+        sharded = lora_model(Path(folder), "fp8")
+        _shard_as_torch(torch.__version__, sharded, expert_parallel_size=world)
+        assert all(isinstance(p, DTensor) for p in _integer_parameters(sharded).values())  # FSDP2's, the draft's too
+        _sgd_steps(sharded, [[parts[rank]]] * STEPS)
+        for name, param in _adapters(sharded).items():
+            assert torch.equal(param.full_tensor(), ours[name].full_tensor()), name
+
+
+@pytest.mark.parametrize("world", [1, EP_SIZE])
+def test_packed_experts_held_out_of_fsdp2_before_torch_2_12_train_as_sharded(released_with_dspark, world, tmp_path):
+    """On a torch whose FSDP2 cannot shard integer tensors (before 2.12), ``shard_model`` keeps the packed FP4
+    experts (and their scales) whole on each process, out of FSDP2, where each process holds its experts whole
+    anyway: one process, or the backbone's experts split by expert over every process; the DSpark draft block's
+    experts are replicated. The model built on the meta device and read rank by rank holds the same bytes as the one
+    loaded whole, then sharded; 3 SGD steps of LoRA give one process's adapters, and on this torch the adapters of
+    the path that shards them, bit for bit."""
+    spawn(
+        _packed_experts_held_out_train_as_sharded,
+        tmp_path,
+        str(released_with_dspark),
+        world,
+        world_size=world,
+        timeout_s=300,
+    )

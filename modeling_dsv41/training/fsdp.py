@@ -65,20 +65,46 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
 FSDP2_INTEGER_PARAMETERS = (2, 12)
 
 
-def _check_fsdp2_takes(model: nn.Module, torch_version: str = torch.__version__) -> None:
-    """Refuse, with the reason, a model whose integer parameters this torch's FSDP2 cannot shard."""
+def _check_fsdp2_takes(
+    model: nn.Module, torch_version: str | None = None, whole_on_each_rank: bool = False
+) -> set[nn.Parameter]:
+    """The parameters to hold out of FSDP2 because this torch's FSDP2 cannot shard them; refuse, with the reason,
+    a model where that would cost a whole model's experts per rank.
+
+    Before torch 2.12 the modules holding integer parameters (the packed FP4 experts, with their E8M0 scales) are
+    held out, each rank keeping them whole, where that costs nothing (``whole_on_each_rank``: one rank, or the
+    backbone's experts split by expert over every rank) and for the DSpark draft blocks' experts (data parallel:
+    replicated, a few layers' worth). ``torch_version``: the running torch's by default."""
+    torch_version = torch_version or torch.__version__
     major, minor = (int(part) for part in torch_version.split(".")[:2])
     if (major, minor) >= FSDP2_INTEGER_PARAMETERS:
-        return
-    integer = [name for name, p in model.named_parameters() if not (p.is_floating_point() or p.is_complex())]
-    if integer:
+        return set()
+    held, refused = set(), []
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        integer = [key for key, p in own.items() if not (p.is_floating_point() or p.is_complex())]
+        if not integer:
+            continue
+        if not (whole_on_each_rank or ".mtp." in f".{name}."):
+            refused += [f"{name}.{key}".lstrip(".") for key in integer]
+        trainable = [key for key, p in own.items() if p.requires_grad]
+        if trainable:
+            raise ValueError(
+                f"{name}.{trainable[0]} trains next to the packed FP4 bytes that torch {torch_version}'s FSDP2 cannot "
+                f"shard: freeze it, or upgrade torch to {'.'.join(map(str, FSDP2_INTEGER_PARAMETERS))}"
+            )
+        held.update(own.values())
+    if refused:
         raise ValueError(
-            f"torch {torch_version}'s FSDP2 cannot shard parameters of integer dtypes (here {integer[0]}, "
-            f"{model.get_parameter(integer[0]).dtype}: the packed FP4 experts of a native load; "
-            f"{len(integer)} in all): fully_shard makes every shard require gradients. It can from torch "
-            f"{'.'.join(map(str, FSDP2_INTEGER_PARAMETERS))} on: upgrade torch, or load with "
+            f"torch {torch_version}'s FSDP2 cannot shard parameters of integer dtypes (here {refused[0]}, "
+            f"{model.get_parameter(refused[0]).dtype}: the packed FP4 experts of a native load; "
+            f"{len(refused)} in all): fully_shard makes every shard require gradients. On this torch shard_model "
+            "keeps them whole on each process, out of FSDP2, where each process holds its experts whole anyway: "
+            "one process, or expert_parallel_size equal to the number of processes. Otherwise upgrade torch to "
+            f"{'.'.join(map(str, FSDP2_INTEGER_PARAMETERS))} or newer, or load with "
             "FineGrainedFP8Config(dequantize=True)"
         )
+    return held
 
 
 def fp32_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -129,15 +155,19 @@ def shard_model(
     """
     if fully_shard is None or not dist.is_initialized():
         raise ValueError("shard_model needs torch.distributed initialized (init_process_group) before sharding")
-    _check_fsdp2_takes(model)
+    world = mesh.size() if mesh is not None else dist.get_world_size()
+    whole = world == 1 or expert_parallel_size == world  # each rank holds its experts whole
+    _check_fsdp2_takes(model, whole_on_each_rank=whole)  # refuses before anything changes
     if offload_activations:
         offload_checkpointed_inputs(model)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     kwargs = {"reshard_after_forward": reshard_after_forward, "offload_policy": offload_policy or OffloadPolicy()}
     training, expert_units = None, []
     if expert_parallel_size > 1:
-        training, expert_units = _shard_experts(model, mesh, mp_policy, expert_parallel_size, kwargs)
+        training, expert_units = _shard_experts(model, mesh, mp_policy, expert_parallel_size, kwargs, whole)
         mesh = training.data
+    held_out = _check_fsdp2_takes(model, whole_on_each_rank=whole)  # as they are now (split by expert)
+    _move_to(held_out, _default_device())
     kwargs["mesh"] = mesh
     tables = frozen_engram_tables(model)
     own_units, replicated = [], set()
@@ -147,12 +177,12 @@ def shard_model(
         own_units += [
             m
             for m in quantized_modules(model)
-            if id(m) not in sharded and not tables & set(m.parameters(recurse=False))
+            if id(m) not in sharded and not (tables | held_out) & set(m.parameters(recurse=False))
         ]
     no_cast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None)
     for unit in own_units:
         fully_shard(unit, mp_policy=no_cast, **kwargs)
-    ignored = replicated | tables
+    ignored = replicated | tables | held_out
     for unit in fsdp_units(model):
         fully_shard(unit, mp_policy=mp_policy, ignored_params=ignored, **kwargs)
     # the root's output is the model's: fp32 loss and logits (the LM head is fp32), whatever `output_dtype` says
@@ -172,9 +202,10 @@ def shard_model(
     return model
 
 
-def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_size: int, kwargs: dict):
+def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_size: int, kwargs: dict, whole: bool):
     """Split the backbone's routed experts over the EP ranks and FSDP2-shard them over ``ep_shard``, each layer's
-    experts their own unit; returns the :class:`~.expert_parallel.TrainingMesh` and those units."""
+    experts their own unit, but those this torch's FSDP2 cannot shard (left whole on their EP rank, see
+    :func:`_check_fsdp2_takes`); returns the :class:`~.expert_parallel.TrainingMesh` and the units sharded."""
     from .expert_parallel import (
         EP_SHARD,
         NATIVE_EXPERTS,
@@ -200,6 +231,8 @@ def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_s
     policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     as_stored = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=False)
     units = distribute_experts(model, training)
+    held_out = _check_fsdp2_takes(model, whole_on_each_rank=whole)
+    units = [experts for experts in units if not held_out & set(experts.parameters())]
     for experts in units:
         native = isinstance(experts, NATIVE_EXPERTS)
         fully_shard(experts, mesh=training.experts[EP_SHARD], mp_policy=as_stored if native else policy, **kwargs)
@@ -353,6 +386,14 @@ def _initialize_adapters(model: nn.Module, seed: int) -> None:
                     local = weight.to_local() if isinstance(weight, DTensor) else weight
                     box = local_box(weight)
                     local.copy_(whole[tuple(slice(a, b) for a, b in box)])
+
+
+@torch.no_grad()
+def _move_to(params: set[nn.Parameter], device: torch.device) -> None:
+    """Parameters kept out of FSDP2 onto the device it computes on (FSDP2 moves only those it manages)."""
+    for param in params:
+        if not param.is_meta and param.device != device:
+            param.data = param.data.to(device)
 
 
 def _placeholder(tensor: torch.Tensor) -> torch.Tensor:

@@ -92,10 +92,8 @@ def parse_devices(text: str) -> dict[int, int]:
     return devices
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dsv41", description="DeepSeek-V4.1 for Hugging Face transformers.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-
+def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    """``dsv41 demo`` (:func:`_run_demo`)."""
     demo = commands.add_parser(
         "demo",
         help="fine-tune, publish and reload a tiny DeepSeek-V4.1 on generated captions (CPU, minutes)",
@@ -123,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(handler=_run_demo)
 
+
+def _add_inspect_command(commands: argparse._SubParsersAction) -> None:
+    """``dsv41 inspect`` (:func:`_run_inspect`)."""
     inspect = commands.add_parser(
         "inspect",
         help="parameter counts, optimizer state and image token budgets (meta device, any size)",
@@ -200,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(handler=_run_inspect)
 
+
+def _add_convert_command(commands: argparse._SubParsersAction) -> None:
+    """``dsv41 convert`` (:func:`_run_convert`)."""
     convert = commands.add_parser(
         "convert",
         help="convert a released-format checkpoint (FP8/FP4) into our format (dequantized)",
@@ -218,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.set_defaults(handler=_run_convert)
 
+
+def _add_export_command(commands: argparse._SubParsersAction) -> None:
+    """``dsv41 export`` (:func:`_run_export`)."""
     export = commands.add_parser(
         "export",
         help="write a fine-tune for serving: a LoRA adapter for vLLM, or a full fine-tune in the release's format",
@@ -251,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
         "folder with config.json or a config.json (default: the adapter's base_model_name_or_path)",
     )
     export.set_defaults(handler=_run_export)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dsv41`` parser: one subcommand each, its handler in ``handler``."""
+    parser = _Parser(prog="dsv41", description="DeepSeek-V4.1 for Hugging Face transformers.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    for add_command in (_add_demo_command, _add_inspect_command, _add_convert_command, _add_export_command):
+        add_command(commands)
     return parser
 
 

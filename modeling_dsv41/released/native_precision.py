@@ -132,6 +132,19 @@ def saved_quantization_config(model: nn.Module):
     return config
 
 
+def quantization_method(config) -> str | None:
+    """The ``quant_method`` of ``config.quantization_config`` as a plain string (``"fp8"``, ``"bitsandbytes"``), or
+    None where the model is not quantized; the config may hold it as a dict or as a config object with an enum."""
+    quantization = getattr(config, "quantization_config", None)
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    method = getattr(method, "value", method)
+    return str(method) if method else None
+
+
 def _tuner_layers(model: nn.Module) -> list[nn.Module]:
     """The adapter layers PEFT put in ``model``."""
     from peft.tuners.tuners_utils import BaseTunerLayer

@@ -38,6 +38,7 @@ from configuration import DeepseekV41Config
 
 from ..modeling_dsv41 import DeepseekV41ForCausalLM
 from ..placement import meta_instance
+from ..released.native_precision import quantization_method
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ def load_serving_adapter(
             f"load_serving_adapter takes a DeepseekV41ForCausalLM (the base the adapter was exported from), got "
             f"{type(model).__name__}"
         )
-    if _quant_method(model.config) == "bitsandbytes":
+    if quantization_method(model.config) == "bitsandbytes":
         raise ValueError(
             "the model is bitsandbytes-quantized (NF4 / int8): an adapter in the serving layout adapts the release's "
             "FP8 / FP4 (or bf16) weights, not NF4 / int8 ones. Load the base in bf16 or natively (from_pretrained "
@@ -272,13 +273,6 @@ def _base_config(config: LoraConfig, folder: Path) -> DeepseekV41Config:
     return DeepseekV41Config.from_pretrained(base)
 
 
-def _quant_method(config: DeepseekV41Config) -> str | None:
-    quantization = getattr(config, "quantization_config", None)
-    if isinstance(quantization, dict):
-        return quantization.get("quant_method")
-    return str(getattr(quantization, "quant_method", "") or "") or None
-
-
 def _check_config(config: LoraConfig, base: DeepseekV41Config, source: str) -> None:
     """Refuse what vLLM's LoRA does not serve as PEFT computes it, with what to do instead."""
     if getattr(config, "peft_type", None) != "LORA" or not isinstance(config, LoraConfig):
@@ -298,7 +292,7 @@ def _check_config(config: LoraConfig, base: DeepseekV41Config, source: str) -> N
         )
     if config.lora_bias:
         raise ValueError(f"{source} has LoRA biases (lora_bias=True), which vLLM's LoRA does not apply: train without")
-    if _quant_method(base) == "bitsandbytes":
+    if quantization_method(base) == "bitsandbytes":
         raise ValueError(
             f"{source} was trained on a bitsandbytes-quantized base (quantization_config quant_method "
             "bitsandbytes): its deltas correct NF4/int8 weights, while vLLM serves the release's FP8/FP4 "

@@ -38,7 +38,7 @@ from transformers.integrations.finegrained_fp8 import FP8Linear
 from ..codec import dequantize_released_weight, quantize_fp4_rows, quantize_fp8_block, quantize_fp8_rows
 from ..moe import routed_experts_forward
 from ..released.native_lora import FP8LoraLinear, ParamWrapper
-from ..released.native_precision import DeepseekV41FP8Quantizer
+from ..released.native_precision import DeepseekV41FP8Quantizer, quantization_method
 from ..released.writing import released_quantizer
 
 DEFAULT_MIN_KEPT = 0.9
@@ -312,13 +312,7 @@ def _check_model(peft_model: PeftModel) -> None:
             )
     base = peft_model.get_base_model()
     quantizer = getattr(base, "hf_quantizer", None)
-    quantization = getattr(getattr(base, "config", None), "quantization_config", None)
-    method = (
-        quantization.get("quant_method")
-        if isinstance(quantization, dict)
-        else getattr(quantization, "quant_method", None)
-    )
-    if str(getattr(method, "value", method)) == "bitsandbytes":
+    if quantization_method(getattr(base, "config", None)) == "bitsandbytes":
         raise ValueError(
             "the base is bitsandbytes-quantized (NF4 / int8), not the release's FP8 / FP4 storage: merge_and_unload() "
             "on it, or load the released folder natively (from_pretrained) and this adapter onto it"

@@ -34,6 +34,7 @@ from configuration.configuration_dsv41 import (
 
 from ..codec import dequantize_released_weight
 from ..released.convert import COPIED_FILES
+from ..released.native_precision import quantization_method
 from ..released.writing import released_layout_state_dict, released_state_dict, save_released_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -215,8 +216,8 @@ def _check_model(model: nn.Module) -> None:
             "merged model, or export the adapter alone with --format vllm-lora"
         )
     quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if quantizer is not None and str(getattr(method, "value", method)) != "fp8":
+    method = quantization_method(quantizer)
+    if quantizer is not None and method != "fp8":
         raise ValueError(
             f"the model is quantized with {method}: its weights are not the fine-tune's; load the fine-tune "
             "unquantized (bf16 or float32) to export it"

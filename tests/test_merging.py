@@ -147,7 +147,7 @@ def test_a_one_percent_delta_on_one_fp4_expert_matrix_is_refused(released):
     assert f"kept {fp4.kept:.1%}" in message  # the numbers are in the refusal
     assert kept(report, "model.layers.1.ffn.experts").kept == 1.0  # no delta there: requantized to the same bytes
     # bf16 keeps the delta but for one rounding of base + delta: at most BF16_ROUNDING of |base + delta| per element
-    bf16 = kept(measure_merge(model, IDS, into="bf16"), name)
+    bf16 = kept(measure_merge(model, IDS, into="dequantized"), name)
     assert bf16.kept > 1 - BF16_ROUNDING * math.sqrt(1 + 0.01**2) / 0.01 > fp4.kept, (bf16, fp4)
 
 
@@ -184,7 +184,7 @@ def test_the_bf16_merge_keeps_its_delta_up_to_bf16_rounding(released):
     fraction above 1 − 2^-8·√1.01 / 0.1 ≈ 0.96; measured ≈ 0.98), where the release's storage keeps far less of the
     same deltas; its logits are those the report measured."""
     model = adapted(released, 0.1)
-    report = measure_merge(model, IDS, into="bf16")
+    report = measure_merge(model, IDS, into="dequantized")
     bound = 1 - BF16_ROUNDING * math.sqrt(1 + 0.1**2) / 0.1
     assert len(report.modules) == 18 and all(m.kept > bound for m in report.modules), str(report)
     released_merge = measure_merge(model, IDS)

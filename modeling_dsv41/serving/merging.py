@@ -42,7 +42,8 @@ from ..released.native_precision import DeepseekV41FP8Quantizer, quantization_me
 from ..released.writing import released_quantizer
 
 DEFAULT_MIN_KEPT = 0.9
-INTO = ("released", "bf16")
+INTO = ("released", "dequantized")
+_TARGET = {"released": "the release storage", "dequantized": "dequantized copies (merge_and_unload())"}
 ON_LOW = ("raise", "warn")
 _PEFT_PREFIX = "base_model.model."
 FP8_BLOCKS, FP4_ROWS = "FP8 32x32 blocks", "FP4 rows"
@@ -73,7 +74,7 @@ class ModuleKept:
 
 @dataclass(frozen=True)
 class MergeReport:
-    """The kept fractions of a merge (``into``: ``"released"`` or ``"bf16"``): per adapted module, worst first, and
+    """The kept fractions of a merge (``into``: ``"released"`` or ``"dequantized"``): per adapted module, worst first, and
     on the logits of the calibration batch. ``print(report)`` shows them."""
 
     into: str
@@ -88,7 +89,7 @@ class MergeReport:
 
     def __str__(self) -> str:
         lines = [
-            f"merge into {'the release storage' if self.into == 'released' else 'bf16'}: logits kept "
+            f"merge into {_TARGET[self.into]}: logits kept "
             f"{self.logits_kept:.1%} of the adapter's effect (effect {self.logits_effect:.3g}, error "
             f"{self.logits_error:.3g})"
         ]
@@ -157,7 +158,7 @@ def _fp8_site(name: str, layer: FP8LoraLinear, into: str) -> _Site:
     base = layer.get_base_layer()
     dequantized = dequantize_released_weight(base.weight, base.weight_scale_inv, base.in_features, torch.float32)
     delta = sum(layer.get_delta_weight(a).float() for a in _active(layer))
-    if into == "bf16":
+    if into == "dequantized":
         merged = layer.unload_and_optionally_merge_module(True, False, None)
         merged_weight, storage = merged.weight.float(), str(merged.weight.dtype).removeprefix("torch.")
     else:
@@ -208,7 +209,7 @@ def _experts_site(name: str, layer: ParamWrapper, into: str) -> _Site:
         n: getattr(experts, n) for n in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
     }
     adapt = {n: w._merged(_active(w)) for n, w in wrappers.items()}
-    if into == "bf16":
+    if into == "dequantized":
         merged = layer.unload_and_optionally_merge_module(True, False, None)
 
         def merged_weight(weight: str, expert: int) -> torch.Tensor:
@@ -399,8 +400,8 @@ def _measure(peft_model: PeftModel, calibration, into: str) -> tuple[MergeReport
 
 def measure_merge(peft_model: PeftModel, calibration, into: str = "released") -> MergeReport:
     """The kept fractions of merging ``peft_model``'s active LoRA adapter(s) (on a natively loaded release) into
-    ``into``: ``"released"``, the release's storage (:func:`merge_into_released_storage`), or ``"bf16"``, the
-    dequantized copies of ``merge_and_unload()``; measured on ``calibration`` (input ids [B, S] or a mapping of
+    ``into``: ``"released"``, the release's storage (:func:`merge_into_released_storage`), or ``"dequantized"``,
+    the copies in the model's dtype of ``merge_and_unload()``; measured on ``calibration`` (input ids [B, S] or a mapping of
     forward inputs). Leaves the model as it was."""
     return _measure(peft_model, calibration, into)[0]
 

@@ -1,5 +1,5 @@
 """The number formats of DeepSeek-V4.1's release, in one module: E8M0 power-of-two scales, FP8 e4m3 and FP4 E2M1 values,
-the packing of FP4 codes two to a byte, and the three things done with them:
+the packing of FP4 codes two to a byte, and the four things done with them:
 
 * **activation QDQ**: the released forward keeps three quantize-dequantize boundaries even when every weight is bf16
   (fixtures README §3):
@@ -13,6 +13,10 @@ the packing of FP4 codes two to a byte, and the three things done with them:
   E8M0, fp32 division and a round-to-nearest-even cast for E4M3), values are divided by the scale in fp32, saturated
   and rounded to nearest-even, multiplied back by the scale, and cast to the input dtype. They are not
   differentiable; `straight_through` turns any of them into an op with an identity gradient for training.
+
+* **the reference's FP8 / FP4 GEMMs**: where it holds a weight in FP8 or FP4, the reference multiplies by it with
+  `fp8_gemm` / `fp4_gemm`, which quantize the input with `act_quant(x, 32, "ue8m0")` and sum 32-wide K blocks in fp32:
+  `fp8_gemm_linear`, bit-exact in reference numerics.
 
 * **decoding the checkpoint**: dense Linears are FP8 with 32x32 E8M0 block scales, routed experts packed FP4 with
   per-row, per-32-column E8M0 scales, Engram tables FP8 with per-row, per-32-column E8M0 scales (README §7).
@@ -150,6 +154,27 @@ def straight_through(qdq: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
         return QuantizeDequantize.apply(x, lambda t: qdq(t, *args, **kwargs))
 
     return qdq_with_identity_gradient
+
+
+def fp8_gemm_linear(x: torch.Tensor, weight: torch.Tensor, block_size: int = 32) -> torch.Tensor:
+    """``x @ weight.T`` as the reference computes a Linear whose weight it holds in FP8 or FP4 (``fp8_gemm`` /
+    ``fp4_gemm``, run in reference numerics): ``x`` [..., K] and the result [..., N] in the model dtype, ``weight``
+    [N, K] the stored weight dequantized (in any float dtype: an e4m3 or E2M1 value times a power of two is exact).
+
+    Those kernels take an FP8 input, so the reference's ``linear`` quantizes the activation first,
+    ``act_quant(x, 32, "ue8m0")``: that is :func:`fp8_qdq` (its dequantized values, exact in the input's dtype;
+    the gradient passes straight through). They then sum in fp32, from zero, one 32-wide K block at a time in K
+    order, each block's product scaled by the input's and the weight's block scales, and round once to the model
+    dtype. One block's product of FP8 (or FP4) codes is exact in fp64 in any order, the reference's mode rounds it
+    once to fp32, and multiplying by power-of-two scales commutes with that rounding; so the fp64 product of the
+    dequantized blocks, rounded to fp32, is the reference's scaled block partial, bit for bit."""
+    columns = x.shape[-1]
+    blocks = straight_through(fp8_qdq)(x, block_size).reshape(-1, columns).double().split(block_size, dim=-1)
+    weight_blocks = weight.double().split(block_size, dim=-1)
+    out = torch.zeros(blocks[0].shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for block, weight_block in zip(blocks, weight_blocks):  # fixed order: the reference's fp32 running sum
+        out = out + (block @ weight_block.T).float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -380,6 +405,7 @@ __all__ = [
     "dequantize_released_weight",
     "fp4_qdq_e4m3_scale",
     "fp4_qdq_e8m0_scale",
+    "fp8_gemm_linear",
     "fp8_qdq",
     "pack_fp4",
     "quantize_fp4_rows",

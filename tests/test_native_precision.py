@@ -14,8 +14,10 @@ import modeling_dsv41  # noqa: F401  (registers the Auto classes)
 from configuration import DeepseekV41Config
 from modeling_dsv41 import DeepseekV41ForCausalLM
 from modeling_dsv41 import codec
+from modeling_dsv41.numerics import reference_numerics
 from modeling_dsv41.released import native_precision
 from modeling_dsv41.released.native_precision import WeightOnlyFP4Experts, WeightOnlyFP8Linear
+from modeling_dsv41.released.reference_gemms import DequantizedFP8Linear
 from modeling_dsv41.released.writing import save_released_checkpoint
 from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
 
@@ -59,9 +61,12 @@ def test_a_released_folder_implies_fine_grained_fp8(native):
     for name in ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b", "ffn.shared_experts.w2"):
         assert isinstance(layer.get_submodule(name), FP8Linear), name
     assert isinstance(layer.ffn.experts, FP8Experts)
-    # stored in bf16 by the release, or read raw by the model (Engram wkv), or block-diagonal (wo_a): plain
-    for name in ("attn.indexer.wk", "attn.indexer.weights_proj", "engram.wkv"):
+    # stored in bf16 by the release, or block-diagonal (wo_a): plain
+    for name in ("attn.indexer.wk", "attn.indexer.weights_proj"):
         assert type(layer.get_submodule(name)) is nn.Linear, name
+    # stored in FP8 but read raw by the model (its weight's dtype): dequantized, computing as the reference's
+    # fp8_gemm in reference numerics
+    assert type(layer.engram.wkv) is DequantizedFP8Linear and layer.engram.wkv.weight.dtype == torch.bfloat16
     assert layer.attn.wo_a.weight.dtype == torch.bfloat16 and native.lm_head.weight.dtype == torch.float32
 
 
@@ -728,6 +733,43 @@ def test_on_the_kernel_path_the_input_gets_the_weight_only_modules_gradient(kern
     for got, expected in zip(grads[0], grads[1]):
         assert got.abs().sum() > 0
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+
+
+def test_in_reference_numerics_the_native_modules_compute_as_the_reference_s_kernels(kernel_path, native):
+    """With ``emulate_quantization`` (the default), in reference numerics the FP8 Linears, on the kernel path too,
+    and Engram ``wkv`` (dequantized on load) compute as the reference's ``fp8_gemm`` (``codec.fp8_gemm_linear``:
+    the input quantized to FP8); the FP4 experts, kernel or weight-only, as its per-expert ``fp4_gemm`` loop, each
+    token's result independent of the batch (a decode step's few slots too). Outside the mode, as before."""
+    ours, theirs = kernel_path.model.layers[1], native.model.layers[1]
+    generator = torch.Generator().manual_seed(5)
+    for name in ("attn.wq_a", "attn.indexer.wq_b", "ffn.shared_experts.w2", "engram.wkv"):
+        weight_only = theirs.get_submodule(name)
+        x = torch.randn(6, weight_only.in_features, dtype=torch.bfloat16, generator=generator)
+        if name == "engram.wkv":
+            dense, kernel = weight_only.weight, None
+        else:
+            columns = weight_only.weight.shape[-1]
+            dense = codec.dequantize_released_weight(
+                weight_only.weight, weight_only.weight_scale_inv, columns, x.dtype
+            )
+            kernel = ours.get_submodule(name)
+        expected = codec.fp8_gemm_linear(x, dense)
+        with torch.no_grad():
+            plain = weight_only(x)
+            with reference_numerics():
+                got = [module(x) for module in (weight_only, kernel) if module is not None]
+        assert all(torch.equal(out, expected) for out in got), name
+        assert torch.equal(plain, torch.nn.functional.linear(x, dense)) and not torch.equal(plain, expected), name
+    hidden = torch.randn(6, TEXT["hidden_size"], dtype=torch.bfloat16, generator=generator)
+    index = torch.arange(12).remainder(TEXT["n_routed_experts"]).view(6, 2)
+    weights = torch.rand(6, 2, generator=generator)
+    with torch.no_grad():
+        plain = theirs.ffn.experts(hidden, index, weights)
+        with reference_numerics():
+            emulated = theirs.ffn.experts(hidden, index, weights)
+            assert torch.equal(ours.ffn.experts(hidden, index, weights), emulated)
+            decode_step = theirs.ffn.experts(hidden[:1], index[:1], weights[:1])  # per-slot outside the mode
+    assert torch.equal(decode_step, emulated[:1]) and not torch.equal(plain, emulated)
 
 
 def test_on_the_kernel_path_no_gradient_is_dropped(kernel_path, monkeypatch):

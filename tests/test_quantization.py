@@ -19,7 +19,10 @@ from modeling_dsv41.codec import (
     dequantize_fp8_rows,
     fp4_qdq_e4m3_scale,
     fp4_qdq_e8m0_scale,
+    fp8_gemm_linear,
     fp8_qdq,
+    quantize_fp4_rows,
+    quantize_fp8_block,
     straight_through,
     unpack_fp4,
 )
@@ -252,6 +255,49 @@ def test_straight_through_forwards_arguments():
     z = QuantizeDequantize.apply(x, fp4_qdq_e4m3_scale)
     (y * 3 + z).sum().backward()
     assert_bits_equal(x.grad, torch.full_like(x, 4.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The reference's FP8 / FP4 GEMMs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def reference_block_scaled_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``fp8_gemm`` / ``fp4_gemm`` after ``act_quant(x, 32, "ue8m0")``, as their CPU port and the kernels define them,
+    from codes and scales: the input's E8M0 scales and e4m3 codes (float64 grids), the weight's codes [N, K] and
+    per-row, per-32 scales [N, K/32]; per K block, the codes' product (exact in fp64, rounded to fp32 as reference
+    numerics does) times the input's and the weight's scales, summed in fp32 from zero in K order, cast to x's dtype."""
+    groups = x.double().unflatten(-1, (-1, 32))
+    x_scales = _pow2_at_least(groups.abs().amax(dim=-1, keepdim=True).clamp_min(float(torch.tensor(1e-4))), 448.0)
+    x_codes = _round_to_grid((groups / x_scales).clamp(-448, 448), E4M3_GRID)
+    acc = torch.zeros(x.shape[0], codes.shape[0], dtype=torch.float32)
+    for k in range(x_codes.shape[1]):
+        partial = (x_codes[:, k] @ codes[:, 32 * k : 32 * (k + 1)].double().T).float()
+        acc += partial * x_scales[:, k].float() * scales[:, k].float().unsqueeze(0)
+    return acc.to(x.dtype)
+
+
+@pytest.mark.parametrize("weight_format", ["fp8", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_gemm_linear_is_the_reference_kernels_block_sum(weight_format, dtype):
+    gen = torch.Generator().manual_seed(11)
+    magnitudes = 10.0 ** torch.empty(48, 16, 1).uniform_(-3, 3, generator=gen)  # one per 32-wide block
+    x = (torch.randn(48, 16, 32, generator=gen) * magnitudes).flatten(1).to(dtype)
+    weight = torch.randn(96, 512, generator=gen) * 10.0 ** torch.empty(96, 1).uniform_(-2, 2, generator=gen)
+    if weight_format == "fp8":
+        codes, block_scales = quantize_fp8_block(weight)
+        dense = dequantize_fp8_block(codes, block_scales)
+        scales = block_scales.float().repeat_interleave(32, dim=0)[: weight.shape[0]]
+    else:
+        packed, scales = quantize_fp4_rows(weight)
+        dense, codes = dequantize_fp4_rows(packed, scales), unpack_fp4(packed).view(weight.shape)
+    out = fp8_gemm_linear(x, dense.to(dtype))
+    assert out.dtype == dtype
+    assert_bits_equal(out, reference_block_scaled_gemm(x, codes, scales))
+    # both halves matter: the input's quantization, and the fp32 sum of the blocks (not the product rounded once)
+    assert not torch.equal(out, torch.nn.functional.linear(x.double(), dense.double()).to(dtype))
+    if dtype == torch.float32:
+        assert not torch.equal(out, torch.nn.functional.linear(fp8_qdq(x).double(), dense.double()).to(dtype))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

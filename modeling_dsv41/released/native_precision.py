@@ -55,6 +55,7 @@ from transformers.utils.import_utils import is_kernels_available
 from ..hub.registration import register_quantization_config, register_quantizer
 from ..moe import DeepseekV41Experts, per_slot_experts_forward, routed_experts_forward
 from ..codec import RELEASED_BLOCK_SIZE, dequantize_released_weight
+from .reference_gemms import emulates_reference_gemms, record_reference_gemms, reference_gemm_product
 
 QUANT_METHOD = "deepseek_v41_fp8"
 # our Linears the release stores FP8 and that compute through their forward, in the backbone's layers and the DSpark
@@ -236,7 +237,9 @@ class WeightOnlyFP8Linear(FP8Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # frozen weights: the input still gets its gradient, as through `FP8LinearFunction`
-        return frozen_quantized_linear(input, self.weight, self.weight_scale_inv, self.weight.shape[-1], self.bias)
+        weight, scale, columns = self.weight, self.weight_scale_inv, self.weight.shape[-1]
+        product = reference_gemm_product(weight, scale, columns, self.bias) if emulates_reference_gemms(self) else None
+        return frozen_quantized_linear(input, weight, scale, columns, self.bias, product)
 
 
 # the tensors of the natively loaded FP4 experts: packed bytes [E, out, in/2] and E8M0 scales [E, out, in/32]
@@ -249,14 +252,19 @@ class FrozenExpertWeight:
     """One routed expert's FP4 weight [out, in] as :func:`~modeling_dsv41.moe.routed_experts_forward` applies it
     (a :class:`~modeling_dsv41.moe.ProjectedWeight`): dequantized inside each product and again in its backward
     (:func:`frozen_quantized_linear`), so no dequantized expert waits for the backward, and LoRA
-    factors added to the output, ``x·Wᵀ + scaling·(x·Aᵀ)·Bᵀ``, so only the rank-r intermediate is kept."""
+    factors added to the output, ``x·Wᵀ + scaling·(x·Aᵀ)·Bᵀ``, so only the rank-r intermediate is kept. With
+    ``reference_gemm``, the product is the reference's ``fp4_gemm`` (:func:`reference_gemm_product`)."""
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, factors: list | None = None):
-        self.packed, self.scale, self.factors = packed, scale, factors or []
+    def __init__(
+        self, packed: torch.Tensor, scale: torch.Tensor, factors: list | None = None, reference_gemm: bool = False
+    ):
+        self.packed, self.scale, self.factors, self.reference_gemm = packed, scale, factors or [], reference_gemm
         self.shape = torch.Size((packed.shape[0], 2 * packed.shape[1]))
 
     def linear(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
-        out = frozen_quantized_linear(x, self.packed[rows], self.scale[rows], self.shape[1])
+        packed, scale, columns = self.packed[rows], self.scale[rows], self.shape[1]
+        product = reference_gemm_product(packed, scale, columns) if self.reference_gemm else None
+        out = frozen_quantized_linear(x, packed, scale, columns, product=product)
         for lora_a, lora_b, scaling in self.factors:  # in the factors' dtype, as PEFT's Linear computes its delta
             delta = F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b[rows]) * scaling
             out = out + delta.to(out.dtype)
@@ -276,11 +284,13 @@ def fp4_experts_forward(
     hidden_states [N, D], top_k_index / top_k_weights [N, k] → fp32 [N, D].
 
     Decoding (no more slots than experts, no adapter, no input gradient), each slot's expert is dequantized from
-    its gathered bytes (:func:`~modeling_dsv41.moe.per_slot_experts_forward`: no host sync); otherwise the loop over
-    the experts with tokens (one host sync reading how many each got)."""
+    its gathered bytes (:func:`~modeling_dsv41.moe.per_slot_experts_forward`: no host sync); otherwise, and where it
+    :func:`emulates_reference_gemms` (the reference's ``fp4_gemm`` per expert, on its rows), the loop over the
+    experts with tokens (one host sync reading how many each got)."""
     stored = {name: getattr(experts, name) for name in FP4_EXPERT_TENSORS}
     needs_input_grad = torch.is_grad_enabled() and hidden_states.requires_grad
-    if not adapters and not needs_input_grad and top_k_index.numel() <= experts.num_experts:
+    reference_gemm = emulates_reference_gemms(experts)
+    if not (adapters or needs_input_grad or reference_gemm) and top_k_index.numel() <= experts.num_experts:
         return per_slot_experts_forward(
             hidden_states,
             top_k_index,
@@ -298,7 +308,7 @@ def fp4_experts_forward(
         top_k_weights,
         experts.num_experts,
         experts.limit or 0.0,
-        fp4_expert_weights(stored, adapters),
+        fp4_expert_weights(stored, adapters, reference_gemm=reference_gemm),
     )
 
 
@@ -314,17 +324,21 @@ def _gathered_fp4(
 
 
 def fp4_expert_weights(
-    stored: Mapping[str, torch.Tensor], adapters: Mapping[str, ExpertFactors] | None = None, first: int = 0
+    stored: Mapping[str, torch.Tensor],
+    adapters: Mapping[str, ExpertFactors] | None = None,
+    first: int = 0,
+    reference_gemm: bool = False,
 ) -> Callable[[int], tuple[FrozenExpertWeight, FrozenExpertWeight]]:
     """Expert ``e`` of ``stored`` (the :data:`FP4_EXPERT_TENSORS` of some experts, [E_held, ...]) → its ``gate_up`` and
     ``down`` as :class:`FrozenExpertWeight`, with the LoRA factors of expert ``first + e`` (``first``: the number of
-    the first expert held, under expert parallelism)."""
+    the first expert held, under expert parallelism), computing as the reference's ``fp4_gemm`` if
+    ``reference_gemm``."""
     adapters = adapters or {}
 
     def weight(name: str, expert: int) -> FrozenExpertWeight:
         packed, scale = stored[name][expert], stored[f"{name}_scale_inv"][expert]
         factors = adapters[name](first + expert) if name in adapters else None
-        return FrozenExpertWeight(packed, scale, factors)
+        return FrozenExpertWeight(packed, scale, factors, reference_gemm)
 
     return lambda expert: (weight("gate_up_proj", expert), weight("down_proj", expert))
 
@@ -359,9 +373,12 @@ class FP8KernelLinear(FP8Linear):
     :class:`WeightOnlyFP8Linear` gives."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return frozen_quantized_linear(
-            input, self.weight, self.weight_scale_inv, self.weight.shape[-1], self.bias, product=self._kernel_product
-        )
+        weight, scale, columns = self.weight, self.weight_scale_inv, self.weight.shape[-1]
+        if emulates_reference_gemms(self):  # the reference's fp8_gemm, rather than the kernel's own quantization
+            product = reference_gemm_product(weight, scale, columns, self.bias)
+        else:
+            product = self._kernel_product
+        return frozen_quantized_linear(input, weight, scale, columns, self.bias, product=product)
 
     def _kernel_product(self, input: torch.Tensor) -> torch.Tensor:
         return finegrained_fp8.fp8_linear(
@@ -414,7 +431,8 @@ class FP4KernelExperts(FP8Experts):
         top_k_weights: torch.Tensor,
         adapters: Mapping[str, ExpertFactors] | None = None,
     ) -> torch.Tensor:
-        if adapters:  # the kernels take no delta: the weight-only computation with the adapters' factors
+        # the kernels take no delta, nor quantize as the reference does: the weight-only computation
+        if adapters or emulates_reference_gemms(self):
             return fp4_experts_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
         if not (torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)):
             return super().forward(hidden_states, top_k_index, top_k_weights)
@@ -506,6 +524,7 @@ class DeepseekV41FP8Quantizer(FineGrainedFP8HfQuantizer):
                 module.requires_grad_(False)
                 # the dtype of their inputs and outputs (the load's `dtype`): what a merged copy of them holds
                 module.model_dtype = model.config.dtype
+        record_reference_gemms(model, (FP8Linear, FP8Experts))  # in reference numerics: the reference's kernels
         self._model = weakref.ref(model)  # for `is_trainable`, which transformers asks without the model
 
     @property

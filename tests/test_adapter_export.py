@@ -33,17 +33,8 @@ from modeling_dsv41.released.native_lora import ParamWrapper as NativeExpertsLor
 from modeling_dsv41.released.writing import save_released_checkpoint
 
 import tiny_models
+from tiny_models import DSPARK  # a draft head (mtp.*), which the export leaves out
 
-# a draft head (mtp.*), which the export leaves out; two routed experts in its blocks
-DSPARK = dict(
-    num_nextn_predict_layers=1,
-    dspark_block_size=3,
-    dspark_target_layer_ids=[0, 1],
-    dspark_markov_rank=16,
-    dspark_noise_token_id=7,
-    dspark_n_routed_experts=2,
-    dspark_n_activated_experts=1,
-)
 TARGETS = ["wq_a", "wkv", "wo_b", "w1", "w2", "w3"]
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 BASE, ADAPTER = "dsv41-demo/model", "dsv41-lora/adapter"  # where the README's snippets put them

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from gloo_processes import WORLD, spawn
 from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
+from tiny_models import DSPARK
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -461,18 +462,6 @@ def test_fsdp2_before_torch_2_12_refuses_integer_parameters_with_the_reason():
     _check_fsdp2_takes(packed, "3.0.1")
     del packed.experts
     _check_fsdp2_takes(packed, "2.4.1")  # floating parameters only (FP8 included): every FSDP2 shards them
-
-
-# a DSpark draft head of one block, its MoE with 2 FP4 experts of its own (data parallel: not split by expert)
-DSPARK = dict(
-    num_nextn_predict_layers=1,
-    dspark_block_size=3,
-    dspark_target_layer_ids=[0, 1],
-    dspark_markov_rank=16,
-    dspark_noise_token_id=7,
-    dspark_n_routed_experts=2,
-    dspark_n_activated_experts=1,
-)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from dsv41_testers import TINY_VISION_CONFIG, prompt_inputs
 from gloo_processes import WORLD, spawn
 from reference_fixture import QUANT_FORMAT_TEXT, stub_tokenizer
+from tiny_models import DSPARK
 from torch.distributed.tensor import Shard, distribute_tensor
 from transformers.distributed import DistributedConfig
 from transformers.distributed.utils import is_dtensor
@@ -39,18 +40,6 @@ PROMPT_LEN, NEW_TOKENS = 12, 6
 # a wrong shard or scale block, which moves them by ~0.1. (In bf16 each rank's partial sums are rounded to bf16 before
 # the all-reduce: ~1e-2 on these logits, as on one process with another summation order.)
 ATOL = RTOL = 1e-3
-
-
-# a DSpark draft head of one block, its MoE with 2 experts of its own (1 per rank under EP)
-DSPARK = dict(
-    num_nextn_predict_layers=1,
-    dspark_block_size=3,
-    dspark_target_layer_ids=[0, 1],
-    dspark_markov_rank=16,
-    dspark_noise_token_id=7,
-    dspark_n_routed_experts=2,
-    dspark_n_activated_experts=1,
-)
 
 
 def _config() -> DeepseekV41Config:

@@ -6,6 +6,18 @@ import torch
 
 from modeling_dsv41 import DeepseekV41Config, DeepseekV41ForCausalLM
 
+# text-config entries of a DSpark draft head of one block, drafting from layers 0 and 1, its MoE with 2 routed experts
+# of its own, 1 active (under expert parallelism on 2 processes: 1 per rank)
+DSPARK = dict(
+    num_nextn_predict_layers=1,
+    dspark_block_size=3,
+    dspark_target_layer_ids=[0, 1],
+    dspark_markov_rank=16,
+    dspark_noise_token_id=7,
+    dspark_n_routed_experts=2,
+    dspark_n_activated_experts=1,
+)
+
 
 def tiny_config(vision: bool = True, **text_overrides) -> DeepseekV41Config:
     """The tiny preset, with ``text_overrides`` in its text config (validated as a new config) and without the vision

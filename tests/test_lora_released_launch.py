@@ -1,6 +1,8 @@
 """docs/released-model.md's launch of LoRA on the release (``examples/lora_released.py`` under
 ``examples/accelerate/fsdp2_lora.yaml``), run as printed on 4 CPU processes (gloo) on a released-format stand-in: the
-flags that size the run (processes, sequence length, steps, rank) and the paths are the only ones changed.
+flags that size the run (processes, sequence length, steps, rank) and the paths are the only ones changed. Before
+torch 2.12, whose FSDP2 cannot shard the packed FP4 experts, the printed launch is refused, saying what runs, and the
+tests below run it with ``--expert_parallel_size 4`` added (each process holding its experts whole).
 
 - Training: the adapters after 3 steps equal those of one process running the same script unsharded (the same
   rows, in 4 micro-batches of accumulation instead of 4 processes), and a checkpoint holds the adapter.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -111,7 +114,8 @@ def workspace(tmp_path_factory) -> Path:
     return root
 
 
-def run(argv: list[str], cwd: Path, pss_dir: Path | None = None) -> str:
+def run(argv: list[str], cwd: Path, pss_dir: Path | None = None, refused: bool = False) -> str:
+    """Run ``argv`` in ``cwd`` with this Python's environment; its stderr. It must succeed (or, ``refused``, fail)."""
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     python_path = [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
@@ -121,8 +125,20 @@ def run(argv: list[str], cwd: Path, pss_dir: Path | None = None) -> str:
     env["PYTHONPATH"] = os.pathsep.join(p for p in python_path if p)
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=cwd)
     errors = [line for line in result.stderr.splitlines() if "Error" in line or "error:" in line]
+    if refused:
+        assert result.returncode != 0, result.stdout[-2000:] + result.stderr[-4000:]
+        return result.stderr
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:] + "\n".join(errors[:20])
     return result.stderr
+
+
+def fsdp2_shards_integer_parameters() -> bool:
+    """Whether this torch's FSDP2 shards the packed FP4 experts (torch 2.12 on); before, ``shard_model`` keeps them
+    whole on each process, which it does only where each process holds its experts whole anyway."""
+    from modeling_dsv41.training.fsdp import FSDP2_INTEGER_PARAMETERS
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= FSDP2_INTEGER_PARAMETERS
 
 
 def stored_bytes(folder: Path) -> tuple[int, int]:
@@ -167,7 +183,11 @@ def adapters(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(workspace, tmp_path_factory) -> dict[str, Path]:
-    """The printed launch on 4 processes (each process's PSS recorded) and the script on one process."""
+    """The printed launch on 4 processes (each process's PSS recorded) and the script on one process.
+
+    Before torch 2.12 (GPU images may hold 2.11) FSDP2 cannot shard the packed FP4 experts: the printed launch,
+    FSDP2 alone, is refused before loading, saying what runs, and the launch that runs there is the documented one
+    with ``--expert_parallel_size`` equal to the number of processes (each holds its experts whole, out of FSDP2)."""
     out = tmp_path_factory.mktemp("lora_runs")
     argv = printed_launch()
     sized = {
@@ -179,10 +199,19 @@ def runs(workspace, tmp_path_factory) -> dict[str, Path]:
         "output_dir": out / "sharded",
     }
     launch = with_flags(argv, **sized)
-    (out / "pss").mkdir()
-    run(launch, workspace, out / "pss")
     # one process, the script itself: the same rows as 4 micro-batches of one
     script = with_flags(launch[launch.index("examples/lora_released.py") :], output_dir=out / "single")
+    if not fsdp2_shards_integer_parameters():
+        stderr = run(launch, workspace, refused=True)
+        assert re.search(
+            rf"torch {re.escape(torch.__version__)}'s FSDP2 cannot shard parameters of integer dtypes \(here "
+            r"\S*layers\.0\.ffn\.experts\S*, torch\.int8.*16 in all\).*one process, or expert_parallel_size equal to "
+            r"the number of processes",
+            stderr,
+        ), stderr[-4000:]
+        launch = [*launch, "--expert_parallel_size", str(PROCESSES)]
+    (out / "pss").mkdir()
+    run(launch, workspace, out / "pss")
     run([sys.executable, *script, "--gradient_accumulation_steps", str(PROCESSES)], workspace)
     return {
         "sharded": out / "sharded",

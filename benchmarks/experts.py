@@ -1,4 +1,5 @@
-"""Routed experts: transformers' ``batched_mm`` and ``grouped_mm`` against ``eager`` (the reference's loop, the default).
+"""Routed experts: transformers' ``batched_mm`` and ``grouped_mm`` against ``eager`` (the reference's loop, the
+default).
 
 One MoE layer's fused experts (``DeepseekV41Experts``) at a configurable width, forward + backward over N tokens
 with random top-k routing, in one run; prints each implementation's median time and its ratio to ``eager``, and the

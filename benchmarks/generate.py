@@ -207,7 +207,8 @@ def decode_op_count(model: nn.Module, context: int, static: bool, device: str) -
 
 
 def baseline_op_count(src: str, args: argparse.Namespace) -> dict[str, int]:
-    """:func:`decode_op_count` of the dynamic cache of the checkout at ``src``, run with its modules in a subprocess."""
+    """:func:`decode_op_count` of the dynamic cache of the checkout at ``src``, run with its modules in a
+    subprocess."""
     command = [
         sys.executable,
         __file__,

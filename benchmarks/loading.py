@@ -288,7 +288,8 @@ def resident_memory_table(folders: dict[str, Path], stored: int, threads: int) -
     native, dequantized = results["native"], results["dequantized"]
     print(
         f"native / dequantized: held {native['held'] / dequantized['held']:.2f} (goal <= 0.35), peak "
-        f"{native['peak'] / dequantized['peak']:.2f}, after one forward {native['forward'] / dequantized['forward']:.2f}; "
+        f"{native['peak'] / dequantized['peak']:.2f}, after one forward "
+        f"{native['forward'] / dequantized['forward']:.2f}; "
         f"native held / stored bytes {native['held'] / stored:.2f} (goal <= 1.15)"
     )
 

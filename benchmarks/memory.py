@@ -255,7 +255,8 @@ def autograd_sink_attention(q, kv, slots, sink, scale):
 
 
 def training_stand_in(device: str):
-    """benchmarks/loading.py's released-format stand-in in bf16 (seed 0), in training mode, gradient checkpointing on."""
+    """benchmarks/loading.py's released-format stand-in in bf16 (seed 0), in training mode, gradient checkpointing
+    on."""
     from benchmarks.loading import STAND_IN
     from configuration import DeepseekV41Config
     from modeling_dsv41 import DeepseekV41ForCausalLM
@@ -420,7 +421,8 @@ def print_train_report(results: dict, seqs: list[int], device: str, threads: int
             print(
                 f"S={seq}, recomputing, checkpointed inputs offloaded: step peak "
                 f"{r['offloaded step peak'] / 2**20:.1f} MiB ({r['offloaded step peak'] / r['step peak']:.2f}× "
-                f"resident), step time {r['offloaded step time']:.3f} s ({r['offloaded step time'] / r['step time']:.2f}×)"
+                f"resident), step time {r['offloaded step time']:.3f} s "
+                f"({r['offloaded step time'] / r['step time']:.2f}×)"
             )
     saved = max(results["recomputing"][s]["attention saved"] / results["autograd"][s]["attention saved"] for s in seqs)
     step = max(results["recomputing"][s]["step time"] / results["autograd"][s]["step time"] for s in seqs)
@@ -480,7 +482,8 @@ def main() -> None:
         total = torch.cuda.get_device_properties(args.device).total_memory
         print(
             f"peak CUDA allocation (torch.cuda.max_memory_allocated) over one forward, batch 1, {args.size}, "
-            f"{args.dtype}, {torch.cuda.get_device_name(args.device)} ({total / 2**30:.1f} GiB), torch {torch.__version__}"
+            f"{args.dtype}, {torch.cuda.get_device_name(args.device)} ({total / 2**30:.1f} GiB), torch "
+            f"{torch.__version__}"
         )
         results = cuda_runs(args.size, args.dtype, args.device, runs, [short, long])
         for name, peaks in results.items():

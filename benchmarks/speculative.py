@@ -30,8 +30,8 @@ and medium: the head's accuracy on the benchmark prompts' greedy continuations (
 sharp the backbone's next-token distribution is there (what bounds the acceptance; docs/benchmarks.md).
 
 Usage: ``python benchmarks/speculative.py [--size tiny|medium|demo] [--demo-dir DIR] [--device cpu|cuda]
-[--dtype float32|bfloat16] [--batch 1,8,72] [--prompts N] [--new-tokens 64] [--block-size 5] [--stages 2] [--train-steps 200]
-[--train-sequences 32] [--reps 3] [--threads 2] [--clock wall|process]``
+[--dtype float32|bfloat16] [--batch 1,8,72] [--prompts N] [--new-tokens 64] [--block-size 5] [--stages 2]
+[--train-steps 200] [--train-sequences 32] [--reps 3] [--threads 2] [--clock wall|process]``
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def train_head(model, steps: int, device: str, vocab: int, sequences: int = 32) 
         DeepseekV41Trainer(model=model, args=args, train_dataset=Sequences(sequences)).train()
     with torch.no_grad():
         print(
-            f"draft head accuracy on its training sequences: {float(model.dspark_loss(sequences.to(device)).accuracy):.3f}"
+            "draft head accuracy on its training sequences: "
+            f"{float(model.dspark_loss(sequences.to(device)).accuracy):.3f}"
         )
 
 
@@ -154,10 +155,12 @@ def report_held_out(model, prompts: torch.Tensor, new_tokens: int) -> None:
     logits = model(sequences).logits[:, prompts.shape[1] - 1 : -1].float()
     top2 = logits.topk(2, dim=-1).values
     print(
-        f"draft head accuracy on {len(sequences)} benchmark prompts' continuations: {float(model.dspark_loss(sequences).accuracy):.3f}; "
+        f"draft head accuracy on {len(sequences)} benchmark prompts' continuations: "
+        f"{float(model.dspark_loss(sequences).accuracy):.3f}; "
         f"the backbone there: mean top-1 probability {float(logits.softmax(-1).amax(-1).mean()):.4f} "
         f"(uniform {1 / logits.shape[-1]:.4f}), median top-1 - top-2 logit gap "
-        f"{float((top2[..., 0] - top2[..., 1]).median()):.3f} (logits' standard deviation {float(logits.std(-1).mean()):.3f})"
+        f"{float((top2[..., 0] - top2[..., 1]).median()):.3f} (logits' standard deviation "
+        f"{float(logits.std(-1).mean()):.3f})"
     )
 
 
@@ -427,7 +430,8 @@ def main() -> None:
         print(
             "\nper row against batch 1 (the same prompts one at a time): "
             + ", ".join(
-                f"batch {batch} accepted tokens per verification {accepted / per_row[1][0]:.2f}x, decode only {ratio:.2f}x"
+                f"batch {batch} accepted tokens per verification {accepted / per_row[1][0]:.2f}x, decode only "
+                f"{ratio:.2f}x"
                 for batch, (accepted, ratio) in per_row.items()
                 if batch != 1
             )

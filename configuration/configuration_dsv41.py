@@ -762,8 +762,8 @@ class DeepseekV41Config(PreTrainedConfig):
     Args:
         reference_numerics (`bool`): compute every matrix product, reduction and transcendental op in fp64 and
             round it once (and the ViT's attention with portable rounding points), so that outputs do not depend on
-            the CPU's BLAS, vector or scalar kernels and match DeepSeek's reference run the same way. Slower; off by default. See
-            :mod:`modeling_dsv41.numerics`.
+            the CPU's BLAS, vector or scalar kernels and match DeepSeek's reference run the same way. Slower; off by
+            default. See :mod:`modeling_dsv41.numerics`.
         quantization_config (`dict`, *optional*): how the weights are stored, as the released config.json says it
             (:func:`released_quantization_dict`: FP8 Linears, FP4 routed experts); ``from_pretrained`` loads such a
             folder natively (``modeling_dsv41.released``). A model built from the config holds plain weights, and

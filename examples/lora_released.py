@@ -8,12 +8,13 @@ stay as stored (frozen), and trains LoRA adapters on the attention, the shared a
 
 ``--data``: a JSON-lines file with a ``"text"`` field per line, tokenized with the ``tokenizer.json`` next to the
 weights and packed into rows of ``--seq_len`` tokens, one row per process and step unless
-``--per_device_train_batch_size`` says otherwise (``dsv41 inspect --train lora`` plans one). The model is built on the meta device, sharded with FSDP2
-(``training.fsdp.shard_model``, the policy of the accelerate config), then filled with the rank's shards
-(``training.fsdp.load_sharded_weights``); the Engram tables are memory-mapped from the folder, one page cache for
-the node. ``--expert_parallel_size 8`` splits the routed experts by expert over the processes instead (each reads
-its experts only; tokens reach them by all-to-all). Every ``DeepseekV41TrainingArguments`` field is a flag too (``--learning_rate``, ``--offload_activations``,
-``--resume_from_checkpoint last``, ...). Checkpoints hold the adapter (``adapter_model.safetensors``) and the sharded
+``--per_device_train_batch_size`` says otherwise (``dsv41 inspect --train lora`` plans one). The model is built on the
+meta device, sharded with FSDP2 (``training.fsdp.shard_model``, the policy of the accelerate config), then filled with
+the rank's shards (``training.fsdp.load_sharded_weights``); the Engram tables are memory-mapped from the folder, one
+page cache for the node. ``--expert_parallel_size 8`` splits the routed experts by expert over the processes instead
+(each reads its experts only; tokens reach them by all-to-all). Every ``DeepseekV41TrainingArguments`` field is a flag
+too (``--learning_rate``, ``--offload_activations``, ``--resume_from_checkpoint last``, ...). Checkpoints hold the
+adapter (``adapter_model.safetensors``) and the sharded
 optimizer state; ``--output_dir`` ends with the adapter, which loads on a natively loaded base::
 
     model = PeftModel.from_pretrained(DeepseekV41ForCausalLM.from_pretrained(folder), "lora-v41")

@@ -6,8 +6,8 @@ chat template's ``{% generation %}`` markers make possible). Images (``--images`
 that sentence wording, a new one for the demo model; TRL's vision collator runs our processor, which hands the model
 ``pixel_values``, ``image_grid_hw`` and ``image_token_types``::
 
-    python examples/trl_sft.py --model dsv41-demo/model --output_dir dsv41-sft --max_steps 10 --assistant_only_loss true
-    python examples/trl_sft.py --model dsv41-demo/model --output_dir dsv41-sft-vl --max_steps 10 --images true
+  python examples/trl_sft.py --model dsv41-demo/model --output_dir dsv41-sft --max_steps 10 --assistant_only_loss true
+  python examples/trl_sft.py --model dsv41-demo/model --output_dir dsv41-sft-vl --max_steps 10 --images true
 
 What to expect on the model ``dsv41 demo`` trains: the logged ``loss`` falls by half or more in the 10 steps (text:
 about 8.9 -> 2.9; images: about 9.5 -> 4.3) and ``mean_token_accuracy`` rises.

@@ -373,7 +373,8 @@ class DeepseekV41Attention(nn.Module):
         )
 
     def _output(self, out: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        """The attention's output [B, S, H, D] → [B, S, hidden]: the rope slice rotated back, then ``wo_a``, ``wo_b``."""
+        """The attention's output [B, S, H, D] → [B, S, hidden]: the rope slice rotated back, then ``wo_a``,
+        ``wo_b``."""
         bsz, seq_len = out.shape[:2]
         out = apply_rotary(out, rot, inverse=True).view(bsz, seq_len, self.n_groups, -1)
         return self.wo_b(self.wo_a(out).flatten(2))

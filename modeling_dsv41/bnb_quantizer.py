@@ -211,7 +211,8 @@ class _ExpertsQuantizing:
 class DeepseekV41BitsAndBytesConfig(BitsAndBytesConfig):
     """A :class:`~transformers.BitsAndBytesConfig` that loads through :class:`DeepseekV41Bnb4BitQuantizer` /
     :class:`DeepseekV41Bnb8BitQuantizer` (the routed experts quantized too); ``from_pretrained`` turns a user's
-    ``BitsAndBytesConfig`` into one. The model's ``quantization_method`` and the saved config say ``"bitsandbytes"``."""
+    ``BitsAndBytesConfig`` into one. The model's ``quantization_method`` and the saved config say
+    ``"bitsandbytes"``."""
 
     def __init__(self, *args, **kwargs):
         kwargs.pop("quant_method", None)
@@ -239,7 +240,10 @@ class DeepseekV41Bnb4BitQuantizer(_ExpertsQuantizing, Bnb4BitHfQuantizer):
     @property
     def kind(self) -> str:
         config = self.quantization_config
-        return f"4-bit ({config.bnb_4bit_quant_type}{', double quantization' if config.bnb_4bit_use_double_quant else ''})"
+        return (
+            f"4-bit ({config.bnb_4bit_quant_type}"
+            f"{', double quantization' if config.bnb_4bit_use_double_quant else ''})"
+        )
 
     def _experts_kwargs(self) -> dict:
         config = self.quantization_config

@@ -1,5 +1,5 @@
-"""The number formats of DeepSeek-V4.1's release, in one module: E8M0 power-of-two scales, FP8 e4m3 and FP4 E2M1 values,
-the packing of FP4 codes two to a byte, and the four things done with them:
+"""The number formats of DeepSeek-V4.1's release, in one module: E8M0 power-of-two scales, FP8 e4m3 and FP4 E2M1
+values, the packing of FP4 codes two to a byte, and the four things done with them:
 
 * **activation QDQ**: the released forward keeps three quantize-dequantize boundaries even when every weight is bf16
   (fixtures README §3):
@@ -147,7 +147,8 @@ class QuantizeDequantize(torch.autograd.Function):
 
 
 def straight_through(qdq: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Wrap a QDQ function so that training sees an identity gradient: `straight_through(fp8_qdq)(x, block_size=32)`."""
+    """Wrap a QDQ function so that training sees an identity gradient: `straight_through(fp8_qdq)(x,
+    block_size=32)`."""
 
     @functools.wraps(qdq)
     def qdq_with_identity_gradient(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -213,7 +214,8 @@ _FP4_BYTE_PAIRS = unpack_fp4(torch.arange(256, dtype=torch.uint8).unsqueeze(0)).
 
 
 def _expand_scale(scale: torch.Tensor, rows: int, cols: int, row_block: int, col_block: int) -> torch.Tensor:
-    """Repeat each scale over its row_block x col_block tile and crop to [rows, cols] (the last tile may be partial)."""
+    """Repeat each scale over its row_block x col_block tile and crop to [rows, cols] (the last tile may be
+    partial)."""
     expanded = scale.float().repeat_interleave(row_block, dim=0).repeat_interleave(col_block, dim=1)
     return expanded[:rows, :cols]
 
@@ -247,7 +249,8 @@ def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block_size: 
 def dequantize_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block_size: int = 32) -> torch.Tensor:
     """FP8 e4m3 rows [..., C] with one scale per row and block_size columns, [..., C/b] -> fp32 [..., C].
 
-    The Engram table format (a whole table or gathered rows), dequantized on lookup by `ParallelEngramEmbedding.forward`.
+    The Engram table format (a whole table or gathered rows), dequantized on lookup by
+    `ParallelEngramEmbedding.forward`.
     """
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"dequantize_fp8_rows expects a float8_e4m3fn weight, got {weight.dtype}")

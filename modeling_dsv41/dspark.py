@@ -47,8 +47,8 @@ def dspark_block_slots(ring_filled: torch.Tensor, window: int, block_size: int) 
 
 @dataclass
 class DeepseekV41DSparkLossOutput(ModelOutput):
-    """:meth:`DeepseekV41DSpark.loss` (``DeepseekV41ForCausalLM.dspark_loss``): ``loss`` = ``draft_loss`` + ``confidence_loss``, and the share
-    of drafted tokens (teacher-forced) equal to the backbone's, ``accuracy``."""
+    """:meth:`DeepseekV41DSpark.loss` (``DeepseekV41ForCausalLM.dspark_loss``): ``loss`` = ``draft_loss`` +
+    ``confidence_loss``, and the share of drafted tokens (teacher-forced) equal to the backbone's, ``accuracy``."""
 
     loss: torch.FloatTensor | None = None
     draft_loss: torch.FloatTensor | None = None

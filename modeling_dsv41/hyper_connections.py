@@ -22,7 +22,8 @@ from .recompute import recomputed
 def sinkhorn_split(
     mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split projected mixes [..., (2+hc)·hc] into pre [..., hc], post [..., hc] and a doubly-stochastic comb [..., hc, hc]."""
+    """Split projected mixes [..., (2+hc)·hc] into pre [..., hc], post [..., hc] and a doubly-stochastic comb [..., hc,
+    hc]."""
     hc = hc_mult
     sizes = [hc, hc, hc * hc]
     (pre, post, comb), (pre_base, post_base, comb_base) = mixes.split(sizes, dim=-1), base.float().split(sizes)
@@ -38,7 +39,8 @@ def sinkhorn_split(
 
 
 def _sinkhorn_dims(iters: int) -> list[int]:
-    """The dim each normalisation sums over after the softmax: columns (0), then rows and columns ``iters - 1`` times."""
+    """The dim each normalisation sums over after the softmax: columns (0), then rows and columns ``iters - 1``
+    times."""
     return [0] + [1, 0] * (iters - 1)
 
 
@@ -172,8 +174,9 @@ class DeepseekV41HyperConnectedBlock(nn.Module):
     the next sub-layer. The base of every decoder layer and DSpark draft block, which define ``attn``, ``ffn`` and the
     norms.
 
-    The block owns both sub-layers' mHC parameters, fp32, under the checkpoint's names ``hc_{attn,ffn}_{fn,base,scale}``
-    (``layers.{i}.hc_attn_fn``, ``mtp.{k}.hc_ffn_scale``): fn [(2+hc)·hc, hc·D], base [(2+hc)·hc], scale [3].
+    The block owns both sub-layers' mHC parameters, fp32, under the checkpoint's names
+    ``hc_{attn,ffn}_{fn,base,scale}`` (``layers.{i}.hc_attn_fn``, ``mtp.{k}.hc_ffn_scale``): fn [(2+hc)·hc, hc·D], base
+    [(2+hc)·hc], scale [3].
     """
 
     def __init__(self, config):

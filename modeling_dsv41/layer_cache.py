@@ -370,8 +370,8 @@ class DeepseekV41StaticLayerCache(DeepseekV41LayerCache):
     window keeps W + M columns, the projections the last r + M tokens. A rewind of t ≤ M tokens shifts them right by
     t (the newest t out, zeros in front) and rebuilds the open group from the projections; compressed rows need no
     undoing: those past a row's new ``lengths // r`` are never attended (each query sees the rows before its own
-    position's group), and the groups that complete again write them anew. :class:`~.generation.cache.DeepseekV41StaticCache` checks
-    that no rewind reaches past what was kept.
+    position's group), and the groups that complete again write them anew.
+    :class:`~.generation.cache.DeepseekV41StaticCache` checks that no rewind reaches past what was kept.
     """
 
     is_compileable = True

@@ -87,7 +87,8 @@ def check_parallel_load(config: DeepseekV41Config, parallel, native: bool, relea
         )
         raise ValueError(
             f"tp_size={tp} splits moe_intermediate_size={text.moe_intermediate_size} of the released storage into "
-            f"{text.moe_intermediate_size / tp:g} per rank, which cuts its {RELEASED_BLOCK_SIZE}-wide E8M0 scale blocks: {instead}"
+            f"{text.moe_intermediate_size / tp:g} per rank, which cuts its {RELEASED_BLOCK_SIZE}-wide E8M0 scale "
+            f"blocks: {instead}"
         )
     counts = {"n_routed_experts": text.n_routed_experts}
     if text.has_dspark:  # the draft blocks' experts follow the same EP plan

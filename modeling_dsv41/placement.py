@@ -74,7 +74,8 @@ def released_storage_bytes(name: str, param: torch.Tensor) -> float:
     return param.numel() * param.element_size()
 
 
-# stored FP8 but dequantized by native loading: the block-diagonal `wo_a` and Engram `wkv` (released/native_precision.py)
+# stored FP8 but dequantized by native loading: the block-diagonal `wo_a` and Engram `wkv`
+# (released/native_precision.py)
 _DEQUANTIZED_ON_LOAD = re.compile(r"(^|\.)(layers|mtp)\.\d+\.(attn\.wo_a|engram\.wkv)\.weight$")
 
 
@@ -193,8 +194,8 @@ def _infer_device_map(model, max_memory, sizes: TensorSizes, strategy: str) -> d
 
 def meta_instance(config: DeepseekV41Config, cls: type, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """``cls`` of ``config`` with every tensor on the meta device: modules kept in fp32 stay fp32, the rest take
-    ``dtype``. (:func:`~modeling_dsv41.cli.inspection.build_meta_model` defaults ``cls`` to the causal LM: this module is
-    imported by the model's, so it cannot name it.)"""
+    ``dtype``. (:func:`~modeling_dsv41.cli.inspection.build_meta_model` defaults ``cls`` to the causal LM: this module
+    is imported by the model's, so it cannot name it.)"""
     from transformers import initialization as init
 
     previous = torch.get_default_dtype()
@@ -355,9 +356,10 @@ class ParallelPlan:
 
 
 def plan_parallel(model: nn.Module, tp_size: int = 1, ep_size: int = 1, native: bool = True) -> ParallelPlan:
-    """Per-rank weights of ``model`` (meta or not) under the config's TP plan (``tp_size`` ranks) and EP plan (``ep_size``,
-    whose rules win for the experts), sized by the released storage when ``native``. The sizes are checked as
-    loading checks them (:func:`~modeling_dsv41.parallel.check_parallel_load`: whole scale blocks, whole experts)."""
+    """Per-rank weights of ``model`` (meta or not) under the config's TP plan (``tp_size`` ranks) and EP plan
+    (``ep_size``, whose rules win for the experts), sized by the released storage when ``native``. The sizes are
+    checked as loading checks them (:func:`~modeling_dsv41.parallel.check_parallel_load`: whole scale blocks, whole
+    experts)."""
     from transformers.distributed import DistributedConfig
 
     from .parallel import check_parallel_load

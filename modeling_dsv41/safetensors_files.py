@@ -42,7 +42,8 @@ def safetensors_header(path: str | Path) -> tuple[int, dict]:
 
 
 def tensor_entries(paths) -> dict[str, tuple[Path, int, dict]]:
-    """Every tensor stored in the safetensors files ``paths``: name -> (file, byte offset of its data, header entry)."""
+    """Every tensor stored in the safetensors files ``paths``: name -> (file, byte offset of its data, header
+    entry)."""
     entries = {}
     for path in paths:
         data_start, header = safetensors_header(path)

@@ -76,9 +76,10 @@ def sink_attention_forward(
     logits and its sink).
 
     As in the reference kernel, an online softmax runs over blocks of ``step`` slots (the kernel's 64; wider in
-    inference, :func:`slots_per_step`): probabilities are taken against the running maximum and rounded to the activation dtype
-    before the PV product, while the denominator and the accumulator stay fp32. A query with no slot to attend to gets zeros. Written in
-    differentiable ops, so autograd of it is the plain backward that keeps every block's keys and probabilities.
+    inference, :func:`slots_per_step`): probabilities are taken against the running maximum and rounded to the
+    activation dtype before the PV product, while the denominator and the accumulator stay fp32. A query with no slot
+    to attend to gets zeros. Written in differentiable ops, so autograd of it is the plain backward that keeps every
+    block's keys and probabilities.
     """
     out, peak, denom = _online_softmax(q, kv, slots, sink, scale, step)
     return out, peak + torch.log(denom)

@@ -1,5 +1,5 @@
-"""Where we meet the private parts of transformers, PEFT, TRL and accelerate: every private name this project relies on,
-one list per library, with the versions it was checked against.
+"""Where we meet the private parts of transformers, PEFT, TRL and accelerate: every private name this project relies
+on, one list per library, with the versions it was checked against.
 
 A model that plugs into ``generate``, ``from_pretrained``'s conversions and quantizers, the ``Trainer`` and PEFT's
 dispatch has to override or read some of their underscored methods and attributes, which may move in any release.

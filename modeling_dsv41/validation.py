@@ -91,7 +91,8 @@ def check_text_inputs(
         raise ValueError("pass input_ids or inputs_embeds")
     if input_ids is not None and inputs_embeds is not None and tuple(inputs_embeds.shape[:2]) != tuple(shape):
         raise ValueError(
-            f"input_ids {tuple(shape)} and inputs_embeds {tuple(inputs_embeds.shape[:2])} must cover the same positions"
+            f"input_ids {tuple(shape)} and inputs_embeds {tuple(inputs_embeds.shape[:2])} must cover the same "
+            "positions"
         )
     if attention_mask is not None:
         check_attention_mask(attention_mask, shape[0], shape[1], past_length)

@@ -24,7 +24,8 @@ class ImageTokenType(enum.IntEnum):
 
 
 def token_grid(patch_grid: Sequence[int], downsample_ratio: int) -> tuple[int, int]:
-    """LM grid of a ViT patch grid (h, w): the aligner pads the patches to a multiple of the ratio, so ceil(n / ratio)."""
+    """LM grid of a ViT patch grid (h, w): the aligner pads the patches to a multiple of the ratio, so ceil(n /
+    ratio)."""
     return tuple(-(-int(side) // downsample_ratio) for side in patch_grid)
 
 

@@ -1,7 +1,7 @@
 """Runs ``examples/finetune.py`` under ``accelerate launch`` as it is, then reports what the processes hold, for the
 tests:
 
-    accelerate launch --config_file examples/accelerate/fsdp2.yaml tests/accelerate_cpu.py REPORT <finetune.py arguments>
+  accelerate launch --config_file examples/accelerate/fsdp2.yaml tests/accelerate_cpu.py REPORT <finetune.py arguments>
 
 After training, every process writes ``REPORT/rank<N>.pt``: its router biases, the dtypes in which a few modules'
 weights reach their forward (FSDP2's mixed precision casts them just before), its mean training loss and the strategy

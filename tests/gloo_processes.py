@@ -1,4 +1,5 @@
-"""Run a test function on gloo processes (2 unless told) spawned from pytest, bounded in time (CPU, no accelerator needed)."""
+"""Run a test function on gloo processes (2 unless told) spawned from pytest, bounded in time (CPU, no accelerator
+needed)."""
 
 from __future__ import annotations
 

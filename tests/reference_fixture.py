@@ -114,7 +114,8 @@ def stub_tokenizer() -> Tokenizer:
 
 def fixture_checkpoint(fixtures: Path, variant: str, folder: Path, with_tokenizer: bool = True) -> Path:
     """The fixture as a checkpoint folder for ``from_pretrained``: its reference ``config.json`` (flat layout), its
-    ``model.safetensors`` (reference names and dtypes, FP8 Engram tables) and, optionally, the stub ``tokenizer.json``."""
+    ``model.safetensors`` (reference names and dtypes, FP8 Engram tables) and, optionally, the stub
+    ``tokenizer.json``."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(fixtures / f"v41_tiny_vl/{variant}/config.json", folder / "config.json")
     (folder / "model.safetensors").symlink_to(fixtures / "v41_tiny_vl/model.safetensors")

@@ -186,8 +186,8 @@ def test_markov_bias_given_the_stored_ids_is_exact(protocol):
 
 
 # Goldens made by DeepSeek's reference code on the fixture weights with this protocol inside
-# ``modeling_dsv41.numerics.reference_numerics()`` (tests/data/make_goldens.py, tests/data/README.md). In the mode every
-# product, reduction and transcendental is accumulated in fp64 and rounded once on both sides, so every step's
+# ``modeling_dsv41.numerics.reference_numerics()`` (tests/data/make_goldens.py, tests/data/README.md). In the mode
+# every product, reduction and transcendental is accumulated in fp64 and rounded once on both sides, so every step's
 # outputs, the drafts included, are compared bit for bit (the budgets above are only for the native-GEMM fixture).
 def reference_goldens(mode: str) -> dict[str, torch.Tensor]:
     return load_file(Path(__file__).parent / f"data/reference_dspark_{mode}.safetensors")

@@ -3,10 +3,11 @@ pytest, bounded in time): :func:`shard_model` with ``expert_parallel_size``, the
 against one process.
 
 Models are the tiny preset cut to 2 decoder layers (4 routed experts, top 2: each EP rank holds 2, each rank 1),
-QDQ emulation off, gradient checkpointing on (its inputs offloaded, as ``offload_activations`` asks). Every step takes 4 micro-batches, one per rank, each of a text row and
-a row with an image (real pixels through the ViT). One process runs the same micro-batches and sums their gradients
-in the order the mesh does, EP group by EP group: (g0 + g1) + (g2 + g3) (see modeling_dsv41/training/expert_parallel.py;
-summed in another order the gradients differ in their last bits, and so would the parameters).
+QDQ emulation off, gradient checkpointing on (its inputs offloaded, as ``offload_activations`` asks). Every step takes
+4 micro-batches, one per rank, each of a text row and a row with an image (real pixels through the ViT). One process
+runs the same micro-batches and sums their gradients in the order the mesh does, EP group by EP group: (g0 + g1) + (g2
++ g3) (see modeling_dsv41/training/expert_parallel.py; summed in another order the gradients differ in their last bits,
+and so would the parameters).
 
 Then DeepseekV41Trainer on the mesh (``expert_parallel_size=2``, as accelerate's FSDP2 launch sets it up): sharded
 checkpoints that resume on 4, 2 (and from 2 on 4) processes bit-identical to the uninterrupted run, a process killed
@@ -206,7 +207,7 @@ def test_2x2_mesh_three_steps_equal_one_process_bit_for_bit(uninterrupted):
     print((uninterrupted / "errors.txt").read_text())
 
 
-# ----------------------------------------------------------------------------- DeepseekV41Trainer: checkpoints that reshard
+# ------------------------------------------------------------------------ DeepseekV41Trainer: checkpoints that reshard
 
 TRAIN_STEPS, SAVE_STEPS, ROWS = 4, 2, 32  # 2 rows per process and micro-batch: 8 rows per step on 4 or 2 processes
 TRAINER_SPEED = 2**-6  # small enough that the biases do not swing back to 0 every other step on the tiny model

@@ -3,9 +3,10 @@
 The layers, lowest first: ``configuration`` ← ``processing`` ← the model's parts (every ``modeling_dsv41`` module the
 model is built from: attention, MoE, Engram, the cache, the released format, placement, ...) ← the model
 (``modeling_dsv41.modeling_dsv41``) ← what uses the model (training, the optimizer, the CLI, Hub export, the serving
-exports and the package's ``__init__``, which registers the Auto classes). Imports are read from the source (function-level ones
-too), so an import deferred into a function to dodge a circle counts like any other. Within the parts, a subpackage
-(``released/``, ``generation/``) is one unit: its modules together sit above or below a flat module, never both.
+exports and the package's ``__init__``, which registers the Auto classes). Imports are read from the source
+(function-level ones too), so an import deferred into a function to dodge a circle counts like any other. Within the
+parts, a subpackage (``released/``, ``generation/``) is one unit: its modules together sit above or below a flat
+module, never both.
 
 Sizes, read with ``ast`` too: no module of ``modeling_dsv41`` over 600 lines, and no function of the modules a forward
 runs through (the model, its decoder layer, attention, MoE, Engram, mHC, DSpark and what they call) over 60 lines, so

@@ -303,12 +303,12 @@ def test_each_process_reads_only_its_shards_and_maps_its_share_of_the_engram_tab
     strict=True,
     reason=(
         "not met on the CPU (measured on this stand-in, a 65.4 MiB share per process): over the first steps each "
-        "process's PSS rises about 10 x the share (625-680 MiB). Most of it, about 500 MiB, is glibc's heap keeping freed "
-        "memory resident (with MALLOC_MMAP_THRESHOLD_=131072 the rise is 204 MiB, 3.1 x); the rest is the step's working "
-        "set, host memory on CPU processes (FSDP2's all-gather of a decoder layer and of the next, 26 MiB stored each, in "
-        "three buffers; the activations), device memory on GPUs. With --expert_parallel_size 4 added the rise is 2.8-3.2 "
-        "x; counted after the second step, the shards and the adapters with their gradients and AdamW state are 1.06 x "
-        "the share and the allocations that are not tensors 23 MiB more, 1.4 x "
+        "process's PSS rises about 10 x the share (625-680 MiB). Most of it, about 500 MiB, is glibc's heap keeping "
+        "freed memory resident (with MALLOC_MMAP_THRESHOLD_=131072 the rise is 204 MiB, 3.1 x); the rest is the "
+        "step's working set, host memory on CPU processes (FSDP2's all-gather of a decoder layer and of the next, 26 "
+        "MiB stored each, in three buffers; the activations), device memory on GPUs. With --expert_parallel_size 4 "
+        "added the rise is 2.8-3.2 x; counted after the second step, the shards and the adapters with their gradients "
+        "and AdamW state are 1.06 x the share and the allocations that are not tensors 23 MiB more, 1.4 x "
         "before any working set or freed heap: a per-process cost the stand-in's share cannot absorb "
         "(docs/released-model.md)"
     ),

@@ -271,7 +271,7 @@ def test_a_merge_saved_in_the_released_format_loads_back_in_a_fresh_process(rele
         with reference_numerics(), torch.no_grad():
             got = model(input_ids=expected["ids"]).logits
         print(json.dumps({{"equal": torch.equal(got, expected["logits"]), "wq_b": str(model.model.layers[0].attn.wq_b.weight.dtype)}}))
-        """
+        """  # noqa: E501
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(

@@ -585,7 +585,8 @@ def plain_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def test_sinkhorn_gradients_match_autograd_of_the_formula(iters):
     """The Sinkhorn function runs the reference's ops forward (same bits) and a four-op step backward from its saved
     normalisers: its gradient agrees with autograd of the plain formula to fp32 rounding, both measured against the
-    formula's fp64 gradient (ours may not be further off than autograd's own fp32 gradient, plus 1e-6 of the largest)."""
+    formula's fp64 gradient (ours may not be further off than autograd's own fp32 gradient, plus 1e-6 of the
+    largest)."""
     from modeling_dsv41.hyper_connections import _Sinkhorn
 
     g = torch.Generator().manual_seed(0)

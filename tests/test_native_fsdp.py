@@ -1,6 +1,7 @@
-"""LoRA on a model loaded in the released precision, sharded with FSDP2 (:func:`~modeling_dsv41.training.fsdp.shard_model`):
-the frozen FP8 weights, E8M0 scales and packed FP4 experts are sharded as stored, the adapters too, the frozen Engram
-tables stay where they are. 2 gloo processes on CPU, spawned from pytest, bounded in time."""
+"""LoRA on a model loaded in the released precision, sharded with FSDP2
+(:func:`~modeling_dsv41.training.fsdp.shard_model`): the frozen FP8 weights, E8M0 scales and packed FP4 experts are
+sharded as stored, the adapters too, the frozen Engram tables stay where they are. 2 gloo processes on CPU, spawned
+from pytest, bounded in time."""
 
 from __future__ import annotations
 
@@ -158,8 +159,8 @@ def _native_lora_sharded_matches_one_process(
 def test_lora_on_the_native_base_sharded_on_two_processes_trains_as_one_process(
     released, engram_table_dtype, bf16_compute, tmp_path
 ):
-    """3 SGD steps of LoRA on the FP8 Linears and FP4 experts of the natively loaded stand-in, gradient checkpointing on: FSDP2 on
-    2 processes (each half of the batch) gives the adapters one process gets accumulating both halves.
+    """3 SGD steps of LoRA on the FP8 Linears and FP4 experts of the natively loaded stand-in, gradient checkpointing
+    on: FSDP2 on 2 processes (each half of the batch) gives the adapters one process gets accumulating both halves.
 
     With a bf16 ``param_dtype`` the adapters compute in bf16 where one process computes them in fp32, so no
     single-process run is the reference there: that case checks what is sharded and cast (the FP8 / FP4 bases and
@@ -444,7 +445,8 @@ def _reads_its_experts_under_expert_parallelism(rank: int, tmp: Path, folder: st
 def test_each_rank_reads_its_experts_of_the_release_under_expert_parallelism(released, tmp_path):
     """Full fine-tuning of the release with expert parallelism: the model built on the meta device as the
     dequantizing load builds it (``empty_dequantized_model``), split by expert over the ranks, then each rank
-    dequantizing only its shards as it reads them equals the dequantized model loaded whole, then sharded, bit for bit."""
+    dequantizing only its shards as it reads them equals the dequantized model loaded whole, then sharded, bit for
+    bit."""
     spawn(_reads_its_experts_under_expert_parallelism, tmp_path, str(released), timeout_s=240)
 
 

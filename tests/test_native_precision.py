@@ -1,5 +1,5 @@
-"""Released checkpoints in their native precision (modeling_dsv41/released/native_precision.py): FP8 Linears and FP4 experts
-kept as stored through transformers' fine-grained FP8 quantization, computed weight-only on the CPU."""
+"""Released checkpoints in their native precision (modeling_dsv41/released/native_precision.py): FP8 Linears and FP4
+experts kept as stored through transformers' fine-grained FP8 quantization, computed weight-only on the CPU."""
 
 import json
 

@@ -25,10 +25,10 @@ from modeling_dsv41.modeling_dsv41 import DeepseekV41DecoderLayer
 
 PROMPT_LEN, NEW_TOKENS = 12, 6
 # fp32 throughout: sharding changes only the order of the experts' (and the vocabulary's) fp32 sums, measured at
-# ~1e-6 on these logits (|logits| ~ 1); 1e-4 leaves room for other CPUs' kernels while a wrong shard moves them by ~0.1.
-# The pipeline split changes no sum (each stage runs whole layers on the stream it receives, sent at its own dtype):
-# only the workers' single-threaded GEMMs block differently from the reference process's, measured at ~2e-7; held to
-# the same bound.
+# ~1e-6 on these logits (|logits| ~ 1); 1e-4 leaves room for other CPUs' kernels while a wrong shard moves them by
+# ~0.1. The pipeline split changes no sum (each stage runs whole layers on the stream it receives, sent at its own
+# dtype): only the workers' single-threaded GEMMs block differently from the reference process's, measured at ~2e-7;
+# held to the same bound.
 ATOL = RTOL = 1e-4
 
 

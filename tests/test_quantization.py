@@ -136,7 +136,8 @@ def test_fp8_qdq_hand_computed(dtype):
 
 def test_fp8_qdq_blocks_are_independent_and_odd():
     x = torch.cat([one_block([448, 2**-10], 32), one_block([0.5, 2**-10], 32)])
-    # first block: scale 1, 2^-10 is half the smallest subnormal -> 0 (tie, even); second: scale 2^-9, 2^-10 -> 0.5 exact
+    # first block: scale 1, 2^-10 is half the smallest subnormal -> 0 (tie, even);
+    # second: scale 2^-9, 2^-10 -> 0.5 exact
     expected = torch.cat([one_block([448, 0.0], 32), one_block([0.5, 2**-10], 32)])
     assert_bits_equal(fp8_qdq(x), expected)
     y = torch.randn(8, 64, dtype=torch.bfloat16)
@@ -266,7 +267,8 @@ def reference_block_scaled_gemm(x: torch.Tensor, codes: torch.Tensor, scales: to
     """``fp8_gemm`` / ``fp4_gemm`` after ``act_quant(x, 32, "ue8m0")``, as their CPU port and the kernels define them,
     from codes and scales: the input's E8M0 scales and e4m3 codes (float64 grids), the weight's codes [N, K] and
     per-row, per-32 scales [N, K/32]; per K block, the codes' product (exact in fp64, rounded to fp32 as reference
-    numerics does) times the input's and the weight's scales, summed in fp32 from zero in K order, cast to x's dtype."""
+    numerics does) times the input's and the weight's scales, summed in fp32 from zero in K order, cast to x's
+    dtype."""
     groups = x.double().unflatten(-1, (-1, 32))
     x_scales = _pow2_at_least(groups.abs().amax(dim=-1, keepdim=True).clamp_min(float(torch.tensor(1e-4))), 448.0)
     x_codes = _round_to_grid((groups / x_scales).clamp(-448, 448), E4M3_GRID)

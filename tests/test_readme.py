@@ -26,7 +26,8 @@ from modeling_dsv41.cli.demo_data import ShapesDataset, build_demo_tokenizer
 
 SETUP_COMMANDS = [
     "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e . && .venv/bin/dsv41 demo",
-    'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test]" && .venv/bin/python -m pytest -q -n 2 '
+    'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test]" && '
+    ".venv/bin/python -m pytest -q -n 2 "
     "--dist loadfile",
 ]
 RELEASED_REPO = "deepseek-ai/DeepSeek-V4.1-Flash"

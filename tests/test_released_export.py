@@ -78,9 +78,10 @@ def test_the_folder_holds_the_published_config_keys_and_the_released_storage(exp
 
 
 def test_from_pretrained_and_convert_read_it_back(exported, tmp_path):
-    """The exported folder loads (dequantized; natively too: FP8/FP4 as stored), and ``dsv41 convert`` of it gives the same weights; the logits are the
-    fine-tune's up to the FP8/FP4 rounding of its weights (below, a loose bound: the storage moves each weight by up
-    to half an FP8 step, 2^-4 relative, and an FP4 expert weight by up to a quarter of its row block's scale)."""
+    """The exported folder loads (dequantized; natively too: FP8/FP4 as stored), and ``dsv41 convert`` of it gives the
+    same weights; the logits are the fine-tune's up to the FP8/FP4 rounding of its weights (below, a loose bound: the
+    storage moves each weight by up to half an FP8 step, 2^-4 relative, and an FP4 expert weight by up to a quarter of
+    its row block's scale)."""
     dequantize = FineGrainedFP8Config(dequantize=True)
     loaded = DeepseekV41ForCausalLM.from_pretrained(
         exported["folder"], dtype=torch.bfloat16, quantization_config=dequantize

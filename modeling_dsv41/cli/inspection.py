@@ -351,12 +351,12 @@ def format_full_training_plan(
     experts = model.config.get_text_config().n_routed_experts
     lines = [
         (
-            f"Full fine-tuning ({_human(first.trainable_parameters)} trained parameters: all but the indexer, the DSpark "
-            f"draft head and the Engram tables) on {nodes} × {per_node} = {first.world} devices: the routed experts "
-            f"split over EP {ep_size} ({experts // ep_size} per layer on each) and FSDP2-sharded over the other "
-            f"{first.ep_shard}, everything else FSDP2 over all {first.world} (training.fsdp.shard_model("
-            f"expert_parallel_size={ep_size})); gradient checkpointing, micro-batch {batch_size} × {seq_len} tokens per "
-            "device. MixedOptimizer state: one momentum buffer per Muon, head-wise Muon and Sinkhorn tensor, two "
+            f"Full fine-tuning ({_human(first.trainable_parameters)} trained parameters: all but the indexer, the "
+            f"DSpark draft head and the Engram tables) on {nodes} × {per_node} = {first.world} devices: the routed "
+            f"experts split over EP {ep_size} ({experts // ep_size} per layer on each) and FSDP2-sharded over the "
+            f"other {first.ep_shard}, everything else FSDP2 over all {first.world} (training.fsdp.shard_model("
+            f"expert_parallel_size={ep_size})); gradient checkpointing, micro-batch {batch_size} × {seq_len} tokens "
+            "per device. MixedOptimizer state: one momentum buffer per Muon, head-wise Muon and Sinkhorn tensor, two "
             "moments per AdamW tensor, in the weights' dtype:"
         ),
         f"{'per device':<52}{PRECISIONS[0]:>14}{PRECISIONS[1]:>14}",

@@ -106,7 +106,8 @@ class DeepseekV41Cache(Cache):
         lengths = self.lengths - tokens
         if bool(((tokens < 0) | (lengths < 0)).any()):
             raise ValueError(
-                f"cannot remove {count_for_message(tokens)} tokens from rows holding {self.lengths.tolist()} real tokens"
+                f"cannot remove {count_for_message(tokens)} tokens from rows holding {self.lengths.tolist()} real "
+                "tokens"
             )
         most, rewindable = int(tokens.max()), self.rewindable
         if most > rewindable:  # (without a max_rewind, each layer says what it did not record)

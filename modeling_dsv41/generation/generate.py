@@ -65,7 +65,8 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         streamer=None,
         **model_kwargs,
     ):
-        """``use_mtp=True``: DSpark speculative decoding, any batch size (:func:`.generation.speculative.dspark_decoding`)."""
+        """``use_mtp=True``: DSpark speculative decoding, any batch size
+        (:func:`.generation.speculative.dspark_decoding`)."""
         if generation_config.use_mtp:
             model_kwargs = {
                 k: v

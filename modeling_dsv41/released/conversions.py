@@ -1,18 +1,19 @@
 """The released checkpoint's names and layout mapped onto ours, in transformers' loading machinery (the model registers
 them for ``deepseek_v41``), and back for ``save_pretrained(save_original_format=True)``.
 
-The release names the backbone's tensors at the root (``embed``, ``layers.{i}...``, ``vision.*``, ``aligner.*``), the LM
-head ``head`` and each routed expert's ``ffn.experts.{e}.w1/w2/w3``. Our models hold the backbone as ``model`` with the
-head ``lm_head`` and fused experts (``ffn.experts.gate_up_proj`` [E, 2·I, D] = each expert's ``w1`` then ``w3`` rows,
-``ffn.experts.down_proj`` [E, D, I] = its ``w2``). A :class:`~transformers.core_model_loading.WeightRenaming` adds
-the ``model.`` prefix and renames the head, and a :class:`~transformers.core_model_loading.WeightConverter` merges the
-experts (:class:`MergeReleasedExperts`, dequantizing them first when they are stored FP4).
+The release names the backbone's tensors at the root (``embed``, ``layers.{i}...``, ``vision.*``, ``aligner.*``), the
+LM head ``head`` and each routed expert's ``ffn.experts.{e}.w1/w2/w3``. Our models hold the backbone as ``model`` with
+the head ``lm_head`` and fused experts (``ffn.experts.gate_up_proj`` [E, 2·I, D] = each expert's ``w1`` then ``w3``
+rows, ``ffn.experts.down_proj`` [E, D, I] = its ``w2``). A :class:`~transformers.core_model_loading.WeightRenaming`
+adds the ``model.`` prefix and renames the head, and a :class:`~transformers.core_model_loading.WeightConverter` merges
+the experts (:class:`MergeReleasedExperts`, dequantizing them first when they are stored FP4).
 
 Each quantized ``X.weight`` of the release has a sibling ``X.scale``. When the model keeps a tensor as stored (native
 precision, :mod:`.native_precision`; FP8 Engram tables with ``engram_table_dtype="fp8"``) the converters pair the
 weight with its scale and hand both over raw (``weight_scale_inv``, the experts' bytes and scales fused as
 transformers' ``FP8Experts`` holds them); otherwise :class:`DequantizeReleasedWeight` turns them into ``X.weight`` in
-the parameter's dtype (:func:`~..codec.dequantize_released_weight`). Unquantized tensors pass through the same converter.
+the parameter's dtype (:func:`~..codec.dequantize_released_weight`). Unquantized tensors pass through the same
+converter.
 
 Two lists, as transformers splits a model's names from its storage: :func:`released_layout_conversions` (names and
 fused experts, plain weights) is what the model registers, what ``save_pretrained`` reverses into the released names,

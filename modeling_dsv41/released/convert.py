@@ -113,7 +113,8 @@ class _ReleasedCheckpoint:
         return scale if scale in self.files else None
 
     def output_names(self, ignored: re.Pattern = IGNORED_KEYS) -> list[str]:
-        """Released tensors to convert, in file order: scales are folded into their weights, ``ignored`` keys dropped."""
+        """Released tensors to convert, in file order: scales are folded into their weights, ``ignored`` keys
+        dropped."""
         folded = {
             name for name in self.files if name.endswith(_SCALE) and name[: -len(_SCALE)] + _WEIGHT in self.files
         }
@@ -217,8 +218,9 @@ def convert_released_checkpoint(
     """Dequantize ``source`` (released format) into ``destination`` (a new or empty folder).
 
     Quantized weights become ``dtype``; tensors stored unquantized are copied as they are; the DSpark draft head
-    (``mtp.*``) is kept when the config has it (``dspark_*`` keys), dropped otherwise. Writes ``config.json`` (our layout), safetensors shards with an index, and the
-    tokenizer files found in ``source``. Returns ``{"tensors": n, "bytes": total}``.
+    (``mtp.*``) is kept when the config has it (``dspark_*`` keys), dropped otherwise. Writes ``config.json`` (our
+    layout), safetensors shards with an index, and the tokenizer files found in ``source``. Returns ``{"tensors": n,
+    "bytes": total}``.
     """
     source, destination = Path(source), Path(destination)
     if not source.is_dir():

@@ -143,8 +143,8 @@ def _check_bitsandbytes_source(cls, source, released: bool, config, hub_kwargs: 
     stored_quantized = released and stores_quantized_weights(source, **hub_kwargs)
     if stored_quantized or (source is not None and _saved_native_config(cls, source, config, hub_kwargs) is not None):
         raise ValueError(
-            f"{source} stores its Linears FP8 and its routed experts FP4 (the released storage, or a model saved after "
-            "a native load): quantizing them again "
+            f"{source} stores its Linears FP8 and its routed experts FP4 (the released storage, or a model saved "
+            "after a native load): quantizing them again "
             "with bitsandbytes would only add error to weights already stored in 4 and 8 bits. Load it without "
             "quantization_config: it loads natively, the FP8 / FP4 weights kept as stored (QLoRA-style training goes "
             "through LoRA adapters on them, see docs/released-model.md); or apply bitsandbytes to a bf16 checkpoint"

@@ -10,8 +10,8 @@ keys as on the bf16 :class:`~modeling_dsv41.moe.DeepseekV41Experts`, so adapters
 forward adds each adapter's delta to the output of every expert tokens are routed to, ``x·Wᵀ + s·(x·Aᵀ)·Bᵀ``
 (:func:`~.native_precision.fp4_experts_forward`): exact gradients to the factors and the input, and neither an
 expert stack nor a dequantized expert kept for the backward (PEFT's wrapper on the bf16 experts builds the whole
-``[E, out, in]`` delta in every forward). Where transformers' FP4 kernels run, adapted experts run that weight-only computation too (the kernels
-take no delta).
+``[E, out, in]`` delta in every forward). Where transformers' FP4 kernels run, adapted experts run that weight-only
+computation too (the kernels take no delta).
 
 Merging: ``merge_and_unload()`` cannot fold a delta into FP8 / FP4 storage without rounding it away (most LoRA
 deltas are far below one quantization step). An adapted module is merged into a dequantized copy instead: an FP8

@@ -27,10 +27,11 @@ goes through the dequantized weights, so the gradient is that of the weight-only
 kernels have no backward: an error, or a dropped gradient). Training
 goes through adapters: LoRA on the FP8 Linears (PEFT's ``target_modules``) and on the FP4 experts (PEFT's
 ``target_parameters``, adapters of the logical shape: :mod:`.native_lora`, whose forward is
-:func:`fp4_experts_forward` with the delta added to each expert's output) trains under ``DeepseekV41Trainer`` and transformers' ``Trainer``.
-Full fine-tuning is refused by our own error (:func:`check_trainable`, from ``DeepseekV41Trainer`` and, through the
-quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load with
-``FineGrainedFP8Config(dequantize=True)`` instead; so is an expert adapter of the packed width, which could not act.
+:func:`fp4_experts_forward` with the delta added to each expert's output) trains under ``DeepseekV41Trainer`` and
+transformers' ``Trainer``. Full fine-tuning is refused by our own error (:func:`check_trainable`, from
+``DeepseekV41Trainer`` and, through the quantizer's ``is_trainable``, transformers' ``Trainer``), which says to load
+with ``FineGrainedFP8Config(dequantize=True)`` instead; so is an expert adapter of the packed width, which could not
+act.
 
 The config saves as transformers' own ``quant_method: "fp8"``.
 """
@@ -217,9 +218,9 @@ def frozen_quantized_linear(
     bias: torch.Tensor | None = None,
     product: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``F.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype), bias)`` (or ``product(input)``,
-    a kernel computing the same) with the exact input gradient and none for the (frozen) weight and bias, holding only
-    the stored bytes between the forward and the backward."""
+    """``F.linear(input, dequantize_released_weight(weight, scale, columns, input.dtype), bias)`` (or
+    ``product(input)``, a kernel computing the same) with the exact input gradient and none for the (frozen) weight and
+    bias, holding only the stored bytes between the forward and the backward."""
 
     @torch.no_grad()
     def dequantized_product(x: torch.Tensor) -> torch.Tensor:
@@ -360,9 +361,10 @@ class WeightOnlyFP4Experts(FP8Experts):
         if parametrize.is_parametrized(self):
             raise ValueError(
                 "a parametrization of the natively loaded FP4 experts (such as PEFT's own target_parameters adapter, "
-                "built on the packed bytes [E, out, in/2]) would act on packed bytes, whose rounding back to FP4 drops "
-                "its delta: it would do nothing. Load the model with from_pretrained (which makes PEFT build adapters "
-                "of the logical shape there) or with quantization_config=FineGrainedFP8Config(dequantize=True)."
+                "built on the packed bytes [E, out, in/2]) would act on packed bytes, whose rounding back to FP4 "
+                "drops its delta: it would do nothing. Load the model with from_pretrained (which makes PEFT build "
+                "adapters of the logical shape there) or with "
+                "quantization_config=FineGrainedFP8Config(dequantize=True)."
             )
         return fp4_experts_forward(self, hidden_states, top_k_index, top_k_weights, adapters)
 

@@ -1,6 +1,6 @@
 """Writing a model in the released storage format: the release's names (:mod:`.conversions`, reversed) and storage
-(FP8 / FP4 with E8M0 scales, :mod:`~modeling_dsv41.codec`), as ``config.json``, safetensors shards and their index. No Engram token
-map is written (the release has none; ``from_pretrained`` builds it from the tokenizer).
+(FP8 / FP4 with E8M0 scales, :mod:`~modeling_dsv41.codec`), as ``config.json``, safetensors shards and their index. No
+Engram token map is written (the release has none; ``from_pretrained`` builds it from the tokenizer).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def _reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tor
 def released_layout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s tensors under the released names (per-expert ``w1``/``w2``/``w3``), as the model holds them: plain
     weights unquantized, and what a native load keeps as stored (FP8 Linears, FP4 experts: transformers' ``weight``
-    and ``weight_scale_inv``, ``{name}`` and ``{name}_scale_inv``) as stored, each weight followed by its ``.scale``."""
+    and ``weight_scale_inv``, ``{name}`` and ``{name}_scale_inv``) as stored, each weight followed by its
+    ``.scale``."""
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     # the stored scales take the names of the tensors they scale, then the released names as those do
     scales = {name[: -len(_NATIVE_SCALE)]: state.pop(name) for name in list(state) if name.endswith(_NATIVE_SCALE)}
@@ -78,8 +79,8 @@ def released_layout_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def released_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s tensors as the release stores them: released names, quantized weights with their ``.scale``, no
     token map. Tensors the model holds as stored (a native load's FP8 Linears and FP4 experts, FP8 Engram tables)
-    are written as they are; the others are quantized (:mod:`~modeling_dsv41.codec`: canonically, so that a tensor a native load
-    dequantized is written back with the bytes it was stored with, when those were canonical)."""
+    are written as they are; the others are quantized (:mod:`~modeling_dsv41.codec`: canonically, so that a tensor a
+    native load dequantized is written back with the bytes it was stored with, when those were canonical)."""
     state = released_layout_state_dict(model)
     state.pop("engram_hasher.token_map", None)
     out = {}

@@ -52,8 +52,9 @@ _SKIPPED_PREFIX = "mtp."  # vLLM's lora_skip_prefixes: the DSpark draft head
 # compressor's wkv + wgate, w1 + w3) into one LoRA slot, of one rank
 _PACKED = ("wq_a", "wkv", "wgate", "w1", "w3")
 _EXPERT_KEY = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])$")
-# ours → vLLM's: modules vLLM's DeepSeek-V4 model takes no LoRA on (no `embedding_modules`, and its VocabParallelEmbedding
-# / ParallelLMHead are not the Linear layers it adapts; its weights mapper renames only `embed.weight` / `head.weight`)
+# ours → vLLM's: modules vLLM's DeepSeek-V4 model takes no LoRA on (no `embedding_modules`, and its
+# VocabParallelEmbedding / ParallelLMHead are not the Linear layers it adapts; its weights mapper renames only
+# `embed.weight` / `head.weight`)
 _UNSERVED = {"model.embed": "model.embed_tokens", "lm_head": "lm_head"}
 
 

@@ -74,8 +74,8 @@ class ModuleKept:
 
 @dataclass(frozen=True)
 class MergeReport:
-    """The kept fractions of a merge (``into``: ``"released"`` or ``"dequantized"``): per adapted module, worst first, and
-    on the logits of the calibration batch. ``print(report)`` shows them."""
+    """The kept fractions of a merge (``into``: ``"released"`` or ``"dequantized"``): per adapted module, worst first,
+    and on the logits of the calibration batch. ``print(report)`` shows them."""
 
     into: str
     modules: tuple[ModuleKept, ...]
@@ -401,8 +401,8 @@ def _measure(peft_model: PeftModel, calibration, into: str) -> tuple[MergeReport
 def measure_merge(peft_model: PeftModel, calibration, into: str = "released") -> MergeReport:
     """The kept fractions of merging ``peft_model``'s active LoRA adapter(s) (on a natively loaded release) into
     ``into``: ``"released"``, the release's storage (:func:`merge_into_released_storage`), or ``"dequantized"``,
-    the copies in the model's dtype of ``merge_and_unload()``; measured on ``calibration`` (input ids [B, S] or a mapping of
-    forward inputs). Leaves the model as it was."""
+    the copies in the model's dtype of ``merge_and_unload()``; measured on ``calibration`` (input ids [B, S] or a
+    mapping of forward inputs). Leaves the model as it was."""
     return _measure(peft_model, calibration, into)[0]
 
 

@@ -316,7 +316,8 @@ def _check_token_map(model: nn.Module, source: Path | None) -> None:
     if tokenizer_file is None or not tokenizer_file.is_file():
         logger.warning(
             "the release stores no Engram token map and no tokenizer.json comes with the model: whoever loads the "
-            "export must give the tokenizer the fine-tune was trained with (from_pretrained(..., engram_tokenizer=...))"
+            "export must give the tokenizer the fine-tune was trained with (from_pretrained(..., "
+            "engram_tokenizer=...))"
         )
         return
     from tokenizers import Tokenizer

@@ -1,9 +1,10 @@
 """What the activations of a LoRA step on DeepSeek-V4.1 hold, term by term, as the code computes them: the model behind
 the planner's activation rows (:mod:`.planning`), checked against measured steps in tests/test_training_plan.py.
 
-The step is the planner's: LoRA of the README's targets (attention ``wq_a``/``wq_b``/``wkv``/``wo_b``, shared and routed
-experts) on the natively loaded frozen weights, bf16 activations, fp32 adapters (PEFT casts each adapted input to
-fp32), every decoder layer checkpointed (transformers' gradient checkpointing). Its peak is the larger of two moments:
+The step is the planner's: LoRA of the README's targets (attention ``wq_a``/``wq_b``/``wkv``/``wo_b``, shared and
+routed experts) on the natively loaded frozen weights, bf16 activations, fp32 adapters (PEFT casts each adapted input
+to fp32), every decoder layer checkpointed (transformers' gradient checkpointing). Its peak is the larger of two
+moments:
 
 * **the loss**: every layer's checkpointed input is held (:func:`checkpointed_input_terms`), and the fp32 logits,
   their log-softmax and its gradient (``3 × tokens × vocab × 4`` bytes);

@@ -44,7 +44,8 @@ def compile_blocks(
     if getattr(config, "reference_numerics", False):
         raise ValueError(
             "config.reference_numerics runs the model eagerly, in fp64-widened ops, to reproduce DeepSeek's "
-            "reference bit for bit; a compiled graph would fuse and reorder them: turn reference_numerics off to compile"
+            "reference bit for bit; a compiled graph would fuse and reorder them: turn reference_numerics off to "
+            "compile"
         )
     blocks = compiled_blocks(model)
     if not blocks:

@@ -254,8 +254,9 @@ def distribute_experts(model: nn.Module, mesh: TrainingMesh) -> list[nn.Module]:
         if parametrize.is_parametrized(experts):
             raise ValueError(
                 f"{name} carries a parametrization (such as PEFT's own target_parameters adapter, built on the stored "
-                "tensor): expert parallelism splits the stored tensors by expert; load the release with from_pretrained "
-                "or released.loading.empty_native_model, whose PEFT dispatch builds expert adapters applied by expert"
+                "tensor): expert parallelism splits the stored tensors by expert; load the release with "
+                "from_pretrained or released.loading.empty_native_model, whose PEFT dispatch builds expert adapters "
+                "applied by expert"
             )
         if implementation != "eager" and not isinstance(experts, NATIVE_EXPERTS):
             raise ValueError(

@@ -222,8 +222,8 @@ def _shard_experts(model: nn.Module, mesh, mp_policy: MixedPrecisionPolicy, ep_s
     check_expert_parallel_model(model)
     if not is_adapter_model(model) and quantized_modules(model):
         raise ValueError(
-            "the natively loaded FP8/FP4 weights are frozen: expert_parallel_size trains LoRA adapters on them (PEFT), "
-            "or every weight of the model loaded with FineGrainedFP8Config(dequantize=True) (full fine-tuning)"
+            "the natively loaded FP8/FP4 weights are frozen: expert_parallel_size trains LoRA adapters on them "
+            "(PEFT), or every weight of the model loaded with FineGrainedFP8Config(dequantize=True) (full fine-tuning)"
         )
     training = training_mesh(ep_size, _default_device().type)
     # the experts' inputs arrive in the layer's compute dtype; their fp32 routing weights must stay fp32; the FP4

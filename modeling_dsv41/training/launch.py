@@ -51,16 +51,16 @@ def honour_launch_strategy(trainer) -> None:
     if (_asked("ACCELERATE_USE_DEEPSPEED") or trainer.args.deepspeed) and not trainer.is_deepspeed_enabled:
         raise ValueError(
             f"DeepSpeed was configured, but accelerate runs this as {state.distributed_type.value} on "
-            f"{state.device.type} (it runs DeepSpeed on accelerators only); DeepseekV41Trainer trains with FSDP2 or DDP "
-            "(examples/accelerate/fsdp2.yaml, ddp.yaml)"
+            f"{state.device.type} (it runs DeepSpeed on accelerators only); DeepseekV41Trainer trains with FSDP2 or "
+            "DDP (examples/accelerate/fsdp2.yaml, ddp.yaml)"
         )
     if not fsdp_requested(trainer.args) or trainer.is_fsdp_enabled:
         return
     if state.distributed_type != DistributedType.MULTI_CPU:
         raise ValueError(
             f"FSDP was configured, but accelerate runs this as {state.distributed_type.value} with "
-            f"{state.num_processes} process(es): FSDP needs several processes (num_processes in the accelerate config, "
-            "or torchrun --nproc_per_node)"
+            f"{state.num_processes} process(es): FSDP needs several processes (num_processes in the accelerate "
+            "config, or torchrun --nproc_per_node)"
         )
     plugin = FullyShardedDataParallelPlugin(**(trainer.args.fsdp_plugin_args or {}))  # the one accelerate dropped
     if plugin.fsdp_version != 2:

@@ -26,8 +26,8 @@ refuses one accelerate would drop (:mod:`.launch`).
 FSDP2 units when sharded) rather than accelerate's whole-model ``torch.compile``.
 
 Everything else (gradient accumulation, bf16 autocast, gradient checkpointing, DDP, checkpoints and resuming) is
-``Trainer``'s own: the biases are persistent model buffers, so checkpoints carry them, and the counts are empty whenever
-a checkpoint is written (right after an optimizer step).
+``Trainer``'s own: the biases are persistent model buffers, so checkpoints carry them, and the counts are empty
+whenever a checkpoint is written (right after an optimizer step).
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ class DeepseekV41TrainingArguments(TrainingArguments):
         if self.optim not in (OptimizerNames.ADAMW_TORCH, OptimizerNames.ADAMW_TORCH_FUSED) or self.optim_args:
             raise ValueError(
                 f"DeepseekV41Trainer always trains with MixedOptimizer, so optim={self.optim.value!r}"
-                f"{' and optim_args' if self.optim_args else ''} would be ignored: choose kinds and hyperparameters with "
-                "optimizer_overrides / optimizer_kind_kwargs instead"
+                f"{' and optim_args' if self.optim_args else ''} would be ignored: choose kinds and hyperparameters "
+                "with optimizer_overrides / optimizer_kind_kwargs instead"
             )
         if not self.bias_update_speed >= 0:
             raise ValueError(f"bias_update_speed must be >= 0, got {self.bias_update_speed}")
@@ -204,8 +204,9 @@ class DeepseekV41Trainer(Trainer):
     """``Trainer`` with DeepSeek-V4.1's mixed optimizer and per-modality aux-loss-free router balancing.
 
     Takes :class:`DeepseekV41TrainingArguments`. With ``freeze_default_parameters`` (default) the indexer is frozen
-    at construction (the balancing biases are buffers, moved only by the balancing rule). The assignment table (tensors, parameters and optimizer-state
-    bytes per kind) is logged at INFO by ``modeling_dsv41.training.trainer`` and kept in ``self.assignment_table``.
+    at construction (the balancing biases are buffers, moved only by the balancing rule). The assignment table
+    (tensors, parameters and optimizer-state bytes per kind) is logged at INFO by ``modeling_dsv41.training.trainer``
+    and kept in ``self.assignment_table``.
     """
 
     args: DeepseekV41TrainingArguments
@@ -478,13 +479,14 @@ __all__ = [
 
 
 def _freeze_the_draft_head(model: nn.Module) -> None:
-    """``requires_grad=False`` on the DSpark draft head (``mtp.*``) while the backbone trains: the backbone's loss never
-    reaches it (DDP would stop on its unused parameters, the optimizer would keep state for them); train it afterwards
-    with ``train_dspark_head=True``."""
+    """``requires_grad=False`` on the DSpark draft head (``mtp.*``) while the backbone trains: the backbone's loss
+    never reaches it (DDP would stop on its unused parameters, the optimizer would keep state for them); train it
+    afterwards with ``train_dspark_head=True``."""
     head = [param for name, param in model.named_parameters() if name.startswith("mtp.") or ".mtp." in name]
     if any(param.requires_grad for param in head):
         logger.info(
-            "DSpark draft head (mtp.*) frozen: the backbone's loss does not reach it (train_dspark_head=True trains it)"
+            "DSpark draft head (mtp.*) frozen: the backbone's loss does not reach it (train_dspark_head=True trains "
+            "it)"
         )
         for param in head:
             param.requires_grad_(False)

@@ -4,9 +4,9 @@ The reference is DeepSeek-V4.1-Flash's ``inference/`` code in the CPU port vendo
 (``models/demos/deepseek_v3_d_p/reference/deepseek_v41/``). It is not part of this repository: fetch it into a
 folder of its own and pass that folder (see README.md next to this file). Two sets of goldens: logits (and a few
 captures) of the ``v41_tiny_vl`` fixture weights on three prompts, and the ``v41_tiny_dspark`` fixture's protocol
-(prefill, ring seeding, teacher-forced decode steps each with a draft call, full pass). Its sources must be the versions the
-fixtures were made with: their sha256 are checked against ``../shared/fixtures/v41_tiny_vl/meta.json``. A third
-golden: a seeded fine-tune of the dense fixture exported with ``dsv41 export --format released``, loaded by the
+(prefill, ring seeding, teacher-forced decode steps each with a draft call, full pass). Its sources must be the
+versions the fixtures were made with: their sha256 are checked against ``../shared/fixtures/v41_tiny_vl/meta.json``. A
+third golden: a seeded fine-tune of the dense fixture exported with ``dsv41 export --format released``, loaded by the
 reference from the exported folder (:func:`load_released`) and decoded greedily.
 
 The reference runs unmodified on the fixture weights inside ``modeling_dsv41.numerics.reference_numerics()`` of
@@ -332,9 +332,10 @@ def convert_released(
 def load_released(ref: ModuleType, folder: Path, max_seq_len: int, dtype: str) -> torch.nn.Module:
     """The reference ``Transformer`` of an exported folder, built as DeepSeek's ``generate.py`` builds it:
     ``ModelArgs(**inference/config.json)`` (with batch 1, ``max_seq_len`` and greedy sampling as the runtime
-    limits; ``dtype="bf16"`` also sets ``dtype="bf16", expert_dtype=None``, the fixtures' build), the tokenizer from the folder's ``tokenizer.json`` (the Engram token map), bf16 default dtype, and
-    the shards of ``model.safetensors.index.json`` through :func:`convert_released`, loaded strictly with every
-    name, shape and dtype checked."""
+    limits; ``dtype="bf16"`` also sets ``dtype="bf16", expert_dtype=None``, the fixtures' build), the tokenizer from
+    the folder's ``tokenizer.json`` (the Engram token map), bf16 default dtype, and the shards of
+    ``model.safetensors.index.json`` through :func:`convert_released`, loaded strictly with every name, shape and dtype
+    checked."""
     from transformers import PreTrainedTokenizerFast
 
     config = json.loads((folder / "inference" / "config.json").read_text())
